@@ -1,0 +1,102 @@
+"""The exception hierarchy: every error patchctx raises derives from `PatchError`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "InvalidPatchError",
+    "InvalidPatchTypeError",
+    "LoaderContractError",
+    "PatchError",
+    "PatchProblem",
+]
+
+
+class PatchError(Exception):
+    """Base class of every error raised by patchctx.
+
+    Catch it to handle any patchctx failure in one place; the subclasses also derive from the
+    built-in exception that vLLM's own function raised in the same situation (`ValueError`,
+    `TypeError`, `NotImplementedError`), so code written against vLLM keeps working.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class PatchProblem:
+    """One thing wrong with one patch.
+
+    Attributes:
+        index: Position of the patch in the caller's sequence, or `None` when the problem is
+            not about a single patch (an argument of the call, say).
+        name: The patch's checkpoint name (as given, possibly empty).
+        reason: What is wrong, with the offending value quoted, and how to fix it.
+        is_type_error: Whether vLLM raised `TypeError` (rather than `ValueError`) for this
+            kind of problem.
+    """
+
+    index: int | None
+    name: str
+    reason: str
+    is_type_error: bool = False
+
+    def __str__(self) -> str:
+        if self.index is None:
+            return self.reason
+        return f"patches[{self.index}] {self.name!r}: {self.reason}"
+
+
+class InvalidPatchError(PatchError, ValueError):
+    """One or more patches (or call arguments) are invalid; nothing was written.
+
+    The message lists every problem found, one per line, each naming the patch by its position
+    and checkpoint name. The same problems are available as `problems`.
+
+    Attributes:
+        problems: Every problem found, in input order.
+    """
+
+    problems: tuple[PatchProblem, ...]
+
+    def __init__(self, problems: Sequence[PatchProblem] | str) -> None:
+        if isinstance(problems, str):
+            problems = (PatchProblem(None, "", problems),)
+        self.problems = tuple(problems)
+        if len(self.problems) == 1:
+            message = str(self.problems[0])
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            message = f"{len(self.problems)} problems; nothing was written:\n{lines}"
+        super().__init__(message)
+
+    @classmethod
+    def from_problems(cls, problems: Sequence[PatchProblem]) -> InvalidPatchError:
+        """Build the error, choosing the class that also derives from `TypeError` when needed.
+
+        vLLM raised `TypeError` for a wrong dtype object and for wrong index dtypes; when any
+        collected problem is of that kind, the returned error is an `InvalidPatchTypeError`,
+        which is both a `ValueError` and a `TypeError`.
+
+        Args:
+            problems: The problems found (at least one).
+
+        Returns:
+            The error to raise.
+        """
+        if any(p.is_type_error for p in problems):
+            return InvalidPatchTypeError(problems)
+        return cls(problems)
+
+
+class InvalidPatchTypeError(InvalidPatchError, TypeError):
+    """An `InvalidPatchError` that is also a `TypeError` (a wrong dtype or index type)."""
+
+
+class LoaderContractError(PatchError, NotImplementedError):
+    """A write during a masked load falls outside what patchctx can mask exactly.
+
+    Raised instead of writing, for example when a copy's shapes differ, when the source of a
+    masked copy is not something the strategy can read its mask from, or when a loader writes
+    staged data through a path that cannot be masked in place.
+    """

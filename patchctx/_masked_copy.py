@@ -1,0 +1,201 @@
+"""`masked_copy`: a context manager and decorator that makes ``copy_`` keep masked positions."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar, cast, overload
+
+import torch
+from typing_extensions import ParamSpec, Self
+
+from patchctx import _swap
+from patchctx._strategies import CopyStrategy, NaNMask
+
+__all__ = ["MaskedCopy", "masked_copy"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _StrategyInterceptor:
+    """Performs every ``copy_`` of a region as the strategy's masked merge."""
+
+    __slots__ = ("strategy",)
+
+    def __init__(self, strategy: CopyStrategy) -> None:
+        self.strategy = strategy
+
+    def copy_(
+        self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
+    ) -> torch.Tensor:
+        return self.strategy.merge(destination, source, non_blocking=non_blocking)
+
+
+def _check_strategy(strategy: object) -> CopyStrategy:
+    if strategy is None:
+        return NaNMask()
+    if isinstance(strategy, type):
+        raise TypeError(
+            f"masked_copy(strategy=...) takes a strategy instance, not a class: you supplied "
+            f"{strategy!r}; write {strategy.__name__}() instead"
+        )
+    if not isinstance(strategy, CopyStrategy):
+        raise TypeError(
+            "masked_copy(strategy=...) takes a CopyStrategy (NaNMask(), BoolMask(), "
+            f"IntSentinel(), Auto() or your own); you supplied {strategy!r}"
+        )
+    return strategy
+
+
+def _check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"masked_copy(timeout=...) takes seconds or None; you supplied {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"masked_copy(timeout=...) must be >= 0 seconds; you supplied {timeout!r}")
+    return float(timeout)
+
+
+class MaskedCopy:
+    """A masked region: inside it, this thread's ``Tensor.copy_`` calls the strategy's merge.
+
+    Returned by `masked_copy`; use it as a ``with`` block or as a decorator. It holds no state
+    of its own between uses, so one instance may be reused, shared and nested.
+    """
+
+    __slots__ = ("_strategy", "_timeout")
+
+    def __init__(self, strategy: CopyStrategy | None = None, *, timeout: float | None = None):
+        self._strategy = _check_strategy(strategy)
+        self._timeout = _check_timeout(timeout)
+
+    @property
+    def strategy(self) -> CopyStrategy:
+        """The strategy whose merge replaces ``copy_`` inside the region."""
+        return self._strategy
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds to wait for the global lock on entry (`None`: wait forever)."""
+        return self._timeout
+
+    def __repr__(self) -> str:
+        timeout = "" if self._timeout is None else f", timeout={self._timeout!r}"
+        return f"masked_copy(strategy={self._strategy!r}{timeout})"
+
+    def __enter__(self) -> Self:
+        _swap.enter(self, _StrategyInterceptor(self._strategy), timeout=self._timeout)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _swap.leave(self)
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        """Decorate `func` so that each call (each resume, for a generator) runs in the region."""
+        if isinstance(func, type):
+            raise TypeError(
+                f"masked_copy cannot decorate a class (you supplied {func!r}); decorate the "
+                "method that loads weights (e.g. load_weights), or wrap the call in "
+                "`with masked_copy(...):`"
+            )
+        if not callable(func):
+            raise TypeError(f"masked_copy decorates functions; you supplied {func!r}")
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"masked_copy cannot decorate the async function {func!r}: the region holds a "
+                "process-wide lock and must not stay open across an await; use "
+                "`with masked_copy(...):` around the synchronous loading code"
+            )
+        if inspect.isgeneratorfunction(func):
+            return cast("Callable[P, R]", self._wrap_generator(func))
+
+        @functools.wraps(func)
+        def call_in_region(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self:
+                return func(*args, **kwargs)
+
+        return call_in_region
+
+    def _wrap_generator(
+        self, func: Callable[P, Generator[Any, Any, Any]]
+    ) -> Callable[P, Generator[Any, Any, Any]]:
+        @functools.wraps(func)
+        def resume_in_region(*args: P.args, **kwargs: P.kwargs) -> Generator[Any, Any, Any]:
+            generator = func(*args, **kwargs)  # runs no code until the first send
+            try:
+                with self:
+                    item = generator.send(None)
+                while True:
+                    try:
+                        sent = yield item
+                    except GeneratorExit:
+                        with self:
+                            generator.close()
+                        raise
+                    except BaseException as error:
+                        with self:
+                            item = generator.throw(error)
+                    else:
+                        with self:
+                            item = generator.send(sent)
+            except StopIteration as stop:
+                return stop.value
+
+        return resume_in_region
+
+
+@overload
+def masked_copy(func: Callable[P, R], /) -> Callable[P, R]: ...
+
+
+@overload
+def masked_copy(
+    strategy: CopyStrategy | None = None, *, timeout: float | None = None
+) -> MaskedCopy: ...
+
+
+def masked_copy(
+    strategy: CopyStrategy | Callable[..., Any] | None = None, *, timeout: float | None = None
+) -> MaskedCopy | Callable[..., Any]:
+    """Make ``Tensor.copy_`` keep the destination wherever the source says "keep".
+
+    Use it as a context manager around any ``load_weights`` call, or as a decorator
+    (``@masked_copy`` or ``@masked_copy(strategy=...)``) on functions, methods and generator
+    functions. Inside the region every ``copy_`` made by this thread becomes the strategy's
+    masked merge; **other threads are never affected**: they keep plain ``copy_`` while regions
+    run, and regions in different threads take turns on one process-wide lock. Regions nest in
+    one thread; the innermost strategy applies.
+
+    Args:
+        strategy: How staged tensors mark unchanged positions. Defaults to `NaNMask()`.
+        timeout: Seconds to wait for the process-wide lock; `None` waits forever. On expiry
+            `TimeoutError` is raised and nothing has changed.
+
+    Returns:
+        A reusable `MaskedCopy` (or, used bare as ``@masked_copy``, the decorated function).
+
+    Raises:
+        TypeError: `strategy` is not a strategy instance, or a class or async function was
+            decorated.
+        ValueError: `timeout` is negative.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import NaNMask, masked_copy
+        >>> weight = torch.zeros(4)
+        >>> staged = NaNMask().stage((4,), torch.float32, torch.tensor([1, 3]),
+        ...                          torch.tensor([5.0, 6.0]))
+        >>> with masked_copy(strategy=NaNMask()):
+        ...     _ = weight.copy_(staged)   # what a model's load_weights does
+        >>> weight
+        tensor([0., 5., 0., 6.])
+    """
+    if strategy is not None and callable(strategy) and not isinstance(strategy, CopyStrategy):
+        if isinstance(strategy, type) and issubclass(strategy, CopyStrategy):
+            _check_strategy(strategy)  # raises with a message saying to instantiate it
+        return MaskedCopy(timeout=timeout)(strategy)
+    return MaskedCopy(strategy, timeout=timeout)

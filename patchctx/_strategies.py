@@ -1,0 +1,528 @@
+"""Copy strategies: how a staged tensor marks "keep the destination" and how a masked write works.
+
+A strategy is a small frozen value object. It stages a sparse patch as a full checkpoint-shaped
+tensor (`stage`), performs the masked in-place write that replaces ``copy_`` inside a masked
+region (`merge`), and says which dtypes it supports and which values it cannot carry.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from patchctx._errors import InvalidPatchError, LoaderContractError
+
+__all__ = [
+    "Auto",
+    "BoolMask",
+    "CopyStrategy",
+    "IntSentinel",
+    "NaNMask",
+]
+
+
+@runtime_checkable
+class CopyStrategy(Protocol):
+    """The capability a masked copy needs: stage a sparse patch and merge it into a weight.
+
+    Implement all five methods on a frozen value object to write a strategy of your own, then
+    run `patchctx.testing.check_strategy` on it.
+    """
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        """Say why `dtype` cannot be staged by this strategy, or return `None` if it can."""
+        ...
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Whether `values`, cast to `dtype`, hold a value this strategy reserves.
+
+        Returns a 0-d bool tensor (a reserved value cannot be carried as an update),
+        computed on `values.device` without a host sync, so callers batch the sync.
+        """
+        ...
+
+    def describe_reserved(self, dtype: torch.dtype) -> str:
+        """Name the reserved values for `dtype` in words, for error messages."""
+        ...
+
+    def stage(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """Build the full checkpoint tensor of a sparse patch on `values.device`.
+
+        Positions in `indices` (flat, row-major) hold `values` cast to `dtype`; every other
+        position says "keep the destination". Numbers are not checked here (range, duplicates,
+        reserved values): validate patches first.
+        """
+        ...
+
+    def merge(
+        self,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        *,
+        non_blocking: bool = False,
+    ) -> torch.Tensor:
+        """Write `source` into `destination` in place, keeping it where `source` says "keep".
+
+        Same contract as ``destination.copy_(source)`` for same-shaped tensors (dtype cast and
+        device move included); returns `destination`. Raises `LoaderContractError` for a write
+        it cannot mask exactly.
+        """
+        ...
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+
+
+def _require_same_shape(strategy: object, destination: torch.Tensor, source: torch.Tensor) -> None:
+    if destination.shape != source.shape:
+        raise LoaderContractError(
+            f"{strategy!r}: masked copy_ from a source {_describe(source)} into a destination "
+            f"{_describe(destination)}; a masked copy needs the same shape on both sides "
+            "(no broadcasting), so the loader's final write must be a same-shaped copy_"
+        )
+
+
+def _move(source: torch.Tensor, destination: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    if source.device != destination.device:
+        return source.to(device=destination.device, non_blocking=non_blocking)
+    return source
+
+
+def _flat_indices(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return indices.to(device=device, dtype=torch.long)
+
+
+_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[indices] = values`` (1-D, values already in ``flat.dtype``), for every dtype.
+
+    Uses ``index_copy_`` (fast on CPU for bf16, unlike ``scatter_``); dtypes without an
+    ``index_copy_`` kernel (the float8 family on CPU) are written through an integer view of
+    the same width, which moves the same bits.
+    """
+    positions = _flat_indices(indices, flat.device)
+    values = values.to(device=flat.device)
+    if flat.dtype.is_floating_point and flat.element_size() == 1:
+        flat.view(torch.uint8).index_copy_(0, positions, values.view(torch.uint8))
+    else:
+        flat.index_copy_(0, positions, values)
+
+
+def _check_stage_structure(
+    strategy: CopyStrategy,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+) -> int:
+    problems: list[str] = []
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{strategy!r}.stage: dtype must be a torch.dtype, got {dtype!r}")
+    reason = strategy.unsupported_reason(dtype)
+    if reason is not None:
+        problems.append(reason)
+    if any(int(d) < 0 for d in shape):
+        problems.append(f"shape {tuple(shape)!r} has a negative dimension")
+    if indices.ndim != 1 or values.ndim != 1:
+        problems.append(
+            f"indices and values must be 1-D, got {tuple(indices.shape)} and {tuple(values.shape)}"
+        )
+    elif indices.numel() != values.numel():
+        problems.append(f"{indices.numel()} indices for {values.numel()} values")
+    if indices.dtype not in (torch.int32, torch.int64):
+        problems.append(f"indices must be int32 or int64, got {indices.dtype}")
+    if problems:
+        raise InvalidPatchError(f"{strategy!r}.stage: " + "; ".join(problems))
+    return math.prod(int(d) for d in shape)
+
+
+@functools.cache
+def _nan_capable(dtype: torch.dtype) -> bool:
+    """Whether torch can hold, detect and select NaN for `dtype` (probed once per dtype)."""
+    if not dtype.is_floating_point:
+        return False
+    try:
+        probe = torch.full((2,), float("nan"), dtype=dtype)
+        keep = torch.isnan(probe)
+        out = torch.zeros(2, dtype=dtype)
+        torch.where(keep, out, probe, out=out)
+        return bool(keep.all()) and not bool(torch.isnan(out).any())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+@functools.cache
+def _int_capable(dtype: torch.dtype) -> bool:
+    """Whether torch compares and selects integers of `dtype` (probed once per dtype).
+
+    The unsigned 16/32/64-bit dtypes have limited support in some builds.
+    """
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return False
+    try:
+        probe = torch.zeros(2, dtype=dtype)
+        out = torch.ones(2, dtype=dtype)
+        torch.where(probe == probe, probe, out, out=out)
+        return bool((out == 0).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+# -------------------------------------------------------------------------------- strategies
+
+
+@dataclass(frozen=True, slots=True)
+class NaNMask:
+    """NaN marks "keep the destination": floating dtypes only, NaN cannot be an update value.
+
+    This is the scheme of vLLM's ``load_checkpoint_weight_patches``. Supports float16,
+    bfloat16, float32, float64 and the float8 dtypes on which this torch build implements
+    ``isnan``. A merge reads its mask from the source itself, so the loader may view, cast,
+    transpose or even copy the staged tensor before its final ``copy_``: NaN survives all of it.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import NaNMask
+        >>> staged = NaNMask().stage((2, 3), torch.float32, torch.tensor([1, 5]),
+        ...                          torch.tensor([7.0, 9.0]))
+        >>> weight = torch.zeros(2, 3)
+        >>> _ = NaNMask().merge(weight, staged)
+        >>> weight
+        tensor([[0., 7., 0.],
+                [0., 0., 9.]])
+    """
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        if not dtype.is_floating_point:
+            return (
+                f"NaNMask needs a floating dtype to mark unchanged positions with NaN, got "
+                f"{dtype}; use IntSentinel() for integer weights or BoolMask() for any dtype"
+            )
+        if not _nan_capable(dtype):
+            return (
+                f"NaNMask: this torch build cannot detect NaN in {dtype} (torch.isnan or "
+                "torch.where is not implemented for it); use BoolMask()"
+            )
+        return None
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.isnan(values.to(dtype=dtype)).any()
+
+    def describe_reserved(self, dtype: torch.dtype) -> str:
+        return f"NaN (NaNMask reserves NaN in {dtype} to mean 'keep the destination')"
+
+    def stage(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        numel = _check_stage_structure(self, shape, dtype, indices, values)
+        flat = torch.full((numel,), float("nan"), dtype=dtype, device=values.device)
+        if values.numel():
+            scatter_flat(flat, indices, values.to(dtype=dtype))
+        return flat.view(tuple(shape))
+
+    def merge(
+        self,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        *,
+        non_blocking: bool = False,
+    ) -> torch.Tensor:
+        _require_same_shape(self, destination, source)
+        if not (source.is_floating_point() and destination.is_floating_point()):
+            raise LoaderContractError(
+                f"{self!r}: masked copy_ from {_describe(source)} into {_describe(destination)}; "
+                "NaNMask needs a floating source and destination (NaN marks 'keep')"
+            )
+        source = _move(source, destination, non_blocking)
+        keep = torch.isnan(source)
+        if source.dtype != destination.dtype:
+            source = source.to(dtype=destination.dtype)
+        return torch.where(keep, destination, source, out=destination)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntSentinel:
+    """A reserved integer marks "keep the destination": for int8/int32 quantized or packed weights.
+
+    Args:
+        value: The reserved value. `None` (the default) means the dtype's minimum for signed
+            dtypes (``-128`` for int8) and the dtype's maximum for unsigned ones (``255`` for
+            uint8: its minimum, 0, is the most common packed value there is). The reserved
+            value cannot be an update value; validation rejects it.
+
+    A merge requires the source and destination to have the same integer dtype: a cast across
+    integer widths would change which value is the sentinel.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import IntSentinel
+        >>> staged = IntSentinel().stage((4,), torch.int8, torch.tensor([2]),
+        ...                              torch.tensor([5], dtype=torch.int8))
+        >>> staged
+        tensor([-128, -128,    5, -128], dtype=torch.int8)
+        >>> IntSentinel(value=0).sentinel(torch.int8)
+        0
+    """
+
+    value: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.value is not None and (
+            isinstance(self.value, bool) or not isinstance(self.value, int)
+        ):
+            raise TypeError(f"IntSentinel(value=...) must be an int or None, got {self.value!r}")
+
+    def sentinel(self, dtype: torch.dtype) -> int:
+        """The reserved value for `dtype`."""
+        if self.value is not None:
+            return self.value
+        info = torch.iinfo(dtype)
+        return info.max if info.min == 0 else info.min
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            return (
+                f"IntSentinel handles integer dtypes, got {dtype}; use NaNMask() for floating "
+                "weights or BoolMask() for any dtype"
+            )
+        if dtype in _QUANTIZED or not _int_capable(dtype):
+            return f"IntSentinel: this torch build cannot compare and select {dtype} tensors"
+        info = torch.iinfo(dtype)
+        sentinel = self.sentinel(dtype)
+        if not info.min <= sentinel <= info.max:
+            return (
+                f"IntSentinel(value={sentinel!r}) does not fit {dtype} "
+                f"([{info.min}, {info.max}]); choose a value inside that range"
+            )
+        return None
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (values.to(dtype=dtype) == self.sentinel(dtype)).any()
+
+    def describe_reserved(self, dtype: torch.dtype) -> str:
+        return (
+            f"{self.sentinel(dtype)} (IntSentinel reserves it in {dtype} to mean "
+            "'keep the destination'; pass IntSentinel(value=...) to reserve another value)"
+        )
+
+    def stage(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        numel = _check_stage_structure(self, shape, dtype, indices, values)
+        flat = torch.full((numel,), self.sentinel(dtype), dtype=dtype, device=values.device)
+        if values.numel():
+            scatter_flat(flat, indices, values.to(dtype=dtype))
+        return flat.view(tuple(shape))
+
+    def merge(
+        self,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        *,
+        non_blocking: bool = False,
+    ) -> torch.Tensor:
+        _require_same_shape(self, destination, source)
+        if source.dtype != destination.dtype or self.unsupported_reason(source.dtype) is not None:
+            raise LoaderContractError(
+                f"{self!r}: masked copy_ from {_describe(source)} into {_describe(destination)}; "
+                "IntSentinel needs source and destination of the same integer dtype (a cast "
+                "across integer widths would move the sentinel)"
+            )
+        source = _move(source, destination, non_blocking)
+        keep = source == self.sentinel(source.dtype)
+        return torch.where(keep, destination, source, out=destination)
+
+
+@dataclass(frozen=True, slots=True)
+class _StagedMask:
+    dtype: torch.dtype
+    numel: int
+    mask: torch.Tensor  # flat bool, True where the staged tensor carries an update
+
+
+# Masks of tensors staged by BoolMask, by the data pointer of their storage. An entry lives as
+# long as the staged tensor that `stage` returned (a weakref finalizer removes it).
+_BOOL_MASKS: dict[int, _StagedMask] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class BoolMask:
+    """An explicit boolean mask marks the updated positions: any dtype, NaN allowed as a value.
+
+    `stage` returns a tensor whose unchanged positions hold zeros and remembers, beside it, a
+    boolean mask of the changed ones. `merge` finds that mask again from the source's storage
+    and applies the same view (offset and strides) to it, so the loader may narrow, select,
+    transpose or reshape the staged tensor as views. A loader that *materialises* a copy of it
+    (``.contiguous()`` on a transposed view, a dtype conversion before ``copy_``, ``torch.cat``)
+    leaves the mask behind, and the merge is refused with `LoaderContractError`. Keep the
+    staged tensor alive until the load has finished (the list passed to ``load_weights`` does).
+
+    Example:
+        >>> import torch
+        >>> from patchctx import BoolMask
+        >>> staged = BoolMask().stage((3,), torch.float32, torch.tensor([0]),
+        ...                           torch.tensor([float("nan")]))
+        >>> weight = torch.ones(3)
+        >>> _ = BoolMask().merge(weight, staged)
+        >>> weight
+        tensor([nan, 1., 1.])
+    """
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        if dtype in _QUANTIZED:
+            return f"BoolMask cannot stage the quantized dtype {dtype}"
+        return None
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.bool, device=values.device)
+
+    def describe_reserved(self, dtype: torch.dtype) -> str:
+        return "no value (BoolMask reserves none)"
+
+    def stage(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        numel = _check_stage_structure(self, shape, dtype, indices, values)
+        flat = torch.zeros((numel,), dtype=dtype, device=values.device)
+        mask = torch.zeros((numel,), dtype=torch.bool, device=values.device)
+        if values.numel():
+            scatter_flat(flat, indices, values.to(dtype=dtype))
+            mask.index_fill_(0, _flat_indices(indices, flat.device), True)
+        staged = flat.view(tuple(shape))
+        if numel:
+            key = flat.untyped_storage().data_ptr()
+            _BOOL_MASKS[key] = _StagedMask(dtype, numel, mask)
+            weakref.finalize(staged, _forget_mask, key, mask)
+        return staged
+
+    def merge(
+        self,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        *,
+        non_blocking: bool = False,
+    ) -> torch.Tensor:
+        _require_same_shape(self, destination, source)
+        if source.numel() == 0:
+            return destination
+        entry = _BOOL_MASKS.get(source.untyped_storage().data_ptr())
+        if entry is None or entry.dtype != source.dtype:
+            raise LoaderContractError(
+                f"{self!r}: the source of this copy_ ({_describe(source)}) is not a view of a "
+                "tensor staged by BoolMask.stage, so its mask is unknown. The loader copied or "
+                "converted the staged tensor (.contiguous(), .to(dtype), torch.cat, ...) before "
+                "its final copy_; BoolMask follows views only. Use NaNMask() for floating "
+                "weights, or make the loader copy a view of the tensor it was given."
+            )
+        last = source.storage_offset() + sum(
+            (size - 1) * stride for size, stride in zip(source.shape, source.stride(), strict=True)
+        )
+        if source.storage_offset() < 0 or last >= entry.numel:
+            raise LoaderContractError(
+                f"{self!r}: the source of this copy_ reaches outside the staged tensor it views"
+            )
+        update = entry.mask.as_strided(source.shape, source.stride(), source.storage_offset())
+        update = _move(update, destination, non_blocking)
+        source = _move(source, destination, non_blocking)
+        if source.dtype != destination.dtype:
+            source = source.to(dtype=destination.dtype)
+        return torch.where(update, source, destination, out=destination)
+
+
+_NAN_MASK = NaNMask()
+_INT_SENTINEL = IntSentinel()
+
+
+def _forget_mask(key: int, mask: torch.Tensor) -> None:
+    entry = _BOOL_MASKS.get(key)
+    if entry is not None and entry.mask is mask:
+        del _BOOL_MASKS[key]
+
+
+@dataclass(frozen=True, slots=True)
+class Auto:
+    """NaNMask for floating dtypes, IntSentinel (default sentinel) for integer ones.
+
+    The default of `load_checkpoint_weight_patches`, so integer weights work out of the box.
+    `merge` chooses by the source's dtype.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import Auto
+        >>> Auto().resolve(torch.bfloat16), Auto().resolve(torch.int8)
+        (NaNMask(), IntSentinel(value=None))
+    """
+
+    def resolve(self, dtype: torch.dtype) -> NaNMask | IntSentinel:
+        """The strategy this one delegates to for `dtype`."""
+        return _NAN_MASK if dtype.is_floating_point else _INT_SENTINEL
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        if dtype.is_complex or dtype == torch.bool:
+            return f"Auto() has no sentinel for {dtype}; use BoolMask()"
+        return self.resolve(dtype).unsupported_reason(dtype)
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.resolve(dtype).reserved_values(values, dtype)
+
+    def describe_reserved(self, dtype: torch.dtype) -> str:
+        return self.resolve(dtype).describe_reserved(dtype)
+
+    def stage(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        reason = self.unsupported_reason(dtype) if isinstance(dtype, torch.dtype) else None
+        if reason is not None:
+            raise InvalidPatchError(f"{self!r}.stage: {reason}")
+        return self.resolve(dtype).stage(shape, dtype, indices, values)
+
+    def merge(
+        self,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        *,
+        non_blocking: bool = False,
+    ) -> torch.Tensor:
+        if source.dtype.is_complex or source.dtype == torch.bool:
+            raise LoaderContractError(
+                f"{self!r}: masked copy_ from {_describe(source)}: Auto() has no sentinel for "
+                f"{source.dtype}"
+            )
+        return self.resolve(source.dtype).merge(destination, source, non_blocking=non_blocking)

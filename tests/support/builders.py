@@ -1,0 +1,103 @@
+"""Hypothesis builders, all in one place: sparse patches, values with special floats, models."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from tests.support.models import Spec, ToyModel, packed_tp_model, random_tensor
+
+SPECIAL_FLOATS = [0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-45, 65504.0, 3.0e38]
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """A sparse patch in checkpoint coordinates (flat row-major indices)."""
+
+    name: str
+    spec: Spec
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def apply_to(self, full: torch.Tensor) -> torch.Tensor:
+        """The dense reference: the full checkpoint tensor with this patch applied."""
+        patched = full.clone()
+        patched.view(-1)[self.indices.long()] = self.values.to(self.spec.dtype)
+        return patched
+
+
+@st.composite
+def sparse_values(
+    draw: st.DrawFn,
+    count: int,
+    dtype: torch.dtype,
+    *,
+    allow_nan: bool,
+    seed: int,
+    forbid: int | None = None,
+) -> torch.Tensor:
+    """`count` values for `dtype`: random ones plus drawn special floats (or integer extremes)."""
+    generator = torch.Generator().manual_seed(seed)
+    values = random_tensor((count,), dtype, generator)
+    if count and dtype.is_floating_point:
+        specials = SPECIAL_FLOATS + ([float("nan")] if allow_nan else [])
+        chosen = draw(st.lists(st.sampled_from(specials), max_size=min(count, 4)))
+        for i, v in enumerate(chosen):
+            values[i] = v
+        if not allow_nan:
+            values = torch.where(torch.isnan(values), torch.zeros_like(values), values)
+    elif count and not dtype.is_floating_point and dtype != torch.bool:
+        info = torch.iinfo(dtype)
+        chosen_int = draw(
+            st.lists(
+                st.sampled_from([info.min, info.max, 0, -1 if info.min else 1]),
+                max_size=min(count, 3),
+            )
+        )
+        for i, iv in enumerate(chosen_int):
+            values[i] = iv
+    if forbid is not None:
+        values = torch.where(values == forbid, torch.zeros_like(values), values)
+    return values
+
+
+@st.composite
+def sparse_patch(
+    draw: st.DrawFn,
+    name: str,
+    spec: Spec,
+    *,
+    allow_nan: bool = False,
+    forbid: int | None = None,
+    index_dtype: torch.dtype | None = None,
+) -> Sparse:
+    """A sparse patch for `name`: unique indices at a drawn density, sorted or not."""
+    numel = math.prod(spec.shape)
+    density = draw(st.sampled_from([0.0, 0.001, 0.05, 0.3, 1.0]))
+    count = min(numel, max(0, round(numel * density)) or (1 if density else 0))
+    seed = draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.randperm(numel, generator=generator)[:count]
+    if draw(st.booleans()):
+        indices = indices.sort().values
+    chosen_dtype = index_dtype or draw(st.sampled_from([torch.int32, torch.int64]))
+    values = draw(sparse_values(count, spec.dtype, allow_nan=allow_nan, seed=seed, forbid=forbid))
+    return Sparse(name, spec, indices.to(chosen_dtype), values)
+
+
+@st.composite
+def tp_models(
+    draw: st.DrawFn, dtypes: list[torch.dtype] | None = None
+) -> tuple[ToyModel, dict[str, object]]:
+    """A packed tensor-parallel toy model at a drawn rank, with the arguments that built it."""
+    tp_size = draw(st.sampled_from([1, 2, 4]))
+    kwargs: dict[str, object] = {
+        "tp_size": tp_size,
+        "tp_rank": draw(st.integers(0, tp_size - 1)),
+        "kv_heads": draw(st.sampled_from([1, 2, 4])),
+        "dtype": draw(st.sampled_from(dtypes or [torch.float32, torch.bfloat16, torch.float16])),
+    }
+    return packed_tp_model(**kwargs), kwargs  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ checkpoint (name, full shape, flat indices and values) while the model's own ``l
 keeps mapping them to runtime coordinates (tensor-parallel slices, packed parameters, experts).
 """
 
+from patchctx._chunking import ByteBudget, ChunkingPolicy, PerTensor, SingleCall
 from patchctx._errors import (
     InvalidPatchError,
     InvalidPatchTypeError,
@@ -12,7 +13,10 @@ from patchctx._errors import (
     PatchError,
     PatchProblem,
 )
+from patchctx._load import load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
+from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
+from patchctx._patch import CheckpointWeightPatch, validate_patches
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 
 __version__ = "0.1.0"
@@ -20,15 +24,25 @@ __version__ = "0.1.0"
 __all__ = [
     "Auto",
     "BoolMask",
+    "ByteBudget",
+    "CheckpointWeightPatch",
+    "ChunkingPolicy",
+    "Coalesce",
     "CopyStrategy",
+    "InputOrder",
     "IntSentinel",
     "InvalidPatchError",
     "InvalidPatchTypeError",
     "LoaderContractError",
     "MaskedCopy",
     "NaNMask",
+    "OrderingPolicy",
     "PatchError",
     "PatchProblem",
+    "PerTensor",
+    "SingleCall",
     "__version__",
+    "load_checkpoint_weight_patches",
     "masked_copy",
+    "validate_patches",
 ]

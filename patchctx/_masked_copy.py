@@ -12,7 +12,7 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from patchctx import _swap
-from patchctx._strategies import CopyStrategy, NaNMask
+from patchctx._strategies import CopyStrategy, NaNMask, as_strategy
 
 __all__ = ["MaskedCopy", "masked_copy"]
 
@@ -32,22 +32,6 @@ class _StrategyInterceptor:
         self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
     ) -> torch.Tensor:
         return self.strategy.merge(destination, source, non_blocking=non_blocking)
-
-
-def _check_strategy(strategy: object) -> CopyStrategy:
-    if strategy is None:
-        return NaNMask()
-    if isinstance(strategy, type):
-        raise TypeError(
-            f"masked_copy(strategy=...) takes a strategy instance, not a class: you supplied "
-            f"{strategy!r}; write {strategy.__name__}() instead"
-        )
-    if not isinstance(strategy, CopyStrategy):
-        raise TypeError(
-            "masked_copy(strategy=...) takes a CopyStrategy (NaNMask(), BoolMask(), "
-            f"IntSentinel(), Auto() or your own); you supplied {strategy!r}"
-        )
-    return strategy
 
 
 def _check_timeout(timeout: object) -> float | None:
@@ -70,7 +54,7 @@ class MaskedCopy:
     __slots__ = ("_strategy", "_timeout")
 
     def __init__(self, strategy: CopyStrategy | None = None, *, timeout: float | None = None):
-        self._strategy = _check_strategy(strategy)
+        self._strategy = as_strategy(strategy, NaNMask(), "masked_copy")
         self._timeout = _check_timeout(timeout)
 
     @property
@@ -196,6 +180,6 @@ def masked_copy(
     """
     if strategy is not None and callable(strategy) and not isinstance(strategy, CopyStrategy):
         if isinstance(strategy, type) and issubclass(strategy, CopyStrategy):
-            _check_strategy(strategy)  # raises with a message saying to instantiate it
+            as_strategy(strategy, NaNMask(), "masked_copy")  # raises: instantiate it
         return MaskedCopy(timeout=timeout)(strategy)
     return MaskedCopy(strategy, timeout=timeout)

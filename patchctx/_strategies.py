@@ -111,6 +111,18 @@ def _flat_indices(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
 _BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def indexable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or an integer view of the same bits where torch lacks indexing kernels.
+
+    The float8 dtypes have no ``index_copy_``/``index_select``/``cat`` kernels on some devices;
+    moving their bits through a ``uint8`` view is exact. View the result back with
+    ``.view(dtype)``.
+    """
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
 def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
     """``flat[indices] = values`` (1-D, values already in ``flat.dtype``), for every dtype.
 
@@ -119,11 +131,7 @@ def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
     the same width, which moves the same bits.
     """
     positions = _flat_indices(indices, flat.device)
-    values = values.to(device=flat.device)
-    if flat.dtype.is_floating_point and flat.element_size() == 1:
-        flat.view(torch.uint8).index_copy_(0, positions, values.view(torch.uint8))
-    else:
-        flat.index_copy_(0, positions, values)
+    indexable(flat).index_copy_(0, positions, indexable(values.to(device=flat.device)))
 
 
 def _check_stage_structure(
@@ -526,3 +534,20 @@ class Auto:
                 f"{source.dtype}"
             )
         return self.resolve(source.dtype).merge(destination, source, non_blocking=non_blocking)
+
+
+def as_strategy(strategy: object, default: CopyStrategy, where: str) -> CopyStrategy:
+    """Check a caller's `strategy=` argument (`None` means `default`)."""
+    if strategy is None:
+        return default
+    if isinstance(strategy, type):
+        raise TypeError(
+            f"{where}(strategy=...) takes a strategy instance, not a class: you supplied "
+            f"{strategy!r}; write {strategy.__name__}() instead"
+        )
+    if not isinstance(strategy, CopyStrategy):
+        raise TypeError(
+            f"{where}(strategy=...) takes a CopyStrategy (NaNMask(), BoolMask(), IntSentinel(), "
+            f"Auto() or your own); you supplied {strategy!r}"
+        )
+    return strategy

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from patchctx import CheckpointWeightPatch
 from tests.support.models import Spec, ToyModel, packed_tp_model, random_tensor
 
 SPECIAL_FLOATS = [0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-45, 65504.0, 3.0e38]
@@ -101,3 +102,41 @@ def tp_models(
         "dtype": draw(st.sampled_from(dtypes or [torch.float32, torch.bfloat16, torch.float16])),
     }
     return packed_tp_model(**kwargs), kwargs  # type: ignore[arg-type]
+
+
+@st.composite
+def dense_values(draw: st.DrawFn, spec: Spec, *, allow_nan: bool = True) -> torch.Tensor:
+    """A whole tensor's worth of values, flattened (dense patches may carry NaN)."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    numel = math.prod(spec.shape)
+    return draw(sparse_values(numel, spec.dtype, allow_nan=allow_nan, seed=seed))
+
+
+@st.composite
+def patch_sequences(
+    draw: st.DrawFn,
+    specs: dict[str, Spec],
+    *,
+    max_size: int = 6,
+    kinds: tuple[str, ...] = ("dense", "sparse"),
+    forbid_int_min: bool = True,
+) -> list[CheckpointWeightPatch]:
+    """Patch sequences with repeated names, dense and sparse mixed, int32 and int64 indices."""
+    names = sorted(specs)
+    chosen = draw(st.lists(st.sampled_from(names), min_size=1, max_size=max_size))
+    patches = []
+    for name in chosen:
+        spec = specs[name]
+        kind = draw(st.sampled_from(kinds))
+        if kind == "dense":
+            values = draw(dense_values(spec, allow_nan=spec.dtype.is_floating_point))
+            patches.append(CheckpointWeightPatch(name, spec.shape, spec.dtype, values))
+        else:
+            forbid = None
+            if forbid_int_min and not spec.dtype.is_floating_point:
+                forbid = torch.iinfo(spec.dtype).min
+            sparse = draw(sparse_patch(name, spec, forbid=forbid))
+            patches.append(
+                CheckpointWeightPatch(name, spec.shape, spec.dtype, sparse.values, sparse.indices)
+            )
+    return patches

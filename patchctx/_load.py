@@ -1,0 +1,268 @@
+"""`load_checkpoint_weight_patches`: orchestration only.
+
+validate -> resolve aliases -> order -> chunk -> stage -> masked load -> names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from patchctx._chunking import ByteBudget, ChunkingPolicy
+from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
+from patchctx._masked_copy import MaskedCopy
+from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
+from patchctx._patch import CheckedPatch, CheckpointWeightPatch, check_patches, numel_of
+from patchctx._strategies import Auto, CopyStrategy, as_strategy
+
+__all__ = ["load_checkpoint_weight_patches"]
+
+
+def _chunking_of(max_chunk_bytes: object, chunking: object) -> ChunkingPolicy:
+    if max_chunk_bytes is not None and chunking is not None:
+        raise InvalidPatchError(
+            f"pass either max_chunk_bytes={max_chunk_bytes!r} or chunking={chunking!r}, not both "
+            "(max_chunk_bytes=N is shorthand for chunking=ByteBudget(N))"
+        )
+    if chunking is None:
+        if max_chunk_bytes is None:
+            return ByteBudget()
+        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+            raise InvalidPatchTypeError(f"max_chunk_bytes must be an int, got {max_chunk_bytes!r}")
+        if max_chunk_bytes <= 0:
+            raise InvalidPatchError(f"max_chunk_bytes must be positive, got {max_chunk_bytes!r}")
+        return ByteBudget(max_chunk_bytes)
+    if isinstance(chunking, type) or not isinstance(chunking, ChunkingPolicy):
+        raise InvalidPatchTypeError(
+            "chunking= takes a ChunkingPolicy instance (ByteBudget(n), PerTensor(), SingleCall() "
+            f"or your own); you supplied {chunking!r}"
+        )
+    return chunking
+
+
+def _ordering_of(ordering: object) -> OrderingPolicy:
+    if ordering is None:
+        return InputOrder()
+    if isinstance(ordering, type) or not isinstance(ordering, OrderingPolicy):
+        raise InvalidPatchTypeError(
+            "ordering= takes an OrderingPolicy instance (InputOrder(), Coalesce() or your own); "
+            f"you supplied {ordering!r}"
+        )
+    return ordering
+
+
+def _check_aliases(aliases: object) -> Mapping[str, str]:
+    if aliases is None:
+        return {}
+    if not isinstance(aliases, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    ):
+        raise InvalidPatchTypeError(
+            f"aliases= maps alias names to canonical names (str -> str); you supplied {aliases!r}"
+        )
+    return aliases
+
+
+def _resolve_aliases(items: list[CheckedPatch], aliases: Mapping[str, str]) -> list[CheckedPatch]:
+    """Load an alias under its canonical name; drop it when the canonical name is patched too."""
+    if not aliases:
+        return items
+    present = {item.patch.name for item in items}
+    resolved = []
+    for item in items:
+        canonical = aliases.get(item.patch.name)
+        if canonical is None or canonical == item.patch.name:
+            resolved.append(item)
+        elif canonical not in present:
+            resolved.append(item.renamed(canonical))
+    return resolved
+
+
+def _apply_ordering(
+    ordering: OrderingPolicy,
+    items: list[CheckedPatch],
+    strategy: CopyStrategy,
+    validate_unique_indices: bool,
+) -> list[CheckedPatch]:
+    if isinstance(ordering, InputOrder):
+        return items
+    by_identity = {id(item.patch): item for item in items}
+    result: list[CheckedPatch | None] = []
+    fresh: list[tuple[int, CheckpointWeightPatch]] = []
+    for patch in ordering.order([item.patch for item in items]):
+        known = by_identity.get(id(patch))
+        if known is not None:
+            result.append(known)
+        elif isinstance(ordering, Coalesce):
+            # Merged from validated patches: in range, sorted and unique by construction.
+            result.append(CheckedPatch(None, patch, numel_of(patch.shape), sorted_unique=True))
+        else:
+            fresh.append((len(result), patch))
+            result.append(None)
+    if fresh:
+        # A user-written policy made new patches: validate them as if they were input.
+        try:
+            rechecked = check_patches(
+                [patch for _, patch in fresh],
+                strategy=strategy,
+                validate_unique_indices=validate_unique_indices,
+            )
+        except InvalidPatchError as error:
+            raise type(error)(
+                [
+                    PatchProblem(
+                        None, p.name, f"{ordering!r} produced an invalid patch: {p.reason}"
+                    )
+                    for p in error.problems
+                ]
+            ) from error
+        for (slot, _), item in zip(fresh, rechecked, strict=True):
+            result[slot] = item.unpositioned()
+    return [item for item in result if item is not None]
+
+
+def _chunks(
+    items: Sequence[CheckedPatch], chunking: ChunkingPolicy
+) -> Iterator[list[CheckedPatch]]:
+    """Group patches into loader calls.
+
+    The policy decides, but a name never repeats in a call and dense and sparse patches never
+    share one.
+    """
+    chunk: list[CheckedPatch] = []
+    names: set[str] = set()
+    nbytes = 0
+    for item in items:
+        size = item.staged_nbytes
+        if chunk and (
+            item.patch.name in names
+            or item.sparse != chunk[0].sparse
+            or chunking.split_before(nbytes, len(chunk), size)
+        ):
+            yield chunk
+            chunk, names, nbytes = [], set(), 0
+        chunk.append(item)
+        names.add(item.patch.name)
+        nbytes += size
+    if chunk:
+        yield chunk
+
+
+def _stage(item: CheckedPatch, strategy: CopyStrategy) -> torch.Tensor:
+    patch = item.patch
+    if patch.indices is None:
+        return patch.values.to(dtype=patch.dtype).view(patch.shape)
+    return strategy.stage(patch.shape, patch.dtype, patch.indices, patch.values)
+
+
+def _load_chunk(
+    model: Any, chunk: list[CheckedPatch], strategy: CopyStrategy, region: MaskedCopy
+) -> set[str]:
+    weights = [(item.patch.name, _stage(item, strategy)) for item in chunk]
+    if chunk[0].sparse:
+        with region:
+            loaded = model.load_weights(weights)
+            names = set() if loaded is None else set(loaded)
+    else:
+        loaded = model.load_weights(weights)
+        names = set() if loaded is None else set(loaded)
+    return names
+
+
+@torch.no_grad()
+def load_checkpoint_weight_patches(
+    model: torch.nn.Module,
+    patches: Iterable[CheckpointWeightPatch],
+    *,
+    max_chunk_bytes: int | None = None,
+    validate_unique_indices: bool = True,
+    strategy: CopyStrategy | None = None,
+    chunking: ChunkingPolicy | None = None,
+    ordering: OrderingPolicy | None = None,
+    routes: object | None = None,
+    atomic: bool = False,
+    aliases: Mapping[str, str] | None = None,
+) -> set[str]:
+    """Apply dense and sparse patches through the model's own ``load_weights``.
+
+    A drop-in for vLLM's function of the same name: the same arguments behave the same way on
+    valid input and raise the same exception classes on invalid input. On top of it, dense and
+    sparse patches may be mixed, any dtype works (`Auto()` picks NaN or an integer sentinel),
+    and chunking, ordering and aliases are typed policies.
+
+    Every patch is validated before the first write (see `validate_patches`); an invalid call
+    raises one `InvalidPatchError` listing every problem and changes nothing. Patches are then
+    ordered, grouped into loader calls and staged one chunk at a time: a sparse patch becomes a
+    full checkpoint-shaped tensor whose unchanged positions carry the strategy's "keep" mark,
+    and the chunk is loaded inside a masked region, so only the changed elements reach the
+    parameters. Dense chunks load with plain ``copy_``. Runs under ``torch.no_grad()``.
+
+    Args:
+        model: Any object with ``load_weights(weights) -> Iterable[str] | None`` taking
+            ``(name, tensor)`` pairs in checkpoint coordinates (every vLLM model).
+        patches: `CheckpointWeightPatch` objects (or any objects with the same fields).
+        max_chunk_bytes: Shorthand for ``chunking=ByteBudget(max_chunk_bytes)``.
+        validate_unique_indices: Reject duplicate indices within one patch. Two patches may
+            touch the same positions; the later one wins.
+        strategy: How sparse patches are staged and merged; default `Auto()`.
+        chunking: How many staged tensors go into one loader call; default
+            ``ByteBudget(512 MiB)``.
+        ordering: `InputOrder()` (default) or `Coalesce()`.
+        routes: Reserved for route replay (`RouteCache`); not supported yet.
+        atomic: Reserved for rollback on failure; not supported yet.
+        aliases: Alias name -> canonical name (tied embeddings). An alias patch is loaded under
+            its canonical name, or dropped when the canonical name is patched in the same call.
+
+    Returns:
+        The union of the names the model's ``load_weights`` calls reported.
+
+    Raises:
+        InvalidPatchError: An argument or patch is invalid; nothing was written.
+        LoaderContractError: The loader wrote staged data in a way the strategy cannot mask.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch, load_checkpoint_weight_patches
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             self.w.copy_(tensor)
+        ...         return {"w"}
+        >>> model = Model()
+        >>> patch = CheckpointWeightPatch("w", (2, 3), torch.float32, torch.tensor([7.0]),
+        ...                               indices=torch.tensor([4]))
+        >>> load_checkpoint_weight_patches(model, [patch])
+        {'w'}
+        >>> model.w
+        Parameter containing:
+        tensor([[0., 0., 0.],
+                [0., 7., 0.]])
+    """
+    if not callable(getattr(model, "load_weights", None)):
+        raise InvalidPatchTypeError(
+            f"model must have a load_weights(weights) method; {type(model).__name__} has none"
+        )
+    chosen_strategy = as_strategy(strategy, Auto(), "load_checkpoint_weight_patches")
+    chosen_chunking = _chunking_of(max_chunk_bytes, chunking)
+    chosen_ordering = _ordering_of(ordering)
+    alias_map = _check_aliases(aliases)
+    if routes is not None:
+        raise NotImplementedError("routes= (RouteCache replay) is not supported yet")
+    if atomic:
+        raise NotImplementedError("atomic=True (rollback on failure) is not supported yet")
+
+    items = check_patches(
+        patches, strategy=chosen_strategy, validate_unique_indices=validate_unique_indices
+    )
+    items = _resolve_aliases(items, alias_map)
+    items = _apply_ordering(chosen_ordering, items, chosen_strategy, validate_unique_indices)
+    region = MaskedCopy(chosen_strategy)
+    names: set[str] = set()
+    for chunk in _chunks(items, chosen_chunking):
+        names |= _load_chunk(model, chunk, chosen_strategy, region)
+    return names

@@ -1,0 +1,358 @@
+"""Patches in checkpoint coordinates and their validation (all of it before the first write)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from patchctx._errors import InvalidPatchError, PatchProblem
+from patchctx._strategies import Auto, CopyStrategy, as_strategy
+
+__all__ = ["CheckpointWeightPatch", "validate_patches"]
+
+
+class CheckpointWeightPatch(NamedTuple):
+    """One dense or sparse update of a checkpoint tensor, in checkpoint coordinates.
+
+    The fields are exactly those of vLLM's ``CheckpointWeightPatch``; any object with these
+    attributes (vLLM's own NamedTuple included) is accepted wherever patchctx takes patches.
+
+    Attributes:
+        name: The checkpoint (Hugging Face) name, as the model's ``load_weights`` expects it.
+        shape: The full checkpoint tensor's shape.
+        dtype: The checkpoint tensor's dtype; values are cast to it.
+        values: 1-D. For a dense patch, the whole tensor flattened (row-major); for a sparse
+            patch, the new values at `indices`.
+        indices: 1-D int32 or int64 flat (row-major) positions into the full tensor, or `None`
+            for a dense patch.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch
+        >>> patch = CheckpointWeightPatch("lm_head.weight", (4, 2), torch.bfloat16,
+        ...                               values=torch.tensor([0.5]), indices=torch.tensor([7]))
+        >>> patch.indices is None  # sparse: one element changes
+        False
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedPatch:
+    """A patch that passed validation, with what validation learned about it."""
+
+    position: int | None  # index in the caller's sequence (None: made by an ordering policy)
+    patch: CheckpointWeightPatch
+    numel: int
+    # Sparse only: the indices are strictly increasing (sorted and unique).
+    sorted_unique: bool = False
+
+    def renamed(self, name: str) -> CheckedPatch:
+        return replace(self, patch=self.patch._replace(name=name))
+
+    def unpositioned(self) -> CheckedPatch:
+        return replace(self, position=None)
+
+    @property
+    def sparse(self) -> bool:
+        return self.patch.indices is not None
+
+    @property
+    def staged_nbytes(self) -> int:
+        """Bytes of the full checkpoint-shaped tensor this patch stages for the loader."""
+        return self.numel * _element_size(self.patch.dtype)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_FIELDS = ("name", "shape", "dtype", "values", "indices")
+
+
+def _as_patch(
+    position: int, obj: object, problems: list[PatchProblem]
+) -> CheckpointWeightPatch | None:
+    if isinstance(obj, CheckpointWeightPatch):
+        return obj
+    missing = [f for f in _FIELDS if not hasattr(obj, f)]
+    if missing:
+        problems.append(
+            PatchProblem(
+                position,
+                str(getattr(obj, "name", "")),
+                f"is not a patch: {type(obj).__name__} has no attribute(s) {', '.join(missing)} "
+                "(expected CheckpointWeightPatch(name, shape, dtype, values, indices=None))",
+                is_type_error=True,
+            )
+        )
+        return None
+    return CheckpointWeightPatch(*(getattr(obj, f) for f in _FIELDS))
+
+
+def _structure(
+    position: int, patch: CheckpointWeightPatch, strategy: CopyStrategy
+) -> tuple[CheckpointWeightPatch, int, list[PatchProblem]]:
+    """Check everything that needs no tensor data; normalise the shape to a tuple of ints."""
+    name = patch.name
+    problems: list[PatchProblem] = []
+
+    def problem(reason: str, *, type_error: bool = False) -> None:
+        problems.append(PatchProblem(position, str(name), reason, is_type_error=type_error))
+
+    if not isinstance(name, str):
+        problem(f"name must be a str, got {name!r}", type_error=True)
+    elif not name:
+        problem("name must be non-empty")
+    dtype_ok = isinstance(patch.dtype, torch.dtype)
+    if not dtype_ok:
+        problem(f"dtype must be a torch.dtype, got {patch.dtype!r}", type_error=True)
+    shape: tuple[int, ...] = ()
+    try:
+        shape = tuple(patch.shape)
+        if not all(
+            isinstance(d, int) or (isinstance(d, torch.Tensor) and d.ndim == 0) for d in shape
+        ):
+            raise TypeError
+        shape = tuple(int(d) for d in shape)
+    except TypeError:
+        problem(f"shape must be a sequence of ints, got {patch.shape!r}", type_error=True)
+        shape = ()
+    if any(d < 0 for d in shape):
+        problem(f"shape {shape!r} has a negative dimension")
+    numel = math.prod(shape) if all(d >= 0 for d in shape) else 0
+    values = patch.values
+    if not isinstance(values, torch.Tensor):
+        problem(f"values must be a torch.Tensor, got {type(values).__name__}", type_error=True)
+        return patch, numel, problems
+    if values.ndim != 1:
+        problem(f"values must be a 1-D tensor, got shape {tuple(values.shape)}")
+    indices = patch.indices
+    if indices is None:
+        if values.ndim == 1 and values.numel() != numel:
+            problem(
+                f"dense patch has {values.numel()} values for a {numel}-element tensor of shape "
+                f"{shape!r}"
+            )
+    else:
+        if dtype_ok:
+            reason = strategy.unsupported_reason(patch.dtype)
+            if reason is not None:
+                problem(f"sparse patch cannot be staged: {reason}", type_error=True)
+        if not isinstance(indices, torch.Tensor):
+            problem(
+                f"indices must be a torch.Tensor or None, got {type(indices).__name__}",
+                type_error=True,
+            )
+        else:
+            if indices.ndim != 1:
+                problem(f"indices must be a 1-D tensor, got shape {tuple(indices.shape)}")
+            if indices.dtype not in (torch.int32, torch.int64):
+                problem(f"indices must be int32 or int64, got {indices.dtype}", type_error=True)
+            elif indices.ndim == 1 and values.ndim == 1 and indices.numel() != values.numel():
+                problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
+    if not problems and shape != patch.shape:
+        patch = patch._replace(shape=shape)
+    return patch, numel, problems
+
+
+def _host_read(flags: torch.Tensor) -> list[bool]:
+    """The one host synchronisation of a validation phase: read a device's flags at once."""
+    return [bool(v) for v in flags.tolist()]
+
+
+@dataclass
+class _NumericChecks:
+    """The lazily read 0-d flags of one sparse patch (computed on its values' device)."""
+
+    checked: int  # index into the list of structurally valid patches
+    reserved: torch.Tensor
+    out_of_range: torch.Tensor
+    strictly_increasing: torch.Tensor
+
+
+def _numeric_problems(
+    checked: list[CheckedPatch], strategy: CopyStrategy, validate_unique_indices: bool
+) -> tuple[list[CheckedPatch], list[PatchProblem]]:
+    """Reserved values, index range and duplicates of every sparse patch.
+
+    One host read per device for all patches; a second one per device only when some patch's
+    indices are not strictly increasing and duplicates must be ruled out by sorting.
+    """
+    by_device: dict[torch.device, list[_NumericChecks]] = {}
+    for k, item in enumerate(checked):
+        patch = item.patch
+        if patch.indices is None:
+            continue
+        device = patch.values.device
+        indices = patch.indices.to(device=device)
+        false = torch.zeros((), dtype=torch.bool, device=device)
+        if indices.numel():
+            low, high = torch.aminmax(indices)
+            out_of_range = (low < 0) | (high >= item.numel)
+        else:
+            out_of_range = false
+        increasing = (indices[1:] > indices[:-1]).all() if indices.numel() > 1 else ~false
+        reserved = strategy.reserved_values(patch.values, patch.dtype).to(device)
+        by_device.setdefault(device, []).append(
+            _NumericChecks(k, reserved, out_of_range, increasing)
+        )
+
+    problems: list[PatchProblem] = []
+    unsorted: dict[torch.device, list[int]] = {}
+    increasing_of: dict[int, bool] = {}
+    for device, checks in by_device.items():
+        flags = torch.stack(
+            [f for c in checks for f in (c.reserved, c.out_of_range, c.strictly_increasing)]
+        )
+        values = _host_read(flags)
+        for j, c in enumerate(checks):
+            has_reserved, has_out_of_range, is_increasing = values[3 * j : 3 * j + 3]
+            item = checked[c.checked]
+            increasing_of[c.checked] = is_increasing
+            if has_reserved:
+                problems.append(_reserved_problem(item, strategy))
+            if has_out_of_range:
+                problems.append(_range_problem(item))
+            if validate_unique_indices and not is_increasing:
+                unsorted.setdefault(device, []).append(c.checked)
+
+    for device, ks in unsorted.items():
+        duplicate_flags = []
+        for k in ks:
+            patch_indices = checked[k].patch.indices
+            assert patch_indices is not None
+            ordered = patch_indices.to(device=device).sort().values
+            duplicate_flags.append((ordered[1:] == ordered[:-1]).any())
+        for k, duplicated in zip(ks, _host_read(torch.stack(duplicate_flags)), strict=True):
+            if duplicated:
+                problems.append(_duplicate_problem(checked[k]))
+
+    result = [
+        CheckedPatch(c.position, c.patch, c.numel, sorted_unique=increasing_of.get(k, False))
+        for k, c in enumerate(checked)
+    ]
+    return result, problems
+
+
+def _reserved_problem(item: CheckedPatch, strategy: CopyStrategy) -> PatchProblem:
+    patch = item.patch
+    return PatchProblem(
+        item.position,
+        patch.name,
+        f"values contain {strategy.describe_reserved(patch.dtype)}, which {strategy!r} cannot "
+        "carry as an update; use BoolMask() (any value) or send this tensor as a dense patch",
+    )
+
+
+def _range_problem(item: CheckedPatch) -> PatchProblem:
+    indices = item.patch.indices
+    assert indices is not None
+    low, high = (int(v) for v in torch.aminmax(indices))
+    return PatchProblem(
+        item.position,
+        item.patch.name,
+        f"indices out of range [0, {item.numel}) for shape {item.patch.shape!r}: "
+        f"min {low}, max {high}",
+    )
+
+
+def _duplicate_problem(item: CheckedPatch) -> PatchProblem:
+    indices = item.patch.indices
+    assert indices is not None
+    ordered = indices.sort().values
+    repeated = torch.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    shown = ", ".join(str(int(v)) for v in repeated[:5])
+    more = f" and {repeated.numel() - 5} more" if repeated.numel() > 5 else ""
+    return PatchProblem(
+        item.position,
+        item.patch.name,
+        f"duplicate indices within the patch ({shown}{more}); send each position once, or pass "
+        "validate_unique_indices=False for a trusted producer",
+    )
+
+
+def check_patches(
+    patches: Iterable[object],
+    *,
+    strategy: CopyStrategy,
+    validate_unique_indices: bool = True,
+) -> list[CheckedPatch]:
+    """Validate every patch (structure, then numbers) and raise one report of all problems."""
+    problems: list[PatchProblem] = []
+    structural: list[CheckedPatch] = []
+    for position, obj in enumerate(patches):
+        patch = _as_patch(position, obj, problems)
+        if patch is None:
+            continue
+        patch, numel, found = _structure(position, patch, strategy)
+        problems.extend(found)
+        if not found:
+            structural.append(CheckedPatch(position, patch, numel))
+    checked, numeric = _numeric_problems(structural, strategy, validate_unique_indices)
+    problems.extend(numeric)
+    if problems:
+        problems.sort(key=lambda p: -1 if p.index is None else p.index)
+        raise InvalidPatchError.from_problems(problems)
+    return checked
+
+
+def validate_patches(
+    patches: Iterable[object],
+    *,
+    strategy: CopyStrategy | None = None,
+    validate_unique_indices: bool = True,
+) -> list[CheckpointWeightPatch]:
+    """Check patches the way `load_checkpoint_weight_patches` does, without loading anything.
+
+    Use it before staging patches yourself for `masked_copy`. Structure is checked first (name,
+    shape, dtype, 1-D values, value count, index dtype and count, the strategy's support of the
+    dtype), then numbers with one host synchronisation per device: values the strategy cannot
+    carry, indices out of range, and duplicate indices within a patch. Indices that are strictly
+    increasing (the common producer format) are validated in O(nnz) without a sort.
+
+    Args:
+        patches: `CheckpointWeightPatch` objects, or anything with the same attributes.
+        strategy: The strategy that will stage the sparse patches (default `Auto()`).
+        validate_unique_indices: Reject duplicate indices within one patch.
+
+    Returns:
+        The patches as `CheckpointWeightPatch` tuples (shapes normalised to tuples of ints).
+
+    Raises:
+        InvalidPatchError: Listing every problem found, each naming the patch by position and
+            name. It is an `InvalidPatchTypeError` (also a `TypeError`) when one of the
+            problems is of a kind vLLM reported with `TypeError`.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch, InvalidPatchError, validate_patches
+        >>> bad = CheckpointWeightPatch("w", (2, 2), torch.float32, torch.tensor([1.0, 2.0]),
+        ...                             torch.tensor([3, 4]))
+        >>> try:
+        ...     validate_patches([bad])
+        ... except InvalidPatchError as error:
+        ...     print(error)
+        patches[0] 'w': indices out of range [0, 4) for shape (2, 2): min 3, max 4
+    """
+    chosen = as_strategy(strategy, Auto(), "validate_patches")
+    return [
+        c.patch
+        for c in check_patches(
+            patches, strategy=chosen, validate_unique_indices=validate_unique_indices
+        )
+    ]
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    """Elements of a tensor of `shape`."""
+    return math.prod(shape)

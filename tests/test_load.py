@@ -1,0 +1,389 @@
+"""load_checkpoint_weight_patches against a dense reference and against vLLM's semantics."""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from patchctx import (
+    Auto,
+    BoolMask,
+    ByteBudget,
+    CheckpointWeightPatch,
+    ChunkingPolicy,
+    Coalesce,
+    CopyStrategy,
+    InputOrder,
+    IntSentinel,
+    NaNMask,
+    OrderingPolicy,
+    PerTensor,
+    SingleCall,
+    load_checkpoint_weight_patches,
+)
+from tests.support.builders import patch_sequences, sparse_patch
+from tests.support.models import (
+    IntLinear,
+    ToyModel,
+    assert_same_state,
+    packed_tp_model,
+    random_checkpoint,
+    state,
+)
+from tests.support.reference import reference_after, vllm_semantics_load
+
+CHUNKINGS: list[ChunkingPolicy] = [ByteBudget(), ByteBudget(600), PerTensor(), SingleCall()]
+ORDERINGS: list[OrderingPolicy] = [InputOrder(), Coalesce()]
+
+
+def loaded(model: ToyModel, seed: int = 0) -> dict[str, torch.Tensor]:
+    checkpoint = random_checkpoint(model.checkpoint_specs(), seed=seed)
+    model.load_weights(checkpoint.items())
+    model.load_calls.clear()
+    return checkpoint
+
+
+def sparse(
+    name: str, model: ToyModel, indices: list[int], values: list[float]
+) -> CheckpointWeightPatch:
+    spec = model.checkpoint_specs()[name]
+    return CheckpointWeightPatch(
+        name, spec.shape, spec.dtype, torch.tensor(values, dtype=spec.dtype), torch.tensor(indices)
+    )
+
+
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    tp=st.sampled_from([(1, 0), (2, 1), (4, 2)]),
+    chunking=st.sampled_from(CHUNKINGS),
+    ordering=st.sampled_from(ORDERINGS),
+)
+def test_patch_sequences_match_the_dense_reference(
+    data: st.DataObject,
+    dtype: torch.dtype,
+    tp: tuple[int, int],
+    chunking: ChunkingPolicy,
+    ordering: OrderingPolicy,
+) -> None:
+    model = packed_tp_model(tp_size=tp[0], tp_rank=tp[1], dtype=dtype)
+    checkpoint = loaded(model)
+    patches = data.draw(patch_sequences(model.checkpoint_specs()))
+    reference = reference_after(model, checkpoint, patches)
+    names = load_checkpoint_weight_patches(model, patches, chunking=chunking, ordering=ordering)
+    assert_same_state(state(model), state(reference))
+    assert names == {f"layers.{p.name.split('.')[0]}.weight" for p in patches}
+    for call in model.load_calls:
+        assert len(call) == len(set(call)), "a loader call carried one name twice"
+    if isinstance(ordering, Coalesce):
+        assert len(model.load_calls[0]) >= 1
+        loaded_names = [n for call in model.load_calls for n in call]
+        assert len(loaded_names) == len(set(loaded_names)), "Coalesce: one load per name"
+
+
+@given(data=st.data(), ordering=st.sampled_from(ORDERINGS))
+def test_int8_weights_work_out_of_the_box(data: st.DataObject, ordering: OrderingPolicy) -> None:
+    model = ToyModel({"q": IntLinear(5, 9)})
+    checkpoint = loaded(model)
+    patches = data.draw(patch_sequences(model.checkpoint_specs()))
+    reference = reference_after(model, checkpoint, patches)
+    load_checkpoint_weight_patches(model, patches, ordering=ordering)
+    assert_same_state(state(model), state(reference))
+
+
+@given(
+    data=st.data(),
+    kind=st.sampled_from(["dense", "sparse"]),
+    budget=st.sampled_from([1, 900, 1 << 20]),
+)
+def test_bit_identical_to_vllm_semantics(data: st.DataObject, kind: str, budget: int) -> None:
+    model = packed_tp_model(tp_size=2, tp_rank=1, dtype=torch.float32)
+    loaded(model)
+    specs = {n: s for n, s in model.checkpoint_specs().items() if s.dtype == torch.float32}
+    patches = data.draw(patch_sequences(specs, kinds=(kind,)))
+    theirs = copy.deepcopy(model)
+    their_names = vllm_semantics_load(theirs, patches, max_chunk_bytes=budget)
+    our_names = load_checkpoint_weight_patches(model, patches, max_chunk_bytes=budget)
+    assert_same_state(state(model), state(theirs))
+    assert our_names == their_names
+    assert model.load_calls == theirs.load_calls  # same chunks, same loader calls
+
+
+class TrackingStrategy:
+    """Delegates to Auto() and records the bytes of staged tensors alive at each staging."""
+
+    def __init__(self) -> None:
+        self.inner = Auto()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        return self.inner.unsupported_reason(dtype)
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.reserved_values(values, dtype)
+
+    def describe_reserved(self, dtype: torch.dtype) -> str:
+        return self.inner.describe_reserved(dtype)
+
+    def stage(
+        self, shape: Sequence[int], dtype: torch.dtype, indices: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        staged = self.inner.stage(shape, dtype, indices, values)
+        key = id(staged)
+        self.live[key] = staged.untyped_storage().nbytes()
+        weakref.finalize(staged, self.live.pop, key, None)
+        self.peak = max(self.peak, sum(self.live.values()))
+        return staged
+
+    def merge(
+        self, destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool = False
+    ) -> torch.Tensor:
+        return self.inner.merge(destination, source, non_blocking=non_blocking)
+
+
+@pytest.mark.parametrize("budget", [1, 2000, 5000, 1 << 30])
+def test_byte_budget_bounds_the_staged_bytes_alive(budget: int) -> None:
+    model = packed_tp_model(tp_size=2, tp_rank=0, hidden=16, inter=32)
+    loaded(model)
+    specs = model.checkpoint_specs()
+    patches = [
+        sparse(name, model, [0, 3], [1.0, 2.0])
+        for name in sorted(specs)
+        if specs[name].dtype.is_floating_point
+    ]
+    tracking = TrackingStrategy()
+    load_checkpoint_weight_patches(model, patches, strategy=tracking, chunking=ByteBudget(budget))
+    largest = max(math.prod(p.shape) * p.values.element_size() for p in patches)
+    assert tracking.peak <= max(budget, largest)
+    assert not tracking.live, "staged tensors must be freed after their loader call"
+    expected_calls = len(patches) if budget == 1 else None
+    if expected_calls is not None:
+        assert len(model.load_calls) == expected_calls
+
+
+def test_max_chunk_bytes_is_shorthand_for_byte_budget() -> None:
+    a, b = packed_tp_model(), packed_tp_model()
+    loaded(a)
+    loaded(b)
+    specs = a.checkpoint_specs()
+    patches = [sparse(n, a, [1], [5.0]) for n in sorted(specs)]
+    load_checkpoint_weight_patches(a, patches, max_chunk_bytes=3000)
+    load_checkpoint_weight_patches(b, patches, chunking=ByteBudget(3000))
+    assert a.load_calls == b.load_calls
+    assert len(a.load_calls) > 1
+
+
+def test_single_call_splits_only_where_a_name_repeats_or_the_kind_changes() -> None:
+    model = packed_tp_model()
+    loaded(model)
+    q = sparse("qkv.q_proj.weight", model, [0], [1.0])
+    k = sparse("qkv.k_proj.weight", model, [0], [1.0])
+    spec = model.checkpoint_specs()["mlp.up_proj.weight"]
+    dense = CheckpointWeightPatch(
+        "mlp.up_proj.weight", spec.shape, spec.dtype, torch.zeros(math.prod(spec.shape))
+    )
+    load_checkpoint_weight_patches(model, [q, k, q, dense, k], chunking=SingleCall())
+    assert model.load_calls == [
+        ["qkv.q_proj.weight", "qkv.k_proj.weight"],
+        ["qkv.q_proj.weight"],
+        ["mlp.up_proj.weight"],
+        ["qkv.k_proj.weight"],
+    ]
+
+
+def test_per_tensor_makes_one_call_per_patch() -> None:
+    model = packed_tp_model()
+    loaded(model)
+    patches = [sparse(n, model, [2], [3.0]) for n in ("qkv.q_proj.weight", "qkv.v_proj.weight")]
+    load_checkpoint_weight_patches(model, patches, chunking=PerTensor())
+    assert model.load_calls == [["qkv.q_proj.weight"], ["qkv.v_proj.weight"]]
+
+
+def test_user_defined_policies() -> None:
+    class EveryTwo:
+        def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
+            return chunk_len >= 2
+
+    class ByName:
+        """Sorts by name (different names touch different parameters here)."""
+
+        def order(self, patches: Sequence[CheckpointWeightPatch]) -> list[CheckpointWeightPatch]:
+            return sorted(patches, key=lambda p: p.name)
+
+    model = packed_tp_model()
+    checkpoint = loaded(model)
+    names = ["tr.proj.weight", "qkv.q_proj.weight", "mlp.gate_proj.weight", "down.down_proj.weight"]
+    patches = [sparse(n, model, [1, 2], [4.0, 5.0]) for n in names]
+    reference = reference_after(model, checkpoint, patches)
+    load_checkpoint_weight_patches(model, patches, chunking=EveryTwo(), ordering=ByName())
+    assert model.load_calls == [sorted(names)[:2], sorted(names)[2:]]
+    assert_same_state(state(model), state(reference))
+
+
+def test_user_ordering_that_builds_new_patches_is_validated() -> None:
+    from patchctx import InvalidPatchError
+
+    class Broken:
+        def order(self, patches: Sequence[CheckpointWeightPatch]) -> list[CheckpointWeightPatch]:
+            return [p._replace(indices=torch.tensor([10**6])) for p in patches]
+
+    model = packed_tp_model()
+    loaded(model)
+    before = state(model)
+    with pytest.raises(InvalidPatchError, match=r"Broken.*produced an invalid patch.*out of range"):
+        load_checkpoint_weight_patches(
+            model, [sparse("tr.proj.weight", model, [1], [4.0])], ordering=Broken()
+        )
+    assert_same_state(state(model), before)
+
+
+def test_coalesce_merges_dense_then_sparse_and_sparse_runs() -> None:
+    model = packed_tp_model()
+    checkpoint = loaded(model)
+    spec = model.checkpoint_specs()["tr.proj.weight"]
+    dense = CheckpointWeightPatch(
+        "tr.proj.weight",
+        spec.shape,
+        spec.dtype,
+        torch.arange(math.prod(spec.shape), dtype=torch.float32),
+    )
+    patches = [
+        sparse("tr.proj.weight", model, [5, 1], [1.0, 2.0]),
+        dense,
+        sparse("tr.proj.weight", model, [3, 1], [7.0, 8.0]),
+        sparse("qkv.q_proj.weight", model, [9, 4], [1.0, 1.5]),
+        sparse("qkv.q_proj.weight", model, [4], [2.5]),
+    ]
+    reference = reference_after(model, checkpoint, patches)
+    load_checkpoint_weight_patches(model, patches, ordering=Coalesce(), chunking=SingleCall())
+    assert_same_state(state(model), state(reference))
+    assert model.load_calls == [["tr.proj.weight"], ["qkv.q_proj.weight"]]  # dense, then sparse
+
+
+def test_coalesce_refuses_patches_that_disagree_on_the_tensor() -> None:
+    from patchctx import InvalidPatchError
+
+    model = packed_tp_model()
+    loaded(model)
+    before = state(model)
+    a = sparse("tr.proj.weight", model, [1], [1.0])
+    b = a._replace(shape=(a.shape[1], a.shape[0]))
+    with pytest.raises(InvalidPatchError, match="disagree on the tensor"):
+        load_checkpoint_weight_patches(model, [a, b], ordering=Coalesce())
+    assert_same_state(state(model), before)
+
+
+def test_dense_and_sparse_mixed_in_input_order() -> None:
+    model = packed_tp_model()
+    checkpoint = loaded(model)
+    spec = model.checkpoint_specs()["qkv.q_proj.weight"]
+    numel = math.prod(spec.shape)
+    values = torch.full((numel,), float("nan"))  # NaN is a legal *dense* value
+    patches = [
+        sparse("qkv.q_proj.weight", model, [0, 1], [1.0, 2.0]),
+        CheckpointWeightPatch("qkv.q_proj.weight", spec.shape, spec.dtype, values),
+        sparse("qkv.q_proj.weight", model, [1], [3.0]),
+    ]
+    reference = reference_after(model, checkpoint, patches)
+    load_checkpoint_weight_patches(model, patches)
+    assert_same_state(state(model), state(reference))
+    q_rows = model.layer("qkv").weight[:8]
+    assert torch.isnan(q_rows).sum() == q_rows.numel() - 1  # all NaN but the re-patched one
+
+
+def test_aliases_load_under_the_canonical_name_or_are_dropped() -> None:
+    model = packed_tp_model()
+    checkpoint = loaded(model)
+    alias = {"lm_head.proj.weight": "tr.proj.weight"}
+    via_alias = sparse("tr.proj.weight", model, [2], [9.0])._replace(name="lm_head.proj.weight")
+    reference = reference_after(model, checkpoint, [via_alias._replace(name="tr.proj.weight")])
+    assert load_checkpoint_weight_patches(model, [via_alias], aliases=alias) == {"layers.tr.weight"}
+    assert_same_state(state(model), state(reference))
+    assert model.load_calls == [["tr.proj.weight"]]
+
+    model.load_calls.clear()
+    canonical = sparse("tr.proj.weight", model, [3], [4.0])
+    load_checkpoint_weight_patches(model, [via_alias, canonical], aliases=alias)
+    assert model.load_calls == [["tr.proj.weight"]]
+    assert float(model.layer("tr").weight.t().reshape(-1)[3]) == 4.0
+
+
+def test_accepts_any_object_with_the_fields_such_as_vllms_namedtuple() -> None:
+    class VllmPatch(NamedTuple):
+        name: str
+        shape: tuple[int, ...]
+        dtype: torch.dtype
+        values: torch.Tensor
+        indices: torch.Tensor | None = None
+
+    model = packed_tp_model()
+    checkpoint = loaded(model)
+    ours = sparse("tr.proj.weight", model, [0, 7], [1.0, 2.0])
+    theirs = VllmPatch(*ours)
+    reference = reference_after(model, checkpoint, [ours])
+    load_checkpoint_weight_patches(model, [theirs])  # type: ignore[list-item]
+    assert_same_state(state(model), state(reference))
+
+
+def test_returns_union_of_reported_names_and_none_counts_as_empty() -> None:
+    class Quiet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(3))  # requires grad: no_grad must be on
+            self.calls = 0
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            assert not torch.is_grad_enabled()
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+                self.calls += 1
+
+    model = Quiet()
+    patch = CheckpointWeightPatch("w", (3,), torch.float32, torch.tensor([2.0]), torch.tensor([1]))
+    assert load_checkpoint_weight_patches(model, [patch, patch]) == set()
+    assert model.calls == 2
+    assert model.w.tolist() == [0.0, 2.0, 0.0]
+    assert load_checkpoint_weight_patches(model, []) == set()
+    assert model.calls == 2  # no loader call for no patches
+
+
+@pytest.mark.parametrize("strategy", [NaNMask(), BoolMask(), Auto()])
+@given(data=st.data())
+def test_every_float_strategy_gives_the_same_weights(
+    data: st.DataObject, strategy: CopyStrategy
+) -> None:
+    model = packed_tp_model(tp_size=2, tp_rank=0, dtype=torch.bfloat16)
+    checkpoint = loaded(model)
+    specs = model.checkpoint_specs()
+    name = data.draw(st.sampled_from(sorted(specs)))
+    drawn = data.draw(sparse_patch(name, specs[name], allow_nan=isinstance(strategy, BoolMask)))
+    patch = CheckpointWeightPatch(
+        name, drawn.spec.shape, drawn.spec.dtype, drawn.values, drawn.indices
+    )
+    reference = reference_after(model, checkpoint, [patch])
+    load_checkpoint_weight_patches(model, [patch], strategy=strategy)
+    assert_same_state(state(model), state(reference))
+
+
+def test_int_sentinel_with_a_custom_value() -> None:
+    model = ToyModel({"q": IntLinear(2, 4)})
+    checkpoint = loaded(model)
+    patch = CheckpointWeightPatch(
+        "q.qweight.weight",
+        (2, 4),
+        torch.int8,
+        torch.tensor([-128, 5], dtype=torch.int8),
+        torch.tensor([0, 6]),
+    )
+    reference = reference_after(model, checkpoint, [patch])
+    load_checkpoint_weight_patches(model, [patch], strategy=IntSentinel(value=99))
+    assert_same_state(state(model), state(reference))

@@ -1,0 +1,248 @@
+"""Every invalid input: the exception class vLLM raised, a message naming the patch, no write."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from patchctx import (
+    BoolMask,
+    ByteBudget,
+    CheckpointWeightPatch,
+    InvalidPatchError,
+    NaNMask,
+    PatchError,
+    _patch,
+    load_checkpoint_weight_patches,
+    validate_patches,
+)
+from tests.support.models import assert_same_state, packed_tp_model, random_checkpoint, state
+
+NAME = "tr.proj.weight"  # shape (16, 8), float32
+SHAPE = (16, 8)
+
+
+def good(**changes: Any) -> CheckpointWeightPatch:
+    patch = CheckpointWeightPatch(
+        NAME, SHAPE, torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([3, 9])
+    )
+    return patch._replace(**changes)
+
+
+INVALID = [
+    # (id, patch, exception class, message fragment)
+    ("empty-name", good(name=""), ValueError, "name must be non-empty"),
+    ("name-not-str", good(name=7), TypeError, "name must be a str"),
+    ("dtype-not-dtype", good(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
+    ("negative-shape", good(shape=(-1, 8)), ValueError, "negative dimension"),
+    ("shape-not-ints", good(shape=("a", 8)), TypeError, "shape must be a sequence of ints"),
+    ("values-2d", good(values=torch.ones(2, 1)), ValueError, "values must be a 1-D tensor"),
+    ("values-not-tensor", good(values=[1.0, 2.0]), TypeError, "values must be a torch.Tensor"),
+    ("dense-count", good(indices=None), ValueError, "dense patch has 2 values for a 128-element"),
+    (
+        "indices-2d",
+        good(indices=torch.tensor([[3, 9]])),
+        ValueError,
+        "indices must be a 1-D tensor",
+    ),
+    ("indices-float", good(indices=torch.tensor([3.0, 9.0])), TypeError, "int32 or int64"),
+    (
+        "indices-int16",
+        good(indices=torch.tensor([3, 9], dtype=torch.int16)),
+        TypeError,
+        "int32 or int64",
+    ),
+    (
+        "count-mismatch",
+        good(indices=torch.tensor([3, 9, 10])),
+        ValueError,
+        "3 indices for 2 values",
+    ),
+    ("nan-value", good(values=torch.tensor([1.0, float("nan")])), ValueError, "values contain NaN"),
+    (
+        "out-of-range-high",
+        good(indices=torch.tensor([3, 128])),
+        ValueError,
+        "out of range [0, 128)",
+    ),
+    ("out-of-range-negative", good(indices=torch.tensor([-1, 3])), ValueError, "min -1"),
+    (
+        "duplicates-sorted",
+        good(indices=torch.tensor([3, 3])),
+        ValueError,
+        "duplicate indices within the patch (3)",
+    ),
+    (
+        "duplicates-unsorted",
+        good(values=torch.ones(3), indices=torch.tensor([9, 3, 9])),
+        ValueError,
+        "duplicate indices",
+    ),
+    ("bool-dtype-sparse", good(dtype=torch.bool), TypeError, "sparse patch cannot be staged"),
+]
+
+
+@pytest.fixture
+def model() -> Any:
+    model = packed_tp_model()
+    model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+    return model
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "fragment"), [pytest.param(*case[1:], id=case[0]) for case in INVALID]
+)
+def test_invalid_patch_raises_before_any_write(
+    model: Any, bad: CheckpointWeightPatch, error: type[Exception], fragment: str
+) -> None:
+    before = state(model)
+    fine = CheckpointWeightPatch(
+        "qkv.q_proj.weight", (16, 16), torch.float32, torch.tensor([5.0]), torch.tensor([0])
+    )
+    calls_before = len(model.load_calls)
+    with pytest.raises(error) as info:
+        load_checkpoint_weight_patches(model, [fine, bad])  # the valid patch comes first
+    assert isinstance(info.value, InvalidPatchError)
+    assert isinstance(info.value, PatchError)
+    message = str(info.value)
+    assert fragment in message
+    assert f"patches[1] {str(bad.name)!r}" in message
+    assert_same_state(state(model), before)
+    assert len(model.load_calls) == calls_before, "no loader call may happen"
+
+
+def test_every_problem_is_reported_in_one_message(model: Any) -> None:
+    patches = [
+        good(name=""),
+        good(),
+        good(indices=torch.tensor([3, 500])),
+        good(values=torch.tensor([float("nan"), 1.0]), indices=torch.tensor([5, 5])),
+        "not a patch",
+    ]
+    with pytest.raises(InvalidPatchError) as info:
+        load_checkpoint_weight_patches(model, patches)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith("5 problems; nothing was written:")
+    for fragment in (
+        "patches[0] ''",
+        "patches[2]",
+        "NaN",
+        "duplicate",
+        "patches[4]",
+        "is not a patch",
+    ):
+        assert fragment in message
+    assert "patches[1]" not in message
+    assert [p.index for p in info.value.problems] == [0, 2, 3, 3, 4]
+    assert isinstance(info.value, TypeError)  # "not a patch" is a type problem
+
+
+def test_duplicates_allowed_when_not_validated(model: Any) -> None:
+    patch = good(values=torch.tensor([1.0, 1.0]), indices=torch.tensor([4, 4]))
+    load_checkpoint_weight_patches(model, [patch], validate_unique_indices=False)
+    with pytest.raises(InvalidPatchError):
+        load_checkpoint_weight_patches(model, [patch])
+
+
+def test_two_patches_may_touch_the_same_positions(model: Any) -> None:
+    load_checkpoint_weight_patches(model, [good(), good(values=torch.tensor([7.0, 8.0]))])
+    assert model.layer("tr").weight.t().reshape(-1)[9] == 8.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"max_chunk_bytes": 0}, ValueError, "max_chunk_bytes must be positive"),
+        ({"max_chunk_bytes": -5}, ValueError, "max_chunk_bytes must be positive"),
+        ({"max_chunk_bytes": 1.5}, TypeError, "max_chunk_bytes must be an int"),
+        ({"max_chunk_bytes": 10, "chunking": ByteBudget(10)}, ValueError, "not both"),
+        ({"chunking": ByteBudget}, TypeError, "ChunkingPolicy instance"),
+        ({"ordering": "coalesce"}, TypeError, "OrderingPolicy instance"),
+        ({"strategy": NaNMask}, TypeError, r"write NaNMask() instead"),
+        ({"aliases": {"a": 1}}, TypeError, "aliases="),
+    ],
+)
+def test_invalid_arguments(
+    model: Any, kwargs: dict[str, Any], error: type[Exception], fragment: str
+) -> None:
+    before = state(model)
+    with pytest.raises(error) as info:
+        load_checkpoint_weight_patches(model, [good()], **kwargs)
+    assert fragment in str(info.value)
+    assert_same_state(state(model), before)
+
+
+def test_byte_budget_must_be_positive() -> None:
+    with pytest.raises(InvalidPatchError, match="must be positive"):
+        ByteBudget(0)
+    with pytest.raises(InvalidPatchError, match="takes an int"):
+        ByteBudget(True)
+
+
+def test_model_without_load_weights() -> None:
+    with pytest.raises(TypeError, match="load_weights"):
+        load_checkpoint_weight_patches(torch.nn.Linear(2, 2), [good()])
+
+
+def test_strategy_decides_what_is_reserved(model: Any) -> None:
+    nan_patch = good(values=torch.tensor([float("nan"), 1.0]))
+    with pytest.raises(InvalidPatchError, match="NaN"):
+        validate_patches([nan_patch], strategy=NaNMask())
+    assert validate_patches([nan_patch], strategy=BoolMask()) == [nan_patch]
+    int_patch = CheckpointWeightPatch(
+        "q", (4,), torch.int8, torch.tensor([-128]), torch.tensor([0])
+    )
+    with pytest.raises(InvalidPatchError, match="-128"):
+        validate_patches([int_patch])
+    with pytest.raises(TypeError, match="floating dtype"):  # vLLM: TypeError for int sparse
+        validate_patches([int_patch], strategy=NaNMask())
+
+
+def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    reads: list[int] = []
+    original = _patch._host_read
+
+    def counting(flags: torch.Tensor) -> list[bool]:
+        reads.append(flags.numel())
+        return original(flags)
+
+    monkeypatch.setattr(_patch, "_host_read", counting)
+    return reads
+
+
+def test_sorted_indices_need_one_host_read_for_the_whole_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = count_host_reads(monkeypatch)
+    patches = [good(indices=torch.tensor([i, i + 5], dtype=torch.int32)) for i in range(10)]
+    sorts: list[int] = []
+    original_sort = torch.Tensor.sort
+
+    def counting_sort(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sorts.append(1)
+        return original_sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
+    validate_patches(patches)
+    assert reads == [30]  # three flags per patch, one read
+    assert sorts == []  # sorted input is validated in O(nnz), without a sort
+
+
+def test_unsorted_indices_add_one_read_for_the_duplicate_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = count_host_reads(monkeypatch)
+    patches = [good(), good(indices=torch.tensor([9, 3])), good(indices=torch.tensor([7, 1]))]
+    validate_patches(patches)
+    assert reads == [9, 2]
+    reads.clear()
+    validate_patches(patches, validate_unique_indices=False)
+    assert reads == [9]
+
+
+def test_dense_only_calls_do_no_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = count_host_reads(monkeypatch)
+    validate_patches([good(values=torch.zeros(128), indices=None)])
+    assert reads == []

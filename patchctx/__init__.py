@@ -17,6 +17,7 @@ from patchctx._load import load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckpointWeightPatch, validate_patches
+from patchctx._routes import RouteCache, RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 
 __version__ = "0.1.0"
@@ -40,6 +41,8 @@ __all__ = [
     "PatchError",
     "PatchProblem",
     "PerTensor",
+    "RouteCache",
+    "RouteStats",
     "SingleCall",
     "__version__",
     "load_checkpoint_weight_patches",

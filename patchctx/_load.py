@@ -1,21 +1,22 @@
 """`load_checkpoint_weight_patches`: orchestration only.
 
-validate -> resolve aliases -> order -> chunk -> stage -> masked load -> names.
+validate -> resolve aliases -> order -> replay known routes | chunk -> stage -> guarded load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from patchctx._chunking import ByteBudget, ChunkingPolicy
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
-from patchctx._masked_copy import MaskedCopy
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, check_patches, numel_of
+from patchctx._routes import RouteCache, named_tensors, replay
+from patchctx._session import LoadSession, PersistentIndex
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
+from patchctx._undo import UndoLog
 
 __all__ = ["load_checkpoint_weight_patches"]
 
@@ -123,31 +124,77 @@ def _apply_ordering(
     return [item for item in result if item is not None]
 
 
-def _chunks(
-    items: Sequence[CheckedPatch], chunking: ChunkingPolicy
-) -> Iterator[list[CheckedPatch]]:
-    """Group patches into loader calls.
+class _Loader:
+    """Runs the ordered patches: route replay where known, loader calls in chunks elsewhere.
 
-    The policy decides, but a name never repeats in a call and dense and sparse patches never
-    share one.
+    Input order is kept exactly: a replay first flushes the chunk gathered before it.
     """
-    chunk: list[CheckedPatch] = []
-    names: set[str] = set()
-    nbytes = 0
-    for item in items:
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        strategy: CopyStrategy,
+        chunking: ChunkingPolicy,
+        routes: RouteCache | None,
+        undo: UndoLog | None,
+    ) -> None:
+        self.model, self.strategy, self.chunking = model, strategy, chunking
+        self.routes, self.undo = routes, undo
+        self.tensors = named_tensors(model)
+        self.persistent = PersistentIndex(self.tensors)
+        self.names: set[str] = set()
+        self.chunk: list[CheckedPatch] = []
+        self.chunk_names: set[str] = set()
+        self.chunk_nbytes = 0
+
+    def add(self, item: CheckedPatch) -> None:
+        name = item.patch.name
+        if self.routes is not None and item.sparse:
+            if name in self.chunk_names:
+                self.flush()  # the chunk may record the route this patch can replay
+            route = self.routes.usable(name, item.patch.shape, item.patch.dtype, self.tensors)
+            if route is not None:
+                self.flush()
+                assert item.patch.indices is not None
+                replay(
+                    route,
+                    item.patch.indices,
+                    item.patch.values,
+                    self.tensors,
+                    sorted_unique=item.sorted_unique,
+                    undo=self.undo,
+                )
+                self.routes.stats.replayed += 1
+                return
         size = item.staged_nbytes
-        if chunk and (
-            item.patch.name in names
-            or item.sparse != chunk[0].sparse
-            or chunking.split_before(nbytes, len(chunk), size)
+        if self.chunk and (
+            name in self.chunk_names
+            or item.sparse != self.chunk[0].sparse
+            or self.chunking.split_before(self.chunk_nbytes, len(self.chunk), size)
         ):
-            yield chunk
-            chunk, names, nbytes = [], set(), 0
-        chunk.append(item)
-        names.add(item.patch.name)
-        nbytes += size
-    if chunk:
-        yield chunk
+            self.flush()
+        self.chunk.append(item)
+        self.chunk_names.add(name)
+        self.chunk_nbytes += size
+
+    def flush(self) -> None:
+        """Stage the gathered chunk, load it in one session, keep the routes it proves."""
+        if not self.chunk:
+            return
+        chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
+        session = LoadSession(self.strategy, self.persistent, self.undo)
+        weights = []
+        for item in chunk:
+            staged = _stage(item, self.strategy)
+            session.add(item.patch.name, staged, sparse=item.sparse)
+            weights.append((item.patch.name, staged))
+        self.names |= session.run(self.model, weights)
+        del weights, staged
+        if self.routes is not None:
+            self.routes.stats.loaded += len(chunk)
+            shapes = {i.patch.name: (i.patch.shape, i.patch.dtype) for i in chunk if i.sparse}
+            for route in session.routes(shapes).values():
+                self.routes.store(route)
 
 
 def _stage(item: CheckedPatch, strategy: CopyStrategy) -> torch.Tensor:
@@ -155,20 +202,6 @@ def _stage(item: CheckedPatch, strategy: CopyStrategy) -> torch.Tensor:
     if patch.indices is None:
         return patch.values.to(dtype=patch.dtype).view(patch.shape)
     return strategy.stage(patch.shape, patch.dtype, patch.indices, patch.values)
-
-
-def _load_chunk(
-    model: Any, chunk: list[CheckedPatch], strategy: CopyStrategy, region: MaskedCopy
-) -> set[str]:
-    weights = [(item.patch.name, _stage(item, strategy)) for item in chunk]
-    if chunk[0].sparse:
-        with region:
-            loaded = model.load_weights(weights)
-            names = set() if loaded is None else set(loaded)
-    else:
-        loaded = model.load_weights(weights)
-        names = set() if loaded is None else set(loaded)
-    return names
 
 
 @torch.no_grad()
@@ -181,7 +214,7 @@ def load_checkpoint_weight_patches(
     strategy: CopyStrategy | None = None,
     chunking: ChunkingPolicy | None = None,
     ordering: OrderingPolicy | None = None,
-    routes: object | None = None,
+    routes: RouteCache | None = None,
     atomic: bool = False,
     aliases: Mapping[str, str] | None = None,
 ) -> set[str]:
@@ -210,8 +243,13 @@ def load_checkpoint_weight_patches(
         chunking: How many staged tensors go into one loader call; default
             ``ByteBudget(512 MiB)``.
         ordering: `InputOrder()` (default) or `Coalesce()`.
-        routes: Reserved for route replay (`RouteCache`); not supported yet.
-        atomic: Reserved for rollback on failure; not supported yet.
+        routes: A `RouteCache` for this model: sparse patches to names whose route is known
+            are replayed in O(nnz) without the loader; the others record their routes.
+        atomic: On any failure (an invalid write, a loader exception, KeyboardInterrupt),
+            restore every element this call wrote before the exception propagates. Costs
+            memory for the old values: O(nnz) per sparse patch, O(N) per dense one. Without
+            it, a failure leaves the patches before the failing loader call applied, and
+            possibly part of that call's writes.
         aliases: Alias name -> canonical name (tied embeddings). An alias patch is loaded under
             its canonical name, or dropped when the canonical name is patched in the same call.
 
@@ -251,18 +289,24 @@ def load_checkpoint_weight_patches(
     chosen_chunking = _chunking_of(max_chunk_bytes, chunking)
     chosen_ordering = _ordering_of(ordering)
     alias_map = _check_aliases(aliases)
-    if routes is not None:
-        raise NotImplementedError("routes= (RouteCache replay) is not supported yet")
-    if atomic:
-        raise NotImplementedError("atomic=True (rollback on failure) is not supported yet")
+    if routes is not None and not isinstance(routes, RouteCache):
+        raise InvalidPatchTypeError(f"routes= takes a RouteCache; you supplied {routes!r}")
 
     items = check_patches(
         patches, strategy=chosen_strategy, validate_unique_indices=validate_unique_indices
     )
     items = _resolve_aliases(items, alias_map)
     items = _apply_ordering(chosen_ordering, items, chosen_strategy, validate_unique_indices)
-    region = MaskedCopy(chosen_strategy)
-    names: set[str] = set()
-    for chunk in _chunks(items, chosen_chunking):
-        names |= _load_chunk(model, chunk, chosen_strategy, region)
-    return names
+    if routes is not None:
+        routes.bind(model)
+    undo = UndoLog() if atomic else None
+    loader = _Loader(model, chosen_strategy, chosen_chunking, routes, undo)
+    try:
+        for item in items:
+            loader.add(item)
+        loader.flush()
+    except BaseException:
+        if undo is not None:
+            undo.restore()
+        raise
+    return loader.names

@@ -272,6 +272,10 @@ class NaNMask:
             source = source.to(dtype=destination.dtype)
         return torch.where(keep, destination, source, out=destination)
 
+    def update_mask(self, source: torch.Tensor) -> torch.Tensor:
+        """Where `source` carries an update (not NaN); used to save O(nnz) undo data."""
+        return ~torch.isnan(source)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IntSentinel:
@@ -369,6 +373,10 @@ class IntSentinel:
         keep = source == self.sentinel(source.dtype)
         return torch.where(keep, destination, source, out=destination)
 
+    def update_mask(self, source: torch.Tensor) -> torch.Tensor:
+        """Where `source` carries an update (not the sentinel)."""
+        return source != self.sentinel(source.dtype)
+
 
 @dataclass(frozen=True, slots=True)
 class _StagedMask:
@@ -446,6 +454,14 @@ class BoolMask:
         _require_same_shape(self, destination, source)
         if source.numel() == 0:
             return destination
+        update = _move(self.update_mask(source), destination, non_blocking)
+        source = _move(source, destination, non_blocking)
+        if source.dtype != destination.dtype:
+            source = source.to(dtype=destination.dtype)
+        return torch.where(update, source, destination, out=destination)
+
+    def update_mask(self, source: torch.Tensor) -> torch.Tensor:
+        """Where `source` (a view of a tensor staged by `stage`) carries an update."""
         entry = _BOOL_MASKS.get(source.untyped_storage().data_ptr())
         if entry is None or entry.dtype != source.dtype:
             raise LoaderContractError(
@@ -462,12 +478,7 @@ class BoolMask:
             raise LoaderContractError(
                 f"{self!r}: the source of this copy_ reaches outside the staged tensor it views"
             )
-        update = entry.mask.as_strided(source.shape, source.stride(), source.storage_offset())
-        update = _move(update, destination, non_blocking)
-        source = _move(source, destination, non_blocking)
-        if source.dtype != destination.dtype:
-            source = source.to(dtype=destination.dtype)
-        return torch.where(update, source, destination, out=destination)
+        return entry.mask.as_strided(source.shape, source.stride(), source.storage_offset())
 
 
 _NAN_MASK = NaNMask()
@@ -534,6 +545,10 @@ class Auto:
                 f"{source.dtype}"
             )
         return self.resolve(source.dtype).merge(destination, source, non_blocking=non_blocking)
+
+    def update_mask(self, source: torch.Tensor) -> torch.Tensor:
+        """Where `source` carries an update, by the strategy its dtype resolves to."""
+        return self.resolve(source.dtype).update_mask(source)
 
 
 def as_strategy(strategy: object, default: CopyStrategy, where: str) -> CopyStrategy:

@@ -1,0 +1,327 @@
+"""Routes: the exact map from checkpoint flat index to parameter storage position, learnt once.
+
+While a sparse patch goes through the loader, every copy of its staged tensor into a parameter
+is seen by the load session. When the copy's source is a *view* of the staged tensor, its
+offset and strides and the destination's offset and strides give an affine map from checkpoint
+flat index to storage position: a `Segment`. A name whose every write was such a copy, with
+nothing else touching those positions, gets a `Route` (its segments, in order). Later sparse
+patches to that name skip the loader: `replay` finds which indices each segment covers (binary
+search when the indices are sorted), maps them, and writes the values with ``index_copy_``, in
+place, in O(nnz).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from patchctx._strategies import indexable
+from patchctx._undo import UndoLog, storage_flat
+
+__all__ = ["Geometry", "Route", "RouteCache", "Segment", "named_tensors"]
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """A strided view of a storage: sizes, strides and offset, in elements."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Geometry:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    def dims(self) -> list[int]:
+        """Dimensions of size > 1, by decreasing stride (the order a flat offset decomposes in)."""
+        return sorted((d for d, s in enumerate(self.size) if s > 1), key=lambda d: -self.stride[d])
+
+    def span(self) -> tuple[int, int]:
+        """The lowest and highest storage offset the view touches (inclusive)."""
+        low = high = self.offset
+        for size, stride in zip(self.size, self.stride, strict=True):
+            if size > 1:
+                reach = (size - 1) * stride
+                low, high = low + min(0, reach), high + max(0, reach)
+        return low, high
+
+    def injective(self) -> bool:
+        """Whether distinct elements sit at distinct offsets, decomposable greedily by stride.
+
+        True for every view made of narrow, select, slicing with steps, transpose, permute,
+        unsqueeze and reshape of contiguous runs: strides are positive and each exceeds the
+        largest offset reachable through the smaller ones.
+        """
+        reach = 0
+        for d in reversed(self.dims()):
+            if self.stride[d] <= reach:
+                return False
+            reach += (self.size[d] - 1) * self.stride[d]
+        return True
+
+    def contiguous_run(self) -> bool:
+        """Whether the view is one contiguous run of offsets, in row-major order."""
+        expected = 1
+        for d in reversed(range(len(self.size))):
+            if self.size[d] > 1 and self.stride[d] != expected:
+                return False
+            expected *= self.size[d]
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One recorded copy: a view of the staged checkpoint tensor into a view of a parameter.
+
+    Attributes:
+        source: The view of the staged (contiguous, checkpoint-shaped) tensor that was copied.
+        target: The view of the destination storage it was copied into (same sizes).
+        tensor_name: Fully qualified name of the parameter or buffer owning that storage.
+        storage_ptr: The storage's data pointer when recorded (checked before replay).
+        dtype: The destination dtype (values are cast as ``copy_`` would).
+    """
+
+    source: Geometry
+    target: Geometry
+    tensor_name: str
+    storage_ptr: int
+    dtype: torch.dtype
+    _plan: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
+    _direct: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        plan = tuple(
+            (self.source.stride[d], self.source.size[d], self.target.stride[d])
+            for d in self.source.dims()
+        )
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(
+            self,
+            "_direct",
+            self.source.contiguous_run() and self.target.contiguous_run(),
+        )
+
+    def positions(
+        self, indices: torch.Tensor, *, sorted_unique: bool
+    ) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        """Storage positions for the checkpoint `indices` this segment covers.
+
+        Returns the positions (int64, on the indices' device) and a selector (a slice when the
+        indices are sorted, else a boolean mask) picking the matching entries of the patch.
+        """
+        low, high = self.source.span()
+        if sorted_unique:
+            bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
+            start, stop = (int(v) for v in torch.searchsorted(indices, bounds))
+            picked: slice | torch.Tensor = slice(start, stop)
+            covered = indices[start:stop].long()
+        else:
+            picked = (indices >= low) & (indices <= high)
+            covered = indices[picked].long()
+        if self._direct:
+            return covered - (self.source.offset - self.target.offset), picked
+        # General strided view: decompose (index - offset) greedily by source stride.
+        rest = covered - self.source.offset
+        positions = torch.full_like(rest, self.target.offset)
+        valid = torch.ones_like(rest, dtype=torch.bool)
+        for stride, size, target_stride in self._plan:
+            coordinate = torch.div(rest, stride, rounding_mode="floor")
+            valid &= (coordinate >= 0) & (coordinate < size)
+            rest -= coordinate * stride
+            positions += coordinate * target_stride
+        valid &= rest == 0
+        if isinstance(picked, slice):
+            where = torch.arange(picked.start, picked.stop, device=indices.device)[valid]
+            return positions[valid], where
+        where = picked.nonzero().squeeze(1)[valid]
+        return positions[valid], where
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one checkpoint name reaches the model: its segments in the order they were copied."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    segments: tuple[Segment, ...]
+
+
+def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` by qualified name (tied ones under each name)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tensors[name] = parameter
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        tensors[name] = buffer
+    return tensors
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class RouteCache:
+    """Remembered routes from checkpoint names to parameter storage, for O(nnz) patches.
+
+    Pass one cache to every `load_checkpoint_weight_patches` call on one model. The first sparse
+    patch to a name goes through the loader and records its route when the loader's writes are
+    provably view copies; later sparse patches to the name replay the route without the loader:
+    O(nnz) time and memory, in place, bit-identical to the loader path. Before each replay the
+    route's destinations are checked against the model's live parameters and buffers; a
+    parameter that was rebound or reallocated invalidates the route, and that patch goes
+    through the loader again (recording a new route). A cache belongs to one model: used with
+    another model it starts over.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             self.w.data[2:].copy_(tensor.narrow(0, 0, 2))  # a tensor-parallel slice
+        ...         return {"w"}
+        >>> model, routes = Model(), RouteCache()
+        >>> def patch(i, v):
+        ...     return CheckpointWeightPatch("w", (4, 4), torch.float32, torch.tensor([v]),
+        ...                                  torch.tensor([i]))
+        >>> _ = load_checkpoint_weight_patches(model, [patch(5, 1.0)], routes=routes)
+        >>> "w" in routes, routes.stats.recorded
+        (True, 1)
+        >>> _ = load_checkpoint_weight_patches(model, [patch(6, 2.0)], routes=routes)
+        >>> routes.stats.replayed, model.w[3, 1:3].tolist()
+        (1, [1.0, 2.0])
+    """
+
+    def __init__(self) -> None:
+        self._routes: dict[str, Route] = {}
+        self._model: weakref.ref[torch.nn.Module] | None = None
+        self._lock = threading.Lock()
+        self.stats = RouteStats()
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._routes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._routes))
+
+    def __repr__(self) -> str:
+        return f"RouteCache({len(self)} routes)"
+
+    def route(self, name: str) -> Route | None:
+        """The recorded route of `name`, if any."""
+        return self._routes.get(name)
+
+    def clear(self) -> None:
+        """Forget every route (the next patch to each name goes through the loader)."""
+        with self._lock:
+            self._routes.clear()
+
+    def invalidate(self, name: str) -> None:
+        """Forget the route of `name` (no error if there is none)."""
+        with self._lock:
+            self._routes.pop(name, None)
+
+    # -- used by load_checkpoint_weight_patches ------------------------------------------
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Tie the cache to `model`; a different model clears it."""
+        with self._lock:
+            bound = self._model() if self._model is not None else None
+            if bound is not model:
+                self._routes.clear()
+                self._model = weakref.ref(model)
+
+    def store(self, route: Route) -> None:
+        with self._lock:
+            self._routes[route.name] = route
+        self.stats.recorded += 1
+
+    def usable(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> Route | None:
+        """The route of `name` if it matches the patch's tensor and every destination is live."""
+        route = self._routes.get(name)
+        if route is None:
+            return None
+        if route.shape != shape or route.dtype != dtype:
+            self.invalidate(name)
+            self.stats.invalidated += 1
+            return None
+        for segment in route.segments:
+            tensor = tensors.get(segment.tensor_name)
+            if (
+                tensor is None
+                or tensor.dtype != segment.dtype
+                or _storage_ptr(tensor) != segment.storage_ptr
+                or segment.target.span()[1] * tensor.element_size()
+                >= tensor.untyped_storage().nbytes()
+            ):
+                self.invalidate(name)
+                self.stats.invalidated += 1
+                return None
+        return route
+
+
+@dataclass
+class RouteStats:
+    """Counters of a `RouteCache`, cumulative over the calls that used it.
+
+    Attributes:
+        recorded: Routes recorded (first sparse patch of a name through the loader).
+        replayed: Sparse patches applied by route replay, without the loader.
+        loaded: Patches that went through the loader (dense, first-time or unprovable sparse).
+        invalidated: Routes dropped because a destination was rebound or the tensor changed.
+    """
+
+    recorded: int = 0
+    replayed: int = 0
+    loaded: int = 0
+    invalidated: int = 0
+
+
+def replay(
+    route: Route,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    sorted_unique: bool,
+    undo: UndoLog | None = None,
+) -> None:
+    """Write a sparse patch along `route`: O(nnz), in place, casting as the loader path does."""
+    on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for segment in route.segments:
+        target = tensors[segment.tensor_name]
+        if target.device not in on_device:
+            on_device[target.device] = (indices.to(target.device), values.to(target.device))
+        device_indices, device_values = on_device[target.device]
+        positions, picked = segment.positions(device_indices, sorted_unique=sorted_unique)
+        if positions.numel() == 0:
+            continue
+        # The loader path casts to the checkpoint dtype when staging and copy_ casts to the
+        # destination dtype: the same two casts, on the covered values only.
+        update = device_values[picked].to(dtype=route.dtype).to(dtype=segment.dtype)
+        if undo is not None:
+            undo.save_positions(target, positions)
+        indexable(storage_flat(target)).index_copy_(0, positions, indexable(update))

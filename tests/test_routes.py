@@ -1,0 +1,423 @@
+"""Route replay: bit-identical to the loader path, recorded only when provable, safely dropped."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from patchctx import (
+    CheckpointWeightPatch,
+    RouteCache,
+    SingleCall,
+    load_checkpoint_weight_patches,
+)
+from tests.support.builders import Sparse, patch_sequences, sparse_patch
+from tests.support.models import (
+    PaddedEmbedding,
+    Spec,
+    ToyModel,
+    assert_same_state,
+    packed_tp_model,
+    random_checkpoint,
+    random_tensor,
+    state,
+)
+from tests.support.reference import reference_after
+
+# ------------------------------------------------------------------ random view loaders
+
+
+@dataclass(frozen=True)
+class ViewChain:
+    """A loader described as data: view ops on the checkpoint tensor, then a packed target."""
+
+    shape: tuple[int, ...]
+    ops: tuple[tuple[str, tuple[int, ...]], ...]
+    slots: int
+    slot: int
+    target_perm: tuple[int, ...]
+    replicas: int
+    checkpoint_dtype: torch.dtype
+    param_dtype: torch.dtype
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        for op, a in self.ops:
+            if op == "narrow":
+                tensor = tensor.narrow(a[0], a[1], a[2])
+            elif op == "select":
+                tensor = tensor.select(a[0], a[1])
+            elif op == "transpose":
+                tensor = tensor.transpose(a[0], a[1])
+            elif op == "permute":
+                tensor = tensor.permute(*a)
+            elif op == "unsqueeze":
+                tensor = tensor.unsqueeze(a[0])
+            elif op == "step":
+                tensor = tensor[(slice(None),) * a[0] + (slice(None, None, a[1]),)]
+        return tensor
+
+    def view_shape(self) -> tuple[int, ...]:
+        return tuple(self.apply(torch.empty(self.shape)).shape)
+
+
+@st.composite
+def view_chains(draw: st.DrawFn) -> ViewChain:
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    current = list(shape)
+    ops: list[tuple[str, tuple[int, ...]]] = []
+    for _ in range(draw(st.integers(0, 3))):
+        kinds = ["narrow", "transpose", "permute", "unsqueeze", "step"]
+        if len(current) > 1:
+            kinds.append("select")
+        kind = draw(st.sampled_from(kinds))
+        ndim = len(current)
+        if kind == "narrow":
+            d = draw(st.integers(0, ndim - 1))
+            start = draw(st.integers(0, current[d] - 1))
+            length = draw(st.integers(1, current[d] - start))
+            ops.append((kind, (d, start, length)))
+            current[d] = length
+        elif kind == "select":
+            d = draw(st.integers(0, ndim - 1))
+            ops.append((kind, (d, draw(st.integers(0, current[d] - 1)))))
+            current.pop(d)
+        elif kind == "transpose":
+            a, b = draw(st.integers(0, ndim - 1)), draw(st.integers(0, ndim - 1))
+            ops.append((kind, (a, b)))
+            current[a], current[b] = current[b], current[a]
+        elif kind == "permute":
+            perm = tuple(draw(st.permutations(range(ndim))))
+            ops.append((kind, perm))
+            current = [current[p] for p in perm]
+        elif kind == "unsqueeze":
+            d = draw(st.integers(0, ndim))
+            ops.append((kind, (d,)))
+            current.insert(d, 1)
+        else:
+            d = draw(st.integers(0, ndim - 1))
+            step = draw(st.integers(1, 3))
+            ops.append((kind, (d, step)))
+            current[d] = -(-current[d] // step)
+    floats = [torch.float32, torch.bfloat16, torch.float16]
+    return ViewChain(
+        shape=shape,
+        ops=tuple(ops),
+        slots=(slots := draw(st.integers(1, 3))),
+        slot=draw(st.integers(0, slots - 1)),
+        target_perm=tuple(draw(st.permutations(range(len(current))))),
+        replicas=draw(st.integers(1, 2)),
+        checkpoint_dtype=draw(st.sampled_from(floats)),
+        param_dtype=draw(st.sampled_from(floats)),
+    )
+
+
+class ChainModel(nn.Module):
+    """Loads one checkpoint tensor "w" through a `ViewChain` into packed, permuted parameters."""
+
+    def __init__(self, chain: ViewChain) -> None:
+        super().__init__()
+        self.chain = chain
+        view = chain.view_shape()
+        stored = tuple(view[p] for p in chain.target_perm)
+        self.packs = nn.ParameterList(
+            nn.Parameter(
+                torch.zeros(chain.slots, *stored, dtype=chain.param_dtype), requires_grad=False
+            )
+            for _ in range(chain.replicas)
+        )
+
+    def target(self, replica: int) -> torch.Tensor:
+        inverse = [0] * len(self.chain.target_perm)
+        for i, p in enumerate(self.chain.target_perm):
+            inverse[p] = i
+        pack: torch.Tensor = self.packs[replica]
+        return pack.data[self.chain.slot].permute(*inverse)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            source = self.chain.apply(tensor)
+            for replica in range(self.chain.replicas):
+                self.target(replica).copy_(source)
+        return {"packs"}
+
+
+@given(chain=view_chains(), data=st.data())
+def test_replay_equals_the_loader_path_for_random_view_loaders(
+    chain: ViewChain, data: st.DataObject
+) -> None:
+    model = ChainModel(chain)
+    spec = Spec(chain.shape, chain.checkpoint_dtype)
+    full = random_tensor(chain.shape, chain.checkpoint_dtype, torch.Generator().manual_seed(1))
+    model.load_weights([("w", full)])
+    routes = RouteCache()
+
+    def as_patch(drawn: Sparse) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            "w", chain.shape, chain.checkpoint_dtype, drawn.values, drawn.indices
+        )
+
+    first = data.draw(sparse_patch("w", spec))
+    load_checkpoint_weight_patches(model, [as_patch(first)], routes=routes)
+    assert "w" in routes, "a pure view loader must be replayable"
+
+    second = data.draw(sparse_patch("w", spec))
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(reference, [as_patch(second)])  # the loader path
+    load_checkpoint_weight_patches(model, [as_patch(second)], routes=routes)
+    assert routes.stats.replayed == 1
+    assert_same_state(state(model), state(reference))
+
+
+# ------------------------------------------------------------------ whole toy models
+
+
+@given(
+    data=st.data(),
+    tp=st.sampled_from([(1, 0), (2, 1), (4, 3)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_rounds_of_mixed_patches_with_routes_match_the_reference(
+    data: st.DataObject, tp: tuple[int, int], dtype: torch.dtype
+) -> None:
+    model = packed_tp_model(tp_size=tp[0], tp_rank=tp[1], dtype=dtype)
+    checkpoint = random_checkpoint(model.checkpoint_specs())
+    model.load_weights(checkpoint.items())
+    reference = copy.deepcopy(model)
+    routes = RouteCache()
+    for _ in range(3):
+        patches = data.draw(patch_sequences(model.checkpoint_specs(), max_size=5))
+        load_checkpoint_weight_patches(model, patches, routes=routes)
+        load_checkpoint_weight_patches(reference, patches)
+        assert_same_state(state(model), state(reference))
+    # Every layer of the packed model loads by view copies: every sparse name is replayable.
+    sparse_names = set(routes)
+    assert all(name in model.checkpoint_specs() for name in sparse_names)
+
+
+def test_every_name_of_the_packed_model_records_a_route_and_then_replays() -> None:
+    model = packed_tp_model(tp_size=2, tp_rank=1)
+    checkpoint = random_checkpoint(model.checkpoint_specs())
+    model.load_weights(checkpoint.items())
+    routes = RouteCache()
+    specs = model.checkpoint_specs()
+
+    def patch(name: str, seed: int) -> CheckpointWeightPatch:
+        numel = math.prod(specs[name].shape)
+        g = torch.Generator().manual_seed(seed)
+        indices = torch.randperm(numel, generator=g)[: max(1, numel // 10)].sort().values
+        return CheckpointWeightPatch(
+            name,
+            specs[name].shape,
+            specs[name].dtype,
+            torch.randn(indices.numel(), generator=g),
+            indices,
+        )
+
+    first = [patch(name, 1) for name in sorted(specs)]
+    load_checkpoint_weight_patches(model, first, routes=routes, chunking=SingleCall())
+    assert set(routes) == set(specs), "mixed chunks attribute writes by staged tensor"
+    calls = len(model.load_calls)
+    second = [patch(name, 2) for name in sorted(specs)]
+    reference = reference_after(model, dict(checkpoint), [])
+    load_checkpoint_weight_patches(reference, first + second)
+    load_checkpoint_weight_patches(model, second, routes=routes)
+    assert len(model.load_calls) == calls, "replay makes no loader call"
+    assert routes.stats.replayed == len(specs)
+    assert_same_state(state(model), state(reference))
+
+
+def test_vocabulary_padding_zero_fill_does_not_prevent_a_route() -> None:
+    model = ToyModel({"emb": PaddedEmbedding(13, 4)})
+    model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+    routes = RouteCache()
+    patch = CheckpointWeightPatch(
+        "emb.embed.weight", (13, 4), torch.float32, torch.tensor([1.0]), torch.tensor([51])
+    )
+    load_checkpoint_weight_patches(model, [patch], routes=routes)
+    assert "emb.embed.weight" in routes
+    load_checkpoint_weight_patches(
+        model, [patch._replace(values=torch.tensor([2.0]))], routes=routes
+    )
+    assert routes.stats.replayed == 1
+    assert model.layer("emb").weight[12, 3] == 2.0
+    assert not model.layer("emb").weight[13:].any()
+
+
+# ------------------------------------------------------------------ never cached
+
+
+class Layer(nn.Module):
+    def __init__(self, loader: str) -> None:
+        super().__init__()
+        self.loader = loader
+        self.weight = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+        self.other = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            if self.loader == "contiguous":
+                self.weight.data.copy_(tensor.t().contiguous().t())
+            elif self.loader == "cast":
+                self.weight.data.copy_(tensor.to(torch.float64))
+            elif self.loader == "cat":
+                both = torch.cat([tensor[:2], tensor[2:]])
+                self.weight.data.copy_(both)
+            elif self.loader == "temporary":
+                scratch = torch.empty_like(tensor)
+                scratch.copy_(tensor)
+                self.weight.data.copy_(scratch)
+            elif self.loader == "touch-after":
+                self.weight.data.copy_(tensor)
+                self.weight.data[1].mul_(1.0)
+            elif self.loader == "twice-other-positions":
+                self.weight.data.copy_(tensor)
+                self.other.data.fill_(3.0)
+        return {"weight"}
+
+
+@pytest.mark.parametrize("loader", ["contiguous", "cast", "cat", "temporary", "touch-after"])
+def test_loaders_that_are_not_pure_views_are_never_cached_and_stay_correct(loader: str) -> None:
+    model = Layer(loader)
+    routes = RouteCache()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    patches = []
+    for _ in range(3):
+        indices = torch.randperm(24, generator=generator)[:5].sort().values
+        patches.append(
+            CheckpointWeightPatch(
+                "w", (4, 6), torch.float32, torch.randn(5, generator=generator), indices
+            )
+        )
+    for patch in patches:
+        load_checkpoint_weight_patches(model, [patch], routes=routes)
+    assert "w" not in routes and routes.stats.replayed == 0
+    full = torch.zeros(4, 6)
+    for patch in patches:
+        full.view(-1)[patch.indices] = patch.values
+    expected = torch.zeros(4, 6)
+    mask = torch.zeros(24, dtype=torch.bool)
+    for patch in patches:
+        mask[patch.indices] = True
+    expected.view(-1)[mask] = full.view(-1)[mask]
+    assert torch.equal(model.weight.to(torch.float32), expected)
+    del reference
+
+
+def test_writes_elsewhere_in_the_model_do_not_prevent_a_route() -> None:
+    model = Layer("twice-other-positions")
+    routes = RouteCache()
+    patch = CheckpointWeightPatch(
+        "w", (4, 6), torch.float32, torch.tensor([1.0]), torch.tensor([7])
+    )
+    load_checkpoint_weight_patches(model, [patch], routes=routes)
+    assert "w" in routes
+
+
+# ------------------------------------------------------------------ invalidation
+
+
+def sparse_w(value: float, index: int = 7) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(
+        "w", (4, 6), torch.float32, torch.tensor([value]), torch.tensor([index])
+    )
+
+
+def test_rebound_parameter_invalidates_its_route() -> None:
+    model = Layer("twice-other-positions")
+    routes = RouteCache()
+    load_checkpoint_weight_patches(model, [sparse_w(1.0)], routes=routes)
+    model.weight.data = model.weight.data.clone()  # reallocated between calls
+    load_checkpoint_weight_patches(model, [sparse_w(2.0, 8)], routes=routes)
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+    assert model.weight.view(-1)[8] == 2.0 and model.weight.view(-1)[7] == 1.0
+    assert "w" in routes  # re-recorded against the new storage
+    load_checkpoint_weight_patches(model, [sparse_w(3.0, 9)], routes=routes)
+    assert routes.stats.replayed == 1 and model.weight.view(-1)[9] == 3.0
+
+
+def test_replaced_parameter_object_invalidates_its_route() -> None:
+    model = Layer("twice-other-positions")
+    routes = RouteCache()
+    load_checkpoint_weight_patches(model, [sparse_w(1.0)], routes=routes)
+    model.weight = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+    load_checkpoint_weight_patches(model, [sparse_w(2.0)], routes=routes)
+    assert routes.stats.replayed == 0
+    assert model.weight.view(-1)[7] == 2.0
+
+
+def test_route_cache_api_and_dense_patches_invalidate_nothing() -> None:
+    model = Layer("twice-other-positions")
+    routes = RouteCache()
+    assert len(routes) == 0 and "w" not in routes and repr(routes) == "RouteCache(0 routes)"
+    load_checkpoint_weight_patches(model, [sparse_w(1.0)], routes=routes)
+    assert len(routes) == 1 and list(routes) == ["w"] and routes.route("w") is not None
+    dense = CheckpointWeightPatch("w", (4, 6), torch.float32, torch.arange(24.0))
+    load_checkpoint_weight_patches(model, [dense], routes=routes)
+    assert "w" in routes and torch.equal(model.weight.view(-1), torch.arange(24.0))
+    load_checkpoint_weight_patches(model, [sparse_w(-1.0, 0)], routes=routes)
+    assert routes.stats.replayed == 1 and model.weight.view(-1)[0] == -1.0
+    routes.invalidate("w")
+    routes.invalidate("never-seen")
+    assert "w" not in routes
+    load_checkpoint_weight_patches(model, [sparse_w(5.0)], routes=routes)
+    routes.clear()
+    assert len(routes) == 0
+
+
+def test_a_route_cache_used_with_another_model_starts_over() -> None:
+    a, b = Layer("twice-other-positions"), Layer("twice-other-positions")
+    routes = RouteCache()
+    load_checkpoint_weight_patches(a, [sparse_w(1.0)], routes=routes)
+    load_checkpoint_weight_patches(b, [sparse_w(2.0)], routes=routes)
+    assert routes.stats.replayed == 0
+    assert a.weight.view(-1)[7] == 1.0 and b.weight.view(-1)[7] == 2.0
+
+
+def test_a_different_shape_or_dtype_for_the_name_goes_through_the_loader() -> None:
+    model = Layer("twice-other-positions")
+    routes = RouteCache()
+    load_checkpoint_weight_patches(model, [sparse_w(1.0)], routes=routes)
+    bf16 = CheckpointWeightPatch(
+        "w", (4, 6), torch.bfloat16, torch.tensor([2.0]), torch.tensor([3])
+    )
+    load_checkpoint_weight_patches(model, [bf16], routes=routes)
+    assert routes.stats.replayed == 0 and model.weight.view(-1)[3] == 2.0
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sort", [True, False])
+def test_replay_with_unsorted_and_sorted_indices(index_dtype: torch.dtype, sort: bool) -> None:
+    model = packed_tp_model(tp_size=2, tp_rank=1)
+    model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+    routes = RouteCache()
+    spec = model.checkpoint_specs()["down.down_proj.weight"]  # row-parallel: strided source
+    generator = torch.Generator().manual_seed(3)
+
+    def patch() -> CheckpointWeightPatch:
+        indices = torch.randperm(math.prod(spec.shape), generator=generator)[:50]
+        if sort:
+            indices = indices.sort().values
+        return CheckpointWeightPatch(
+            "down.down_proj.weight",
+            spec.shape,
+            spec.dtype,
+            torch.randn(50, generator=generator),
+            indices.to(index_dtype),
+        )
+
+    load_checkpoint_weight_patches(model, [patch()], routes=routes)
+    second = patch()
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(reference, [second])
+    load_checkpoint_weight_patches(model, [second], routes=routes)
+    assert routes.stats.replayed == 1
+    assert_same_state(state(model), state(reference))

@@ -5,6 +5,7 @@ checkpoint (name, full shape, flat indices and values) while the model's own ``l
 keeps mapping them to runtime coordinates (tensor-parallel slices, packed parameters, experts).
 """
 
+from patchctx._audit import AuditReport, AuditRow, audit
 from patchctx._chunking import ByteBudget, ChunkingPolicy, PerTensor, SingleCall
 from patchctx._errors import (
     InvalidPatchError,
@@ -23,6 +24,8 @@ from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNM
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
+    "AuditRow",
     "Auto",
     "BoolMask",
     "ByteBudget",
@@ -45,6 +48,7 @@ __all__ = [
     "RouteStats",
     "SingleCall",
     "__version__",
+    "audit",
     "load_checkpoint_weight_patches",
     "masked_copy",
     "validate_patches",

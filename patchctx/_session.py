@@ -55,6 +55,8 @@ _LAYOUT_COPIES = frozenset(
         aten.cat,
         aten.stack,
         aten.index_select,
+        aten.index,
+        aten.gather,
         aten.repeat,
         aten.narrow_copy,
         aten.slice_copy,

@@ -1,0 +1,156 @@
+"""`audit`: which checkpoint names take O(nnz) replays, masked loads, or nothing at all."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from patchctx._errors import LoaderContractError
+from patchctx._routes import named_tensors
+from patchctx._session import LoadSession, PersistentIndex
+from patchctx._strategies import Auto, CopyStrategy, as_strategy
+from patchctx._undo import UndoLog
+
+__all__ = ["AuditReport", "AuditRow", "audit"]
+
+Status = Literal["replayable", "masked", "unsupported"]
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRow:
+    """The verdict for one checkpoint name.
+
+    Attributes:
+        name: The checkpoint name.
+        status: ``"replayable"`` (a route is recorded: sparse patches cost O(nnz) from the
+            second one on), ``"masked"`` (sparse patches work through the loader, O(N) each)
+            or ``"unsupported"`` (sparse patches are refused).
+        reason: Why the name is not replayable, or a note; empty when there is nothing to say.
+    """
+
+    name: str
+    status: Status
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    """The result of `audit`: one row per checkpoint name, in the order given.
+
+    Printing it shows a table.
+    """
+
+    rows: tuple[AuditRow, ...]
+
+    def counts(self) -> dict[str, int]:
+        """How many names have each status (all three keys present)."""
+        counted = Counter(row.status for row in self.rows)
+        return {
+            status: counted.get(status, 0) for status in ("replayable", "masked", "unsupported")
+        }
+
+    def names(self, status: Status) -> list[str]:
+        """The names with `status`."""
+        return [row.name for row in self.rows if row.status == status]
+
+    def __str__(self) -> str:
+        width = max([len("name"), *(len(row.name) for row in self.rows)])
+        lines = [f"{'name':<{width}}  {'status':<11}  reason", f"{'-' * width}  {'-' * 11}  ------"]
+        lines += [
+            f"{row.name:<{width}}  {row.status:<11}  {row.reason}".rstrip() for row in self.rows
+        ]
+        counts = self.counts()
+        lines.append(", ".join(f"{n} {status}" for status, n in counts.items()))
+        return "\n".join(lines)
+
+
+def audit(
+    model: torch.nn.Module,
+    specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
+    *,
+    strategy: CopyStrategy | None = None,
+) -> AuditReport:
+    """Find out, for each checkpoint tensor, how sparse patches to it will be applied.
+
+    For each ``(name, shape, dtype)``, an all-"keep" sparse patch (it changes nothing) goes
+    through the model's ``load_weights`` under the same guard as a real patch load. Every write
+    the loader makes is undone afterwards, its own unmasked writes included, so auditing changes
+    no weight. Run it once per model (and per tensor-parallel rank) to see which names will be
+    O(nnz) with a `RouteCache` and which will not, and why.
+
+    Args:
+        model: The model, as for `load_checkpoint_weight_patches`.
+        specs: The checkpoint tensors: name, full shape and dtype.
+        strategy: The strategy real patches will use; default `Auto()`.
+
+    Returns:
+        One row per name: replayable, masked, or unsupported with the reason.
+
+    Example:
+        >>> import torch
+        >>> from patchctx import audit
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+        ...         self.b = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             if name == "a":
+        ...                 self.a.copy_(tensor)                    # a view copy
+        ...             else:
+        ...                 self.b.copy_(tensor.t().contiguous())   # a computed copy
+        ...         return {name for name, _ in weights}
+        >>> report = audit(Model(), [("a", (2, 3), torch.float32), ("b", (2, 3), torch.float32)])
+        >>> print(report)
+        name  status       reason
+        ----  -----------  ------
+        a     replayable
+        b     masked       the loader copied a computed copy, not a view
+        1 replayable, 1 masked, 0 unsupported
+    """
+    chosen = as_strategy(strategy, Auto(), "audit")
+    persistent = PersistentIndex(named_tensors(model))
+    rows = []
+    with torch.no_grad():
+        for name, shape, dtype in specs:
+            rows.append(
+                _audit_one(model, persistent, chosen, name, tuple(int(d) for d in shape), dtype)
+            )
+    return AuditReport(tuple(rows))
+
+
+def _audit_one(
+    model: torch.nn.Module,
+    persistent: PersistentIndex,
+    strategy: CopyStrategy,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> AuditRow:
+    reason = strategy.unsupported_reason(dtype)
+    if reason is not None:
+        return AuditRow(name, "unsupported", reason)
+    device = next((t.device for t in persistent.tensors.values()), torch.device("cpu"))
+    nothing = torch.zeros(0, dtype=torch.long, device=device)
+    staged = strategy.stage(shape, dtype, nothing, torch.zeros(0, dtype=dtype, device=device))
+    undo = UndoLog()
+    session = LoadSession(strategy, persistent, undo)
+    session.add(name, staged, sparse=True)
+    try:
+        session.run(model, [(name, staged)])
+    except LoaderContractError as error:
+        return AuditRow(name, "unsupported", str(error))
+    except Exception as error:  # the loader itself failed on this name
+        return AuditRow(name, "unsupported", f"the loader raised {type(error).__name__}: {error}")
+    finally:
+        undo.restore()
+    if name in session.routes({name: (shape, dtype)}):
+        if not session.segments.get(name):
+            return AuditRow(name, "replayable", "the loader writes nothing for it (on this rank)")
+        return AuditRow(name, "replayable")
+    return AuditRow(name, "masked", session.unprovable.get(name, ""))

@@ -1,0 +1,249 @@
+"""atomic=True: any failure mid-call restores every element the call wrote, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from patchctx import (
+    CheckpointWeightPatch,
+    LoaderContractError,
+    PerTensor,
+    RouteCache,
+    SingleCall,
+    _load,
+    _routes,
+    load_checkpoint_weight_patches,
+)
+from patchctx._undo import UndoLog, storage_flat
+from tests.support.models import assert_same_state, same_bits, state
+from tests.test_guard import MASKED, REFUSED, Write
+
+NAMES = [f"w{i}" for i in range(5)]
+
+
+class Holder(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class Model(nn.Module):
+    """Five [3, 4] weights; each name is loaded by its own write path."""
+
+    def __init__(self, paths: dict[str, Write] | None = None) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.weights = nn.ModuleDict(
+            {n: Holder(torch.randn(3, 4, generator=generator)) for n in NAMES}
+        )
+        self.paths = paths or {}
+        self.fail_after: int | None = None  # raise after this many tensors were written
+        self.interrupt = False
+        self.written = 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            if self.fail_after is not None and self.written >= self.fail_after:
+                if self.interrupt:
+                    raise KeyboardInterrupt
+                raise RuntimeError(f"loader failed at {name}")
+            holder = self.weights[name]
+            assert isinstance(holder, Holder)
+            path = self.paths.get(name)
+            if path is None:
+                holder.weight.data.copy_(tensor)
+            else:
+                path(holder, tensor)  # type: ignore[arg-type]
+            self.written += 1
+        return {f"weights.{name}.weight" for name, _ in weights}
+
+
+def sparse(name: str, seed: int, count: int = 4) -> CheckpointWeightPatch:
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.randperm(12, generator=generator)[:count].sort().values
+    return CheckpointWeightPatch(
+        name, (3, 4), torch.float32, torch.randn(count, generator=generator), indices
+    )
+
+
+def dense(name: str, seed: int) -> CheckpointWeightPatch:
+    generator = torch.Generator().manual_seed(seed)
+    return CheckpointWeightPatch(name, (3, 4), torch.float32, torch.randn(12, generator=generator))
+
+
+def test_a_loader_that_raises_after_writing_half_its_weights() -> None:
+    model = Model()
+    model.fail_after = 2
+    before = state(model)
+    patches = [sparse(n, i) for i, n in enumerate(NAMES[:4])]
+    with pytest.raises(RuntimeError, match="loader failed at w2"):
+        load_checkpoint_weight_patches(model, patches, atomic=True, chunking=SingleCall())
+    assert_same_state(state(model), before)
+
+    model.written = 0
+    with pytest.raises(RuntimeError):
+        load_checkpoint_weight_patches(model, patches, chunking=SingleCall())
+    after = state(model)
+    assert not same_bits(after["weights.w0.weight"], before["weights.w0.weight"]), (
+        "without atomic w0 stays"
+    )
+    assert same_bits(after["weights.w3.weight"], before["weights.w3.weight"])
+
+
+def test_a_contract_violation_in_chunk_3_of_5() -> None:
+    model = Model({"w2": dict(REFUSED)["index_copy_"]})
+    before = state(model)
+    patches = [sparse(n, i) for i, n in enumerate(NAMES)]
+    patches[1] = dense("w1", 9)  # a dense patch in chunk 2: O(N) undo
+    with pytest.raises(LoaderContractError, match="index_copy"):
+        load_checkpoint_weight_patches(model, patches, atomic=True, chunking=PerTensor())
+    assert_same_state(state(model), before)
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_an_exception_inside_route_replay(monkeypatch: pytest.MonkeyPatch, interrupt: bool) -> None:
+    model = Model()
+    routes = RouteCache()
+    load_checkpoint_weight_patches(model, [sparse(n, 1) for n in NAMES], routes=routes)
+    assert len(routes) == 5
+    before = state(model)
+    calls = 0
+    real = storage_flat
+
+    def failing(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 4:  # inside the fourth replay, after three were written
+            raise KeyboardInterrupt if interrupt else RuntimeError("replay failed")
+        return real(tensor)
+
+    monkeypatch.setattr(_routes, "storage_flat", failing)
+    with pytest.raises(KeyboardInterrupt if interrupt else RuntimeError):
+        load_checkpoint_weight_patches(
+            model, [sparse(n, 2) for n in NAMES], routes=routes, atomic=True
+        )
+    monkeypatch.undo()
+    assert calls == 4 and routes.stats.replayed == 3
+    assert_same_state(state(model), before)
+
+
+def test_keyboard_interrupt_from_the_loader() -> None:
+    model = Model()
+    model.fail_after, model.interrupt = 3, True
+    before = state(model)
+    with pytest.raises(KeyboardInterrupt):
+        load_checkpoint_weight_patches(
+            model, [sparse(n, 3) for n in NAMES], atomic=True, chunking=PerTensor()
+        )
+    assert_same_state(state(model), before)
+
+
+def test_undo_memory_is_o_nnz_for_sparse_and_o_n_for_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    logs: list[UndoLog] = []
+
+    class Recording(UndoLog):
+        def restore(self) -> None:
+            logs.append(self)
+            self.seen = self.nbytes
+            super().restore()
+
+    monkeypatch.setattr(_load, "UndoLog", Recording)
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(1000, 1000), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.data.copy_(tensor)
+            raise RuntimeError("fail after writing")
+
+    nnz = 100
+    patch = CheckpointWeightPatch(
+        "w", (1000, 1000), torch.float32, torch.ones(nnz), torch.arange(nnz) * 7
+    )
+    with pytest.raises(RuntimeError):
+        load_checkpoint_weight_patches(Big(), [patch], atomic=True)
+    sparse_bytes = logs[-1].seen  # type: ignore[attr-defined]
+    assert sparse_bytes <= nnz * (8 + 4), sparse_bytes  # positions + old values
+    dense_patch = CheckpointWeightPatch("w", (1000, 1000), torch.float32, torch.ones(10**6))
+    with pytest.raises(RuntimeError):
+        load_checkpoint_weight_patches(Big(), [dense_patch], atomic=True)
+    assert logs[-1].seen >= 10**6 * 4  # type: ignore[attr-defined]
+
+
+# -------------------------------------------------------------------------------- fuzzing
+
+PATHS: dict[str, Write | None] = {"plain-copy": None, **dict(MASKED), **dict(REFUSED)}
+REFUSED_PATHS = set(dict(REFUSED))
+
+
+@st.composite
+def scenarios(
+    draw: st.DrawFn,
+) -> tuple[dict[str, str], list[CheckpointWeightPatch], int | None, Any]:
+    paths = {n: draw(st.sampled_from(sorted(PATHS))) for n in NAMES}
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=6))
+    patches = []
+    for name in names:
+        seed = draw(st.integers(0, 10**6))
+        if draw(st.booleans()):
+            patches.append(sparse(name, seed, count=draw(st.integers(0, 12))))
+        else:
+            patches.append(dense(name, seed))
+    fail_after = draw(st.one_of(st.none(), st.integers(0, len(patches))))
+    chunking = draw(st.sampled_from([PerTensor(), SingleCall(), None]))
+    return paths, patches, fail_after, chunking
+
+
+@given(scenario=scenarios(), use_routes=st.booleans())
+def test_fuzz_no_sentinel_reaches_a_weight_and_failures_leave_nothing(
+    scenario: tuple[dict[str, str], list[CheckpointWeightPatch], int | None, Any], use_routes: bool
+) -> None:
+    paths, patches, fail_after, chunking = scenario
+    model = Model({n: p for n, path in paths.items() if (p := PATHS[path]) is not None})
+    routes = RouteCache() if use_routes else None
+    if routes is not None:  # a first round records whatever routes are provable
+        with contextlib.suppress(LoaderContractError, RuntimeError):
+            load_checkpoint_weight_patches(
+                model, [sparse(n, 0, 1) for n in NAMES], routes=routes, atomic=True
+            )
+    model.fail_after, model.written = fail_after, 0
+    before = state(model)
+    try:
+        load_checkpoint_weight_patches(
+            model, patches, atomic=True, chunking=chunking, routes=routes
+        )
+    except (LoaderContractError, RuntimeError):
+        assert_same_state(state(model), before)
+    else:
+        # Staged sparse data through a refused path never gets written.
+        assert not any(p.indices is not None and paths[p.name] in REFUSED_PATHS for p in patches)
+        if all(paths[p.name] not in REFUSED_PATHS for p in patches):
+            # Only exact paths: the weights are the patches applied in input order. (Refused
+            # paths applied to dense data are the loader's own transformations.)
+            assert_same_state(state(model), _reference_for(before, patches))
+    for tensor in model.state_dict().values():
+        assert not torch.isnan(tensor).any(), "a sentinel reached a weight"
+
+
+def _reference_for(
+    before: dict[str, torch.Tensor], patches: list[CheckpointWeightPatch]
+) -> dict[str, torch.Tensor]:
+    expected = {k: v.clone() for k, v in before.items()}
+    for patch in patches:
+        flat = expected[f"weights.{patch.name}.weight"].view(-1)
+        if patch.indices is None:
+            flat.copy_(patch.values)
+        else:
+            flat[patch.indices] = patch.values
+    return expected

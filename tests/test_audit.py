@@ -1,0 +1,98 @@
+"""audit(): replayable / masked / unsupported per name, and no weight changes."""
+
+from __future__ import annotations
+
+import torch
+
+from patchctx import audit
+from tests.support.models import (
+    CastLinear,
+    ContiguousLinear,
+    IntLinear,
+    PaddedEmbedding,
+    ToyModel,
+    assert_same_state,
+    packed_tp_model,
+    random_checkpoint,
+    state,
+)
+from tests.test_atomic import Model as WritePathModel
+from tests.test_guard import MASKED, REFUSED
+
+
+def specs_of(model: ToyModel) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(name, spec.shape, spec.dtype) for name, spec in model.checkpoint_specs().items()]
+
+
+def test_every_name_of_the_packed_tp_model_is_replayable() -> None:
+    model = packed_tp_model(tp_size=4, tp_rank=3, kv_heads=1)
+    model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+    before = state(model)
+    report = audit(model, specs_of(model))
+    assert report.counts() == {
+        "replayable": len(model.checkpoint_specs()),
+        "masked": 0,
+        "unsupported": 0,
+    }
+    assert_same_state(state(model), before)
+
+
+def test_statuses_and_reasons() -> None:
+    model = ToyModel(
+        {
+            "c": ContiguousLinear(3, 5),
+            "x": CastLinear(2, 4),
+            "e": PaddedEmbedding(5, 2),
+            "q": IntLinear(2, 3),
+        }
+    )
+    model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+    before = state(model)
+    specs = [*specs_of(model), ("flags", (4,), torch.bool)]
+    report = audit(model, specs)
+    assert_same_state(state(model), before)
+    assert report.names("masked") == ["c.proj.weight"]
+    assert report.names("unsupported") == ["flags"]
+    assert set(report.names("replayable")) == {
+        "x.proj.weight",
+        "e.embed.weight",
+        "q.qweight.weight",
+        "q.scale.weight",
+    }
+    rows = {row.name: row for row in report.rows}
+    assert "computed copy" in rows["c.proj.weight"].reason
+    assert "BoolMask" in rows["flags"].reason
+    text = str(report)
+    assert text.splitlines()[0].split() == ["name", "status", "reason"]
+    assert text.splitlines()[-1] == "4 replayable, 1 masked, 1 unsupported"
+
+
+def test_audit_undoes_the_loaders_own_writes_and_reports_refusals() -> None:
+    paths = {
+        "w0": dict(MASKED)["copy_"],
+        "w1": dict(REFUSED)["mul_0-then-add_"],  # zeroes the weight, then refused
+        "w2": dict(REFUSED)["param.data-rebind"],
+        "w3": dict(MASKED)["copy-of-cat"],
+        "w4": dict(MASKED)["setitem-advanced-index"],
+    }
+    model = WritePathModel(paths)
+    before = state(model)
+    report = audit(model, [(f"w{i}", (3, 4), torch.float32) for i in range(5)])
+    assert_same_state(state(model), before)
+    assert [row.status for row in report.rows] == [
+        "replayable",
+        "unsupported",
+        "unsupported",
+        "masked",
+        "masked",
+    ]
+    assert "cannot be masked in place" in report.rows[1].reason
+    assert "replaced the storage" in report.rows[2].reason
+
+
+def test_a_loader_that_raises_is_unsupported() -> None:
+    model = WritePathModel()
+    model.fail_after = 0
+    report = audit(model, [("w0", (3, 4), torch.float32)])
+    assert report.rows[0].status == "unsupported"
+    assert "RuntimeError" in report.rows[0].reason

@@ -16,6 +16,7 @@ from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 
 __version__ = "0.1.0"
+"""The version of this patchctx, a PEP 440 string."""
 
 __all__ = [
     "Auto",

@@ -8,6 +8,7 @@ has one and that no docstring hides code that is not a doctest.
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import inspect
@@ -190,6 +191,43 @@ def test_docstring_examples_are_under_an_examples_heading() -> None:
         if singular.search(text)
     ]
     assert not offenders, f"write 'Examples:' instead of 'Example:' in: {offenders}"
+
+
+# ------------------------------------------------------------------- tests cited by the docs
+
+CITATION = re.compile(r"(tests/[\w/]+\.py)::(\w+)(?:::(\w+))?")
+
+
+def cited_tests() -> list[tuple[str, str, str | None]]:
+    found = set()
+    for page in markdown_files():
+        for match in CITATION.finditer(page.read_text(encoding="utf-8")):
+            found.add((match[1], match[2], match[3]))
+    return sorted(found, key=str)
+
+
+@pytest.mark.parametrize(
+    ("file", "first", "second"),
+    cited_tests(),
+    ids=["::".join(x for x in c if x) for c in cited_tests()],
+)
+def test_tests_cited_by_the_docs_exist(file: str, first: str, second: str | None) -> None:
+    path = ROOT / file
+    assert path.is_file(), f"the docs cite {file}, which does not exist"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    scope: list[ast.stmt] = tree.body
+    for name in (first, second):
+        if name is None:
+            break
+        nodes = [
+            n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name
+        ]
+        assert nodes, f"the docs cite {file}::{name}, which does not exist"
+        scope = nodes[0].body
+
+
+def test_the_docs_cite_tests() -> None:
+    assert cited_tests(), "the Concepts page names the test behind each guarantee"
 
 
 # ------------------------------------------------------------------------------- the demo

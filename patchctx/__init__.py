@@ -22,6 +22,7 @@ from patchctx._routes import RouteCache, RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 
 __version__ = "0.1.0"
+"""The version of this patchctx, a PEP 440 string."""
 
 __all__ = [
     "AuditReport",

@@ -17,8 +17,6 @@ from patchctx._undo import UndoLog
 
 __all__ = ["AuditReport", "AuditRow", "audit"]
 
-Status = Literal["replayable", "masked", "unsupported"]
-
 
 @dataclass(frozen=True, slots=True)
 class AuditRow:
@@ -30,10 +28,15 @@ class AuditRow:
             second one on), ``"masked"`` (sparse patches work through the loader, O(N) each)
             or ``"unsupported"`` (sparse patches are refused).
         reason: Why the name is not replayable, or a note; empty when there is nothing to say.
+
+    Examples:
+        >>> from patchctx import AuditRow
+        >>> AuditRow("lm_head.weight", "masked", "a cast before copy_")
+        AuditRow(name='lm_head.weight', status='masked', reason='a cast before copy_')
     """
 
     name: str
-    status: Status
+    status: Literal["replayable", "masked", "unsupported"]
     reason: str = ""
 
 
@@ -42,6 +45,14 @@ class AuditReport:
     """The result of `audit`: one row per checkpoint name, in the order given.
 
     Printing it shows a table.
+
+    Examples:
+        >>> from patchctx import AuditReport, AuditRow
+        >>> report = AuditReport((AuditRow("a", "replayable"), AuditRow("b", "masked", "a cast")))
+        >>> report.counts()
+        {'replayable': 1, 'masked': 1, 'unsupported': 0}
+        >>> report.names("masked")
+        ['b']
     """
 
     rows: tuple[AuditRow, ...]
@@ -53,7 +64,7 @@ class AuditReport:
             status: counted.get(status, 0) for status in ("replayable", "masked", "unsupported")
         }
 
-    def names(self, status: Status) -> list[str]:
+    def names(self, status: Literal["replayable", "masked", "unsupported"]) -> list[str]:
         """The names with `status`."""
         return [row.name for row in self.rows if row.status == status]
 
@@ -90,7 +101,7 @@ def audit(
     Returns:
         One row per name: replayable, masked, or unsupported with the reason.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import audit
         >>> class Model(torch.nn.Module):

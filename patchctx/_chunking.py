@@ -18,6 +18,17 @@ class ChunkingPolicy(Protocol):
     to a non-empty chunk, the loader asks the policy whether to start a new call first. Whatever
     the policy says, a chunk never carries the same name twice (that would reorder the name's
     patches), and dense and sparse patches go in separate calls.
+
+    Examples:
+        A policy of your own: at most two tensors per loader call.
+
+        >>> import torch
+        >>> from patchctx import ChunkingPolicy
+        >>> class AtMostTwo:
+        ...     def split_before(self, chunk_nbytes, chunk_len, next_nbytes):
+        ...         return chunk_len >= 2
+        >>> isinstance(AtMostTwo(), ChunkingPolicy)
+        True
     """
 
     def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
@@ -40,7 +51,7 @@ class ByteBudget:
     shorthand for ``chunking=ByteBudget(N)``. Staged bytes alive at any moment stay below
     ``max(max_bytes, largest single staged tensor)``.
 
-    Example:
+    Examples:
         >>> from patchctx import ByteBudget
         >>> ByteBudget(64).split_before(chunk_nbytes=48, chunk_len=3, next_nbytes=32)
         True
@@ -62,7 +73,13 @@ class ByteBudget:
 
 @dataclass(frozen=True, slots=True)
 class PerTensor:
-    """One tensor per loader call: the smallest staging footprint, the most calls."""
+    """One tensor per loader call: the smallest staging footprint, the most calls.
+
+    Examples:
+        >>> from patchctx import PerTensor
+        >>> PerTensor().split_before(chunk_nbytes=4, chunk_len=1, next_nbytes=4)
+        True
+    """
 
     def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
         return True
@@ -70,7 +87,13 @@ class PerTensor:
 
 @dataclass(frozen=True, slots=True)
 class SingleCall:
-    """As few loader calls as the ordering allows (one, unless a name repeats)."""
+    """As few loader calls as the ordering allows (one, unless a name repeats).
+
+    Examples:
+        >>> from patchctx import SingleCall
+        >>> SingleCall().split_before(chunk_nbytes=1 << 40, chunk_len=1000, next_nbytes=1 << 30)
+        False
+    """
 
     def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
         return False

@@ -20,6 +20,15 @@ class PatchError(Exception):
     Catch it to handle any patchctx failure in one place; the subclasses also derive from the
     built-in exception that vLLM's own function raised in the same situation (`ValueError`,
     `TypeError`, `NotImplementedError`), so code written against vLLM keeps working.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import NaNMask, PatchError
+        >>> try:  # NaN cannot mark "keep" in an integer tensor
+        ...     NaNMask().stage((4,), torch.int8, torch.tensor([0]), torch.tensor([1]))
+        ... except PatchError as error:
+        ...     print(type(error).__name__, isinstance(error, ValueError))
+        InvalidPatchError True
     """
 
 
@@ -34,6 +43,11 @@ class PatchProblem:
         reason: What is wrong, with the offending value quoted, and how to fix it.
         is_type_error: Whether vLLM raised `TypeError` (rather than `ValueError`) for this
             kind of problem.
+
+    Examples:
+        >>> from patchctx import PatchProblem
+        >>> print(PatchProblem(3, "lm_head.weight", "index 70000 is out of range (65536)"))
+        patches[3] 'lm_head.weight': index 70000 is out of range (65536)
     """
 
     index: int | None
@@ -55,6 +69,19 @@ class InvalidPatchError(PatchError, ValueError):
 
     Attributes:
         problems: Every problem found, in input order.
+
+    Examples:
+        >>> from patchctx import InvalidPatchError, PatchProblem
+        >>> error = InvalidPatchError([
+        ...     PatchProblem(0, "model.embed_tokens.weight", "2 duplicate indices"),
+        ...     PatchProblem(4, "lm_head.weight", "values hold NaN, which NaNMask reserves"),
+        ... ])
+        >>> print(error)
+        2 problems; nothing was written:
+          - patches[0] 'model.embed_tokens.weight': 2 duplicate indices
+          - patches[4] 'lm_head.weight': values hold NaN, which NaNMask reserves
+        >>> [problem.index for problem in error.problems]
+        [0, 4]
     """
 
     problems: tuple[PatchProblem, ...]
@@ -90,7 +117,18 @@ class InvalidPatchError(PatchError, ValueError):
 
 
 class InvalidPatchTypeError(InvalidPatchError, TypeError):
-    """An `InvalidPatchError` that is also a `TypeError` (a wrong dtype or index type)."""
+    """An `InvalidPatchError` that is also a `TypeError` (a wrong dtype or index type).
+
+    `InvalidPatchError.from_problems` returns one when any problem is of the kind vLLM reported
+    with `TypeError`, so both ``except ValueError`` and ``except TypeError`` keep catching it.
+
+    Examples:
+        >>> from patchctx import InvalidPatchError, PatchProblem
+        >>> problem = PatchProblem(1, "w", "indices must be int32 or int64", is_type_error=True)
+        >>> error = InvalidPatchError.from_problems([problem])
+        >>> type(error).__name__, isinstance(error, TypeError), isinstance(error, ValueError)
+        ('InvalidPatchTypeError', True, True)
+    """
 
 
 class LoaderContractError(PatchError, NotImplementedError):
@@ -98,5 +136,19 @@ class LoaderContractError(PatchError, NotImplementedError):
 
     Raised instead of writing, for example when a copy's shapes differ, when the source of a
     masked copy is not something the strategy can read its mask from, or when a loader writes
-    staged data through a path that cannot be masked in place.
+    staged data through a path that cannot be masked in place. The destination is left as it
+    was. It is a `NotImplementedError`: the loader does something patchctx does not support.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import BoolMask, LoaderContractError, masked_copy
+        >>> staged = BoolMask().stage((2, 3), torch.float32, torch.tensor([4]),
+        ...                           torch.tensor([1.0]))
+        >>> weight = torch.zeros(3, 2)
+        >>> try:
+        ...     with masked_copy(strategy=BoolMask()):
+        ...         _ = weight.copy_(staged.t().contiguous())  # a copy, not a view: no mask
+        ... except LoaderContractError:
+        ...     print("refused, weight untouched:", not weight.any().item())
+        refused, weight untouched: True
     """

@@ -152,7 +152,7 @@ class _Loader:
         if self.routes is not None and item.sparse:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
-            route = self.routes.usable(name, item.patch.shape, item.patch.dtype, self.tensors)
+            route = self.routes._usable(name, item.patch.shape, item.patch.dtype, self.tensors)
             if route is not None:
                 self.flush()
                 assert item.patch.indices is not None
@@ -194,7 +194,7 @@ class _Loader:
             self.routes.stats.loaded += len(chunk)
             shapes = {i.patch.name: (i.patch.shape, i.patch.dtype) for i in chunk if i.sparse}
             for route in session.routes(shapes).values():
-                self.routes.store(route)
+                self.routes._store(route)
 
 
 def _stage(item: CheckedPatch, strategy: CopyStrategy) -> torch.Tensor:
@@ -260,7 +260,7 @@ def load_checkpoint_weight_patches(
         InvalidPatchError: An argument or patch is invalid; nothing was written.
         LoaderContractError: The loader wrote staged data in a way the strategy cannot mask.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch, load_checkpoint_weight_patches
         >>> class Model(torch.nn.Module):
@@ -298,7 +298,7 @@ def load_checkpoint_weight_patches(
     items = _resolve_aliases(items, alias_map)
     items = _apply_ordering(chosen_ordering, items, chosen_strategy, validate_unique_indices)
     if routes is not None:
-        routes.bind(model)
+        routes._bind(model)
     undo = UndoLog() if atomic else None
     loader = _Loader(model, chosen_strategy, chosen_chunking, routes, undo)
     try:

@@ -48,7 +48,23 @@ class MaskedCopy:
     """A masked region: inside it, this thread's ``Tensor.copy_`` calls the strategy's merge.
 
     Returned by `masked_copy`; use it as a ``with`` block or as a decorator. It holds no state
-    of its own between uses, so one instance may be reused, shared and nested.
+    of its own between uses, so one instance may be reused, shared across threads and nested.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import NaNMask, masked_copy
+        >>> region = masked_copy(strategy=NaNMask(), timeout=5)
+        >>> region
+        masked_copy(strategy=NaNMask(), timeout=5.0)
+        >>> weight = torch.zeros(3)
+        >>> with region:
+        ...     _ = weight.copy_(torch.tensor([1.0, float("nan"), 3.0]))
+        >>> weight
+        tensor([1., 0., 3.])
+        >>> with region:  # reusable: nothing is left on the instance between uses
+        ...     _ = weight.copy_(torch.tensor([float("nan"), 2.0, float("nan")]))
+        >>> weight
+        tensor([1., 2., 3.])
     """
 
     __slots__ = ("_strategy", "_timeout")
@@ -167,7 +183,7 @@ def masked_copy(
             decorated.
         ValueError: `timeout` is negative.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import NaNMask, masked_copy
         >>> weight = torch.zeros(4)

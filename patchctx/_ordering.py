@@ -22,6 +22,17 @@ class OrderingPolicy(Protocol):
     The result must leave every weight as applying the input patches one by one, in input
     order, would. The loader then chunks the sequence, never putting one name twice into one
     loader call.
+
+    Examples:
+        A policy of your own: group by layer for locality (patches to different names touch
+        different parameters, so reordering across names keeps the result).
+
+        >>> from patchctx import OrderingPolicy
+        >>> class ByName:
+        ...     def order(self, patches):
+        ...         return sorted(patches, key=lambda patch: patch.name)
+        >>> isinstance(ByName(), OrderingPolicy)
+        True
     """
 
     def order(self, patches: Sequence[CheckpointWeightPatch]) -> Sequence[CheckpointWeightPatch]:
@@ -33,7 +44,7 @@ class OrderingPolicy(Protocol):
 class InputOrder:
     """Patches load in input order; a repeated name starts a new loader call (vLLM's semantics).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch, InputOrder
         >>> a = CheckpointWeightPatch("w", (2,), torch.float32, torch.tensor([1.0, 2.0]))
@@ -55,7 +66,7 @@ class Coalesce:
     calls; merging costs O(total nnz log nnz), or one copy of the tensor when a dense patch is
     involved.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch, Coalesce
         >>> first = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([1.0, 2.0]),

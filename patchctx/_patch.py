@@ -30,7 +30,7 @@ class CheckpointWeightPatch(NamedTuple):
         indices: 1-D int32 or int64 flat (row-major) positions into the full tensor, or `None`
             for a dense patch.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch
         >>> patch = CheckpointWeightPatch("lm_head.weight", (4, 2), torch.bfloat16,
@@ -333,7 +333,7 @@ def validate_patches(
             name. It is an `InvalidPatchTypeError` (also a `TypeError`) when one of the
             problems is of a kind vLLM reported with `TypeError`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch, InvalidPatchError, validate_patches
         >>> bad = CheckpointWeightPatch("w", (2, 2), torch.float32, torch.tensor([1.0, 2.0]),

@@ -183,7 +183,7 @@ class RouteCache:
     through the loader again (recording a new route). A cache belongs to one model: used with
     another model it starts over.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
         >>> class Model(torch.nn.Module):
@@ -224,8 +224,7 @@ class RouteCache:
     def __repr__(self) -> str:
         return f"RouteCache({len(self)} routes)"
 
-    def route(self, name: str) -> Route | None:
-        """The recorded route of `name`, if any."""
+    def _route(self, name: str) -> Route | None:
         return self._routes.get(name)
 
     def clear(self) -> None:
@@ -240,7 +239,7 @@ class RouteCache:
 
     # -- used by load_checkpoint_weight_patches ------------------------------------------
 
-    def bind(self, model: torch.nn.Module) -> None:
+    def _bind(self, model: torch.nn.Module) -> None:
         """Tie the cache to `model`; a different model clears it."""
         with self._lock:
             bound = self._model() if self._model is not None else None
@@ -248,12 +247,12 @@ class RouteCache:
                 self._routes.clear()
                 self._model = weakref.ref(model)
 
-    def store(self, route: Route) -> None:
+    def _store(self, route: Route) -> None:
         with self._lock:
             self._routes[route.name] = route
         self.stats.recorded += 1
 
-    def usable(
+    def _usable(
         self,
         name: str,
         shape: tuple[int, ...],
@@ -292,6 +291,11 @@ class RouteStats:
         replayed: Sparse patches applied by route replay, without the loader.
         loaded: Patches that went through the loader (dense, first-time or unprovable sparse).
         invalidated: Routes dropped because a destination was rebound or the tensor changed.
+
+    Examples:
+        >>> from patchctx import RouteCache
+        >>> RouteCache().stats
+        RouteStats(recorded=0, replayed=0, loaded=0, invalidated=0)
     """
 
     recorded: int = 0

@@ -32,7 +32,18 @@ class CopyStrategy(Protocol):
     """The capability a masked copy needs: stage a sparse patch and merge it into a weight.
 
     Implement all five methods on a frozen value object to write a strategy of your own, then
-    run `patchctx.testing.check_strategy` on it.
+    run `patchctx.testing.check_strategy` on it. The protocol is runtime-checkable: a strategy
+    needs no base class, only the methods.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CopyStrategy, IntSentinel, NaNMask
+        >>> isinstance(NaNMask(), CopyStrategy)
+        True
+        >>> NaNMask().unsupported_reason(torch.bfloat16) is None
+        True
+        >>> IntSentinel().reserved_values(torch.tensor([5, -128]), torch.int8)
+        tensor(True)
     """
 
     def unsupported_reason(self, dtype: torch.dtype) -> str | None:
@@ -209,7 +220,7 @@ class NaNMask:
     ``isnan``. A merge reads its mask from the source itself, so the loader may view, cast,
     transpose or even copy the staged tensor before its final ``copy_``: NaN survives all of it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import NaNMask
         >>> staged = NaNMask().stage((2, 3), torch.float32, torch.tensor([1, 5]),
@@ -290,7 +301,7 @@ class IntSentinel:
     A merge requires the source and destination to have the same integer dtype: a cast across
     integer widths would change which value is the sentinel.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import IntSentinel
         >>> staged = IntSentinel().stage((4,), torch.int8, torch.tensor([2]),
@@ -402,7 +413,7 @@ class BoolMask:
     leaves the mask behind, and the merge is refused with `LoaderContractError`. Keep the
     staged tensor alive until the load has finished (the list passed to ``load_weights`` does).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import BoolMask
         >>> staged = BoolMask().stage((3,), torch.float32, torch.tensor([0]),
@@ -498,7 +509,7 @@ class Auto:
     The default of `load_checkpoint_weight_patches`, so integer weights work out of the box.
     `merge` chooses by the source's dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from patchctx import Auto
         >>> Auto().resolve(torch.bfloat16), Auto().resolve(torch.int8)

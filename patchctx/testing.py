@@ -1,11 +1,12 @@
 """A conformance table for copy strategies, yours included.
 
-Every built-in strategy is tested against these cases; run them on a strategy of your own::
+Every built-in strategy is tested against these cases. Run them on a strategy of your own with
+`check_strategy` (it raises `AssertionError` listing every failed case), or parametrize a pytest
+test over `conformance_cases` to get one test per case:
 
-    from patchctx.testing import check_strategy
-    check_strategy(MyStrategy())            # raises AssertionError listing every failed case
-
-or parametrize a pytest test over `conformance_cases` to get one test per case.
+>>> from patchctx import BoolMask
+>>> from patchctx.testing import check_strategy
+>>> check_strategy(BoolMask())
 
 Each case stages a random sparse patch for one dtype, merges it (directly, through views and
 inside a `masked_copy` region) and compares with a dense reference bit for bit. Cases for a
@@ -26,7 +27,6 @@ from patchctx._strategies import CopyStrategy
 
 __all__ = ["DEFAULT_DTYPES", "ConformanceCase", "check_strategy", "conformance_cases"]
 
-#: The dtypes the conformance table runs over by default.
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.bfloat16,
@@ -42,6 +42,11 @@ DEFAULT_DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
     torch.complex64,
 )
+"""The checkpoint dtypes the conformance table covers by default.
+
+Floating (including float8), signed and unsigned integer, bool and complex: a strategy is
+checked on those it supports and must refuse the others cleanly.
+"""
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,15 @@ class ConformanceCase:
         id: A readable identifier, e.g. ``"merge-matches-dense-reference[bfloat16]"``.
         dtype: The checkpoint dtype the case stages.
         check: Runs the case against a strategy; raises `AssertionError` on failure.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import NaNMask
+        >>> from patchctx.testing import conformance_cases
+        >>> case = conformance_cases(NaNMask(), [torch.float32])[1]
+        >>> case.id, case.dtype
+        ('merge-empty-patch[float32]', torch.float32)
+        >>> case.check(NaNMask())  # returns quietly when the strategy passes
     """
 
     id: str
@@ -267,6 +281,22 @@ def conformance_cases(
 
     Returns:
         One `ConformanceCase` per check and dtype; run each with ``case.check(strategy)``.
+        A dtype the strategy declares unsupported gets one case: that staging it is refused.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import NaNMask
+        >>> from patchctx.testing import conformance_cases
+        >>> cases = conformance_cases(NaNMask(), [torch.bfloat16, torch.int8])
+        >>> len(cases), cases[0].id, cases[-1].id
+        (10, 'stage-layout[bfloat16]', 'refuses-unsupported[int8]')
+
+        In a pytest suite, one test per case:
+
+        >>> import pytest
+        >>> @pytest.mark.parametrize("case", conformance_cases(NaNMask()), ids=lambda c: c.id)
+        ... def test_my_strategy(case):
+        ...     case.check(NaNMask())
     """
     cases = []
     for dtype in dtypes:
@@ -301,7 +331,7 @@ def check_strategy(strategy: CopyStrategy, dtypes: Iterable[torch.dtype] = DEFAU
     Raises:
         AssertionError: One or more cases failed; the message lists each with its reason.
 
-    Example:
+    Examples:
         >>> from patchctx import NaNMask
         >>> from patchctx.testing import check_strategy
         >>> check_strategy(NaNMask())

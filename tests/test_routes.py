@@ -359,7 +359,7 @@ def test_route_cache_api_and_dense_patches_invalidate_nothing() -> None:
     routes = RouteCache()
     assert len(routes) == 0 and "w" not in routes and repr(routes) == "RouteCache(0 routes)"
     load_checkpoint_weight_patches(model, [sparse_w(1.0)], routes=routes)
-    assert len(routes) == 1 and list(routes) == ["w"] and routes.route("w") is not None
+    assert len(routes) == 1 and list(routes) == ["w"] and routes._route("w") is not None
     dense = CheckpointWeightPatch("w", (4, 6), torch.float32, torch.arange(24.0))
     load_checkpoint_weight_patches(model, [dense], routes=routes)
     assert "w" in routes and torch.equal(model.weight.view(-1), torch.arange(24.0))

@@ -124,14 +124,15 @@ class Segment:
             bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
             start, stop = (int(v) for v in torch.searchsorted(indices, bounds))
             picked: slice | torch.Tensor = slice(start, stop)
-            covered = indices[start:stop].long()
+            # A copy (never the caller's tensor), shifted in place: 8 bytes per covered index.
+            covered = indices[start:stop].to(dtype=torch.long, copy=True)
         else:
             picked = (indices >= low) & (indices <= high)
             covered = indices[picked].long()
         if self._direct:
-            return covered - (self.source.offset - self.target.offset), picked
+            return covered.sub_(self.source.offset - self.target.offset), picked
         # General strided view: decompose (index - offset) greedily by source stride.
-        rest = covered - self.source.offset
+        rest = covered.sub_(self.source.offset)
         positions = torch.full_like(rest, self.target.offset)
         valid = torch.ones_like(rest, dtype=torch.bool)
         for stride, size, target_stride in self._plan:
@@ -325,7 +326,8 @@ def replay(
             continue
         # The loader path casts to the checkpoint dtype when staging and copy_ casts to the
         # destination dtype: the same two casts, on the covered values only.
-        update = device_values[picked].to(dtype=route.dtype).to(dtype=segment.dtype)
+        chosen = indexable(device_values)[picked].view(device_values.dtype)
+        update = chosen.to(dtype=route.dtype).to(dtype=segment.dtype)
         if undo is not None:
             undo.save_positions(target, positions)
         indexable(storage_flat(target)).index_copy_(0, positions, indexable(update))

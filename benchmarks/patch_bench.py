@@ -1,0 +1,468 @@
+"""Side-by-side benchmark: sparse patches on a packed-QKV tensor-parallel slice and an MLP weight.
+
+Every method applies the same random sparse patches to its own copy of one model, in one
+process, interleaved (the order of methods rotates from repeat to repeat):
+
+- ``baseline``: vLLM's ``load_checkpoint_weight_patches`` when vLLM is importable, else the same
+  algorithm written out (``benchmarks/baseline.py``); the table says which ran;
+- ``patchctx``: ``load_checkpoint_weight_patches`` without routes (the loader path);
+- ``patchctx+routes``: with a ``RouteCache`` in the steady state (routes recorded beforehand; the
+  recording round is reported on its own line);
+- ``lower-bound``: a bare ``index_copy_`` of already-known destination positions and values;
+- ``dense-reload``: loading the full patched tensors through the loader with plain copies.
+
+For each (dtype, density): the median milliseconds of one round (a patch to each of the four
+checkpoint tensors), the ratio to the baseline, the peak extra memory of a round (measured: the
+process's peak RSS above the level before the call on CPU, with the kernel's peak mark reset
+per measurement; ``torch.cuda.max_memory_allocated`` on CUDA), and whether every method ended
+with bit-identical weights.
+
+Run ``./dev bench`` (this script with its defaults, about two minutes on 2 CPU cores), or
+``python -m benchmarks.patch_bench --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.baseline import nan_swap_load, vllm_function
+from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
+from patchctx._routes import named_tensors
+from patchctx._strategies import indexable
+from patchctx._undo import storage_flat
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+METHODS = ("baseline", "patchctx", "patchctx+routes", "lower-bound", "dense-reload")
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+class PackedSlice(nn.Module):
+    """One decoder layer's worth at one tensor-parallel rank, loaded the way vLLM loads it.
+
+    Checkpoint: ``q_proj`` [heads*hd, hidden], ``k_proj``/``v_proj`` [kv*hd, hidden] (packed
+    into one parameter, each narrowed to this rank's rows) and ``mlp.weight`` [inter, hidden]
+    (loaded whole).
+    """
+
+    def __init__(self, hidden: int, tp: int, rank: int, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        self.head_dim = min(128, hidden // 4)
+        heads = hidden // self.head_dim
+        kv_heads = max(tp, heads // 4)
+        self.rank = rank
+        self.q_local = heads // tp * self.head_dim
+        self.kv_local = kv_heads // tp * self.head_dim
+        self.inter = hidden * 11008 // 4096
+        rows = self.q_local + 2 * self.kv_local
+        self.qkv = nn.Parameter(
+            torch.empty(rows, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.mlp = nn.Parameter(
+            torch.empty(self.inter, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.shapes: dict[str, tuple[int, ...]] = {
+            "q_proj.weight": (heads * self.head_dim, hidden),
+            "k_proj.weight": (kv_heads * self.head_dim, hidden),
+            "v_proj.weight": (kv_heads * self.head_dim, hidden),
+            "mlp.weight": (self.inter, hidden),
+        }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            if name == "mlp.weight":
+                self.mlp.data.copy_(tensor)
+                loaded.add("mlp")
+                continue
+            offset, size = {
+                "q_proj.weight": (0, self.q_local),
+                "k_proj.weight": (self.q_local, self.kv_local),
+                "v_proj.weight": (self.q_local + self.kv_local, self.kv_local),
+            }[name]
+            shard = tensor.narrow(0, self.rank * size, size)
+            self.qkv.data.narrow(0, offset, size).copy_(shard)
+            loaded.add("qkv")
+        return loaded
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+class Meter:
+    """Wall time and peak extra memory of one call."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.rss_reset = device == "cpu" and _can_reset_peak_rss()
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, int | None]:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        elif self.rss_reset:
+            _reset_peak_rss()
+            before = _status("VmRSS")
+        start = time.perf_counter()
+        fn()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if self.device == "cuda":
+            return elapsed, torch.cuda.max_memory_allocated() - before
+        if self.rss_reset:
+            return elapsed, max(0, _status("VmHWM") - before)
+        return elapsed, None
+
+
+def _status(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+def _reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _can_reset_peak_rss() -> bool:
+    try:
+        _reset_peak_rss()
+        _status("VmHWM")
+    except OSError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------- patches
+
+
+def random_patches(
+    shapes: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    density: float,
+    generator: torch.Generator,
+    device: str,
+) -> list[CheckpointWeightPatch]:
+    """One sparse patch per checkpoint tensor: sorted unique int32 indices (the producer format)."""
+    patches = []
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        count = max(1, round(numel * density))
+        # Unique positions without a full permutation: sample with replacement, then dedupe.
+        indices = torch.unique(
+            torch.randint(0, numel, (int(count * 1.1) + 8,), generator=generator)
+        )
+        indices = (
+            indices[torch.randperm(indices.numel(), generator=generator)[:count]].sort().values
+        )
+        values = (torch.randn(indices.numel(), generator=generator) * 0.02).to(dtype)
+        patches.append(
+            CheckpointWeightPatch(
+                name, shape, dtype, values.to(device), indices.to(torch.int32).to(device)
+            )
+        )
+    return patches
+
+
+# ---------------------------------------------------------------------------------- run
+
+
+@dataclass
+class Row:
+    dtype: str
+    density: float
+    method: str
+    median_ms: float
+    ratio_to_baseline: float | None
+    peak_extra_mib: float | None
+    bytes_per_changed_element: float | None
+    changed_elements: int
+    identical: bool | None = None
+
+
+def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
+    device = args.device
+    theirs = None if args.baseline == "written" else vllm_function()
+    if args.baseline == "vllm" and theirs is None:
+        sys.exit("--baseline vllm: vLLM is not importable here")
+    baseline_kind = (
+        "vLLM's load_checkpoint_weight_patches" if theirs else "vLLM's algorithm written out"
+    )
+
+    def baseline(model: nn.Module, patches: list[CheckpointWeightPatch]) -> object:
+        if theirs is not None:
+            return theirs(model, patches)
+        return nan_swap_load(model, patches)
+
+    meter = Meter(device)
+    rows: list[Row] = []
+    generator = torch.Generator().manual_seed(args.seed)
+    for dtype_name in args.dtypes:
+        rows += _bench_dtype(args, dtype_name, baseline, meter, generator)
+    meta = {
+        "baseline": baseline_kind,
+        "hidden": args.hidden,
+        "tp": args.tp,
+        "rank": args.rank,
+        "device": device,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.platform(),
+        "memory": "peak RSS above the pre-call level (kernel peak mark reset per call)"
+        if device == "cpu"
+        else "torch.cuda.max_memory_allocated above the pre-call level",
+    }
+    return rows, meta
+
+
+def _bench_dtype(
+    args: argparse.Namespace,
+    dtype_name: str,
+    baseline: Callable[[nn.Module, list[CheckpointWeightPatch]], object],
+    meter: Meter,
+    generator: torch.Generator,
+) -> list[Row]:
+    device, dtype = args.device, DTYPES[dtype_name]
+    rows: list[Row] = []
+    base = PackedSlice(args.hidden, args.tp, args.rank, dtype, device)
+    checkpoint = {
+        name: (torch.randn(shape, generator=generator) * 0.02).to(dtype).to(device)
+        for name, shape in base.shapes.items()
+    }
+    base.load_weights(checkpoint.items())
+    models: dict[str, nn.Module] = {method: copy.deepcopy(base) for method in METHODS}
+    routes = RouteCache()
+    tensors = {m: named_tensors(model) for m, model in models.items()}
+
+    # Warm-up round, through every method; patchctx+routes records its routes here.
+    warm = random_patches(base.shapes, dtype, args.densities[0], generator, device)
+    record = partial(load_checkpoint_weight_patches, models["patchctx+routes"], warm, routes=routes)
+    record_s, record_mem = meter(record)
+    assert len(routes) == len(base.shapes), "every name of the benchmark model is replayable"
+    _apply_others(models, warm, checkpoint, baseline, routes, tensors, skip="patchctx+routes")
+    rows.append(
+        Row(
+            dtype_name,
+            args.densities[0],
+            "route recording (1st round)",
+            record_s * 1e3,
+            None,
+            _mib(record_mem),
+            None,
+            _nnz(warm),
+        )
+    )
+
+    for density in args.densities:
+        timings: dict[str, list[float]] = {m: [] for m in METHODS}
+        memory: dict[str, list[int]] = {m: [] for m in METHODS}
+        changed = 0
+        for repeat in range(args.repeats):
+            patches = random_patches(base.shapes, dtype, density, generator, device)
+            changed = _nnz(patches)
+            for name, patch in zip(base.shapes, patches, strict=True):  # the dense truth
+                assert patch.indices is not None
+                checkpoint[name].view(-1)[patch.indices.long()] = patch.values
+            calls: dict[str, Callable[[], object]] = {
+                "baseline": partial(baseline, models["baseline"], patches),
+                "patchctx": partial(load_checkpoint_weight_patches, models["patchctx"], patches),
+                "patchctx+routes": partial(
+                    load_checkpoint_weight_patches,
+                    models["patchctx+routes"],
+                    patches,
+                    routes=routes,
+                ),
+                "lower-bound": partial(
+                    _index_copies, _lower_bound_plan(routes, patches, tensors["lower-bound"])
+                ),
+                "dense-reload": partial(_dense_reload, models["dense-reload"], checkpoint),
+            }
+            order = METHODS[repeat % len(METHODS) :] + METHODS[: repeat % len(METHODS)]
+            for method in order:
+                seconds, extra = meter(calls[method])
+                timings[method].append(seconds)
+                if extra is not None:
+                    memory[method].append(extra)
+        reference = models["baseline"].state_dict()
+        base_ms = statistics.median(timings["baseline"]) * 1e3
+        for method in METHODS:
+            ms = statistics.median(timings[method]) * 1e3
+            peak = max(memory[method]) if memory[method] else None
+            same = all(
+                torch.equal(_bits(tensor), _bits(reference[key]))
+                for key, tensor in models[method].state_dict().items()
+            )
+            rows.append(
+                Row(
+                    dtype_name,
+                    density,
+                    method,
+                    ms,
+                    base_ms / ms if ms else None,
+                    _mib(peak),
+                    None if peak is None else peak / changed,
+                    changed,
+                    same,
+                )
+            )
+    return rows
+
+
+def _dense_reload(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> object:
+    loader: Any = model
+    return loader.load_weights(checkpoint.items())
+
+
+def _apply_others(
+    models: dict[str, nn.Module],
+    patches: list[CheckpointWeightPatch],
+    checkpoint: dict[str, torch.Tensor],
+    baseline: Callable[[nn.Module, list[CheckpointWeightPatch]], object],
+    routes: RouteCache,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    *,
+    skip: str,
+) -> None:
+    for name, patch in zip(checkpoint, patches, strict=True):
+        assert patch.indices is not None
+        checkpoint[name].view(-1)[patch.indices.long()] = patch.values
+    for method, model in models.items():
+        if method == skip:
+            continue
+        if method == "baseline":
+            baseline(model, patches)
+        elif method == "dense-reload":
+            _dense_reload(model, checkpoint)
+        elif method == "lower-bound":
+            _index_copies(_lower_bound_plan(routes, patches, tensors[method]))
+        else:
+            load_checkpoint_weight_patches(model, patches)
+
+
+def _lower_bound_plan(
+    routes: RouteCache, patches: list[CheckpointWeightPatch], tensors: dict[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Destination positions and cast values, computed ahead: what a bare scatter needs."""
+    plan = []
+    for patch in patches:
+        route = routes._route(patch.name)
+        assert route is not None and patch.indices is not None
+        for segment in route.segments:
+            target = tensors[segment.tensor_name]
+            positions, picked = segment.positions(patch.indices, sorted_unique=True)
+            values = patch.values[picked].to(segment.dtype)
+            plan.append((indexable(storage_flat(target)), positions, indexable(values)))
+    return plan
+
+
+def _index_copies(plan: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    for flat, positions, values in plan:
+        flat.index_copy_(0, positions, values)
+
+
+def _nnz(patches: list[CheckpointWeightPatch]) -> int:
+    return sum(p.values.numel() for p in patches)
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach().contiguous()
+    return tensor.view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    )
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def table(rows: list[Row], meta: dict[str, Any]) -> str:
+    lines = [
+        f"patchctx benchmark: hidden {meta['hidden']}, TP {meta['tp']} rank {meta['rank']}, "
+        f"{meta['device']}, torch {meta['torch']}, {meta['threads']} threads, "
+        f"median of {meta['repeats']} rounds (one patch to each of 4 checkpoint tensors)",
+        f"baseline = {meta['baseline']}; memory = {meta['memory']}",
+        "",
+        f"{'dtype':<5} {'density':>8} {'method':<29} {'median ms':>10} {'vs base':>8} "
+        f"{'peak MiB':>9} {'B/changed':>10} {'identical':>9}",
+    ]
+    for row in rows:
+        ratio = "" if row.ratio_to_baseline is None else f"{row.ratio_to_baseline:.1f}x"
+        peak = "" if row.peak_extra_mib is None else f"{row.peak_extra_mib:.1f}"
+        per = (
+            "" if row.bytes_per_changed_element is None else f"{row.bytes_per_changed_element:.1f}"
+        )
+        same = "" if row.identical is None else ("yes" if row.identical else "NO")
+        lines.append(
+            f"{row.dtype:<5} {row.density:>8.3%} {row.method:<29} {row.median_ms:>10.2f} "
+            f"{ratio:>8} {peak:>9} {per:>10} {same:>9}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="patchctx side-by-side benchmark")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the QKV slice")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument(
+        "--densities", type=lambda s: [float(x) for x in s.split(",")], default=[0.001, 0.01, 0.1]
+    )
+    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--baseline", choices=["auto", "vllm", "written"], default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the rows and settings as JSON")
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        # Measure memory honestly: with a fixed mmap threshold, glibc returns every large
+        # buffer to the kernel on free, so freed memory is never reused unseen by the RSS.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "benchmarks.patch_bench", *sys.argv[1:]]
+            if argv is None
+            else [sys.executable, "-m", "benchmarks.patch_bench", *argv],
+        )
+    for name in args.dtypes:
+        if name not in DTYPES:
+            parser.error(f"--dtypes: unknown {name!r} (choose from {', '.join(DTYPES)})")
+    rows, meta = run(args)
+    print(table(rows, meta))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"settings": meta, "rows": [asdict(r) for r in rows]}, indent=2)
+        )
+        print(f"\nwrote {args.json}")
+    return 0 if all(r.identical is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

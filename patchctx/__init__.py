@@ -6,6 +6,7 @@ keeps mapping them to runtime coordinates (tensor-parallel slices, packed parame
 """
 
 from patchctx._chunking import ByteBudget, ChunkingPolicy, PerTensor, SingleCall
+from patchctx._diff import diff_state_dicts, patch_nbytes
 from patchctx._errors import (
     InvalidPatchError,
     InvalidPatchTypeError,
@@ -42,7 +43,9 @@ __all__ = [
     "PerTensor",
     "SingleCall",
     "__version__",
+    "diff_state_dicts",
     "load_checkpoint_weight_patches",
     "masked_copy",
+    "patch_nbytes",
     "validate_patches",
 ]

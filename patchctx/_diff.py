@@ -408,7 +408,8 @@ def diff_state_dicts(
         dtype: The receiver's dtype. `None`: each tensor's own (`old` and `new` must then
             agree). A dtype: applies to floating-point tensors; integer, bool and complex ones
             keep their own. A mapping: the dtype per name (names not in it keep their own).
-        names: Diff only these names, in this order (default: every name of `new`, in order).
+        names: Diff only these names, in this order; other names of `old` and `new` are
+            ignored. Default: every name of `new`, in order (and the names must match).
         dense_above: Send a tensor dense when more than this fraction of it changed, in
             (0, 1]; `None` decides by payload size alone.
         strategy: The strategy the receiver loads sparse patches with (default `Auto()`).

@@ -1,0 +1,1 @@
+"""Benchmarks and the realistic workloads they share (not part of the installed package)."""

@@ -7,6 +7,7 @@ keeps mapping them to runtime coordinates (tensor-parallel slices, packed parame
 
 from patchctx._audit import AuditReport, AuditRow, audit
 from patchctx._chunking import ByteBudget, ChunkingPolicy, PerTensor, SingleCall
+from patchctx._diff import diff_state_dicts, patch_nbytes
 from patchctx._errors import (
     InvalidPatchError,
     InvalidPatchTypeError,
@@ -50,7 +51,9 @@ __all__ = [
     "SingleCall",
     "__version__",
     "audit",
+    "diff_state_dicts",
     "load_checkpoint_weight_patches",
     "masked_copy",
+    "patch_nbytes",
     "validate_patches",
 ]

@@ -122,16 +122,20 @@ def _flat_indices(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
 _BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+_SIGNED_VIEWS = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
 def indexable(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, or an integer view of the same bits where torch lacks indexing kernels.
 
-    The float8 dtypes have no ``index_copy_``/``index_select``/``cat`` kernels on some devices;
-    moving their bits through a ``uint8`` view is exact. View the result back with
-    ``.view(dtype)``.
+    The float8 dtypes (on some devices) and the unsigned 16/32/64-bit integers (on CPU) have no
+    ``index_copy_``/``index_select``/``cat`` kernels; moving their bits through a signed or
+    ``uint8`` view of the same width is exact. View the result back with ``.view(dtype)``.
     """
     if tensor.dtype.is_floating_point and tensor.element_size() == 1:
         return tensor.view(torch.uint8)
-    return tensor
+    signed = _SIGNED_VIEWS.get(tensor.dtype)
+    return tensor if signed is None else tensor.view(signed)
 
 
 def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:

@@ -301,3 +301,13 @@ def test_merge_accepts_non_blocking() -> None:
     destination = torch.zeros(3)
     NaNMask().merge(destination, staged, non_blocking=True)
     assert destination.tolist() == [0.0, 2.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+@pytest.mark.parametrize("strategy", [IntSentinel(), BoolMask(), Auto()])
+def test_wide_unsigned_integers_stage_and_merge(strategy: CopyStrategy, dtype: torch.dtype) -> None:
+    """CPU has no index_copy_ for uint16/32/64; their bits move through a signed view."""
+    staged = strategy.stage((2, 3), dtype, torch.tensor([1, 5]), torch.tensor([7, 0]).to(dtype))
+    weight = torch.full((2, 3), 9).to(dtype)
+    strategy.merge(weight, staged)
+    assert weight.view(-1).tolist() == [9, 7, 9, 9, 9, 0]

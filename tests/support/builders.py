@@ -9,6 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from patchctx import CheckpointWeightPatch
+from patchctx._strategies import indexable
 from tests.support.models import Spec, ToyModel, packed_tp_model, random_tensor
 
 SPECIAL_FLOATS = [0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-45, 65504.0, 3.0e38]
@@ -140,3 +141,113 @@ def patch_sequences(
                 CheckpointWeightPatch(name, spec.shape, spec.dtype, sparse.values, sparse.indices)
             )
     return patches
+
+
+# ------------------------------------------------------------------ state dicts for diffing
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _sign_bit(as_int: torch.dtype) -> int:
+    return 0x80 if as_int == torch.uint8 else torch.iinfo(as_int).min
+
+
+def nan_with_payload(dtype: torch.dtype, payload: int, *, negative: bool = False) -> torch.Tensor:
+    """A 0-d NaN of `dtype` whose low mantissa bits are OR-ed with `payload` (still a NaN)."""
+    nan = torch.full((), float("nan"), dtype=dtype)
+    as_int = _INT_OF_WIDTH[nan.element_size()]
+    raw = nan.view(as_int) | payload
+    if negative:
+        raw = raw | _sign_bit(as_int)
+    return raw.view(dtype)
+
+
+def _special_values(dtype: torch.dtype) -> list[torch.Tensor]:
+    """0-d values worth putting into weights of `dtype` (signed zeros, infinities, NaNs)."""
+    if dtype == torch.bool:
+        return [torch.tensor(True), torch.tensor(False)]
+    if dtype.is_complex:
+        return [
+            torch.tensor(complex(-0.0, 0.0), dtype=dtype),
+            torch.tensor(complex(float("nan"), 1.0), dtype=dtype),
+            torch.tensor(complex(float("inf"), -0.0), dtype=dtype),
+        ]
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        return [torch.tensor(v, dtype=dtype) for v in (info.min, info.max, 0)]
+    values = [torch.tensor(v, dtype=torch.float64).to(dtype) for v in SPECIAL_FLOATS]
+    values += [nan_with_payload(dtype, p) for p in (0, 1, 2)]
+    values.append(nan_with_payload(dtype, 1, negative=True))
+    return values
+
+
+def _twin(value: torch.Tensor) -> torch.Tensor:
+    """A value that differs from `value` only in bits people forget: the sign of a zero or an
+    infinity, a NaN's payload; or `value` itself (then it is not a change)."""
+    dtype = value.dtype
+    if dtype == torch.bool or dtype.is_complex or not dtype.is_floating_point:
+        return value.clone()
+    as_int = _INT_OF_WIDTH[value.element_size()]
+    raw = value.view(as_int)
+    if torch.isnan(value.to(torch.float32)):
+        return (raw ^ 3).view(dtype) if value.element_size() > 1 else value.clone()
+    return (raw ^ _sign_bit(as_int)).view(dtype)
+
+
+@st.composite
+def state_dict_pairs(
+    draw: st.DrawFn,
+    specs: dict[str, Spec],
+    *,
+    trainer_dtypes: dict[str, torch.dtype] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(old, new) state dicts over `specs` (held in `trainer_dtypes` where given).
+
+    `old` holds random weights with special values (signed zeros, infinities, NaNs with
+    payloads, integer extremes) at drawn positions. Each tensor of `new` is drawn as: the same
+    object, an equal copy, a few changed elements (special values included), the special
+    positions flipped to their twins (-0.0 for 0.0, another NaN payload, ...), tiny relative
+    noise (floats), or a fresh tensor.
+    """
+    old: dict[str, torch.Tensor] = {}
+    new: dict[str, torch.Tensor] = {}
+    for name, spec in specs.items():
+        dtype = (trainer_dtypes or {}).get(name, spec.dtype)
+        seed = draw(st.integers(0, 2**31 - 1))
+        generator = torch.Generator().manual_seed(seed)
+        before = random_tensor(spec.shape, dtype, generator)
+        numel = before.numel()
+        flat = before.view(-1)
+        specials = _special_values(dtype)
+        special_at = torch.randperm(numel, generator=generator)[: min(numel, len(specials))]
+        for position, value in zip(special_at.tolist(), specials, strict=False):
+            flat[position] = value
+        old[name] = before
+        kinds = ["same", "copy", "sparse", "twins", "fresh"]
+        if dtype.is_floating_point:
+            kinds.append("noise")
+        kind = draw(st.sampled_from(kinds))
+        if kind == "same":
+            new[name] = before
+            continue
+        after = before.clone()
+        if kind == "sparse" and numel:
+            density = draw(st.sampled_from([0.01, 0.1, 0.3, 0.5, 1.0]))
+            count = max(1, round(numel * density))
+            positions = torch.randperm(numel, generator=generator)[:count]
+            if dtype.is_complex:
+                values = random_tensor((count,), dtype, generator)
+            else:
+                values = draw(sparse_values(count, dtype, allow_nan=True, seed=seed))
+            indexable(after).view(-1)[positions] = indexable(values)
+        elif kind == "twins":
+            for position in special_at.tolist():
+                after.view(-1)[position] = _twin(flat[position])
+        elif kind == "noise":
+            scale = draw(st.sampled_from([1e-9, 1e-6, 1e-3]))
+            noise = torch.randn(spec.shape, generator=generator, dtype=torch.float64)
+            after = (before.to(torch.float64) * (1 + scale * noise)).to(dtype)
+        elif kind == "fresh":
+            after = random_tensor(spec.shape, dtype, generator)
+        new[name] = after
+    return old, new

@@ -208,6 +208,50 @@ class IntLinear(ToyLayer):
         target.data.copy_(loaded)
 
 
+class PlainLayer(ToyLayer):
+    """Tensors of any shape (0-d and empty included) and dtype, each loaded by a plain copy_."""
+
+    def __init__(self, specs: Mapping[str, Spec]) -> None:
+        super().__init__()
+        self.specs = dict(specs)
+        self.tensors = nn.ParameterDict(
+            {
+                shard: nn.Parameter(torch.zeros(spec.shape, dtype=spec.dtype), requires_grad=False)
+                for shard, spec in specs.items()
+            }
+        )
+
+    def load(self, shard: str, loaded: torch.Tensor) -> None:
+        self.tensors[shard].data.copy_(loaded)
+
+
+def mixed_dtype_model() -> ToyModel:
+    """Scalars, empty tensors, int8 with a float scale, wide unsigned ints, bool, float8 and
+    complex weights."""
+    return ToyModel(
+        {
+            "plain": PlainLayer(
+                {
+                    "scalar": Spec((), torch.float32),
+                    "empty": Spec((0, 3), torch.bfloat16),
+                    "vector": Spec((7,), torch.float16),
+                    "matrix": Spec((5, 6), torch.bfloat16),
+                    "wide": Spec((3, 4), torch.float64),
+                    "counts": Spec((4, 5), torch.int32),
+                    "packed": Spec((3, 3), torch.uint16),
+                    "codes": Spec((6,), torch.uint32),
+                    "flags": Spec((9,), torch.bool),
+                    "e4m3": Spec((4, 4), torch.float8_e4m3fn),
+                    "e5m2": Spec((8,), torch.float8_e5m2),
+                    "complex": Spec((2, 3), torch.complex64),
+                    "complex128": Spec((5,), torch.complex128),
+                }
+            ),
+            "quant": IntLinear(4, 6),
+        }
+    )
+
+
 class ToyModel(nn.Module):
     """A model of named layers; checkpoint names are ``"<layer>.<shard>.weight"``."""
 

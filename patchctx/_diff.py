@@ -1,0 +1,484 @@
+"""The trainer side: two state dicts in, the smallest correct set of patches out.
+
+`diff_state_dicts` compares the weights a trainer last sent with the weights it has now, tensor by
+tensor, bitwise in the dtype the receiver holds, and emits one dense or sparse
+`CheckpointWeightPatch` per changed tensor. `patch_nbytes` says how many bytes a patch set puts on
+the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from numbers import Real
+from typing import TypeAlias, cast
+
+import torch
+
+from patchctx._errors import InvalidPatchError, PatchProblem
+from patchctx._patch import CheckpointWeightPatch
+from patchctx._strategies import Auto, CopyStrategy, as_strategy
+
+__all__ = ["diff_state_dicts", "patch_nbytes"]
+
+_DtypeArg: TypeAlias = "torch.dtype | Mapping[str, torch.dtype] | None"
+
+# Below this many elements every flat position fits int32.
+_INT32_LIMIT = 2**31
+
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+# Integer views of the same width; the comparison and every data move happen on these bits.
+_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The dtype of the flat indices of a sparse patch to a tensor of `numel` elements."""
+    return torch.int32 if numel < _INT32_LIMIT else torch.int64
+
+
+def sparse_is_smaller(nnz: int, numel: int, element_size: int) -> bool:
+    """Whether `nnz` (index, value) pairs take fewer bytes than all `numel` values."""
+    index_size = 4 if index_dtype(numel) == torch.int32 else 8
+    return nnz * (index_size + element_size) < numel * element_size
+
+
+# ------------------------------------------------------------------------------- validation
+
+
+def _dtype_problem(value: object, where: str) -> str | None:
+    if not isinstance(value, torch.dtype):
+        return f"{where} must be a torch.dtype, got {value!r}"
+    if value in _QUANTIZED:
+        return f"{where} is the quantized dtype {value}, which has no bitwise representation"
+    return None
+
+
+def _tensor_problem(side: str, name: str, value: object) -> str | None:
+    if not isinstance(value, torch.Tensor):
+        return f"{name!r}: {side}[{name!r}] must be a torch.Tensor, got {type(value).__name__}"
+    if value.layout != torch.strided:
+        return f"{name!r}: {side}[{name!r}] is a {value.layout} tensor; pass dense (strided) ones"
+    if value.dtype in _QUANTIZED:
+        return f"{name!r}: {side}[{name!r}] has the quantized dtype {value.dtype}, not supported"
+    return None
+
+
+def _problem(reason: str, name: str = "", *, type_error: bool = False) -> PatchProblem:
+    return PatchProblem(None, name, reason, is_type_error=type_error)
+
+
+def _check_dtype(dtype: object, problems: list[PatchProblem]) -> bool:
+    """Check `dtype=`; whether it is usable."""
+    found: list[PatchProblem] = []
+    if isinstance(dtype, Mapping):
+        for key, value in dtype.items():
+            reason = _dtype_problem(value, f"dtype[{key!r}]")
+            if reason is not None:
+                found.append(_problem(reason, str(key), type_error=True))
+    elif dtype is not None:
+        reason = _dtype_problem(dtype, "dtype")
+        if reason is not None:
+            found.append(_problem(reason, type_error=True))
+        elif isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            found.append(
+                _problem(
+                    f"a single dtype= applies to the floating-point tensors and must be a "
+                    f"floating dtype, got {dtype}; pass a mapping of names to dtypes for "
+                    "integer, bool or complex receivers"
+                )
+            )
+    problems.extend(found)
+    return not found
+
+
+def _check_names(names: object, problems: list[PatchProblem]) -> list[str] | None:
+    """`names=` as a list (an iterator is read once); `None` when absent or unusable."""
+    if names is None:
+        return None
+    listed = (
+        list(names) if isinstance(names, Iterable) and not isinstance(names, (str, bytes)) else None
+    )
+    if listed is None or not all(isinstance(n, str) for n in listed):
+        problems.append(
+            _problem(f"names must be an iterable of str, got {names!r}", type_error=True)
+        )
+        return None
+    return listed
+
+
+def _check_dense_above(dense_above: object, problems: list[PatchProblem]) -> float | None:
+    if dense_above is None:
+        return None
+    if (
+        isinstance(dense_above, bool)
+        or not isinstance(dense_above, Real)
+        or not 0 < float(dense_above) <= 1
+    ):
+        problems.append(
+            _problem(f"dense_above must be a density in (0, 1] or None, got {dense_above!r}")
+        )
+        return None
+    return float(dense_above)
+
+
+def _check_strategy(strategy: object, problems: list[PatchProblem]) -> CopyStrategy:
+    try:
+        return as_strategy(strategy, Auto(), "diff_state_dicts")
+    except TypeError as error:
+        problems.append(_problem(str(error), type_error=True))
+        return Auto()
+
+
+def _chosen_names(
+    old: Mapping[str, object],
+    new: Mapping[str, object],
+    names: list[str] | None,
+    problems: list[PatchProblem],
+) -> list[str]:
+    if names is None:
+        for name in old:
+            if name not in new:
+                problems.append(
+                    _problem(
+                        f"{name!r} is in old but not in new; pass names= to diff a subset",
+                        str(name),
+                    )
+                )
+        for name in new:
+            if name not in old:
+                problems.append(
+                    _problem(
+                        f"{name!r} is in new but not in old (the receiver does not hold it); "
+                        "send it as a dense patch, or pass names= to leave it out",
+                        str(name),
+                    )
+                )
+        return [name for name in new if name in old]
+    chosen = []
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            problems.append(_problem(f"{name!r} appears more than once in names", name))
+            continue
+        seen.add(name)
+        missing = [side for side, d in (("old", old), ("new", new)) if name not in d]
+        if missing:
+            problems.append(
+                _problem(f"{name!r} (from names) is not in {' or '.join(missing)}", name)
+            )
+        else:
+            chosen.append(name)
+    return chosen
+
+
+def _receiver_dtype(
+    name: str,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    dtype: _DtypeArg,
+) -> torch.dtype | str:
+    """The dtype to compare `name` in, or the reason it is unknown."""
+    if isinstance(dtype, Mapping):
+        chosen = dtype.get(name)
+        if chosen is not None:
+            return chosen
+    elif dtype is not None and old.is_floating_point() and new.is_floating_point():
+        return dtype
+    if old.dtype != new.dtype:
+        return (
+            f"{name!r}: old is {old.dtype} and new is {new.dtype}; pass dtype= (the dtype the "
+            "receiver holds) to compare them"
+        )
+    return new.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What `diff_state_dicts` will do, once every argument is known to be valid."""
+
+    tensors: list[tuple[str, torch.dtype]]  # (name, receiver dtype), in output order
+    strategy: CopyStrategy
+    dense_above: float | None
+
+
+def _plan(
+    old: object,
+    new: object,
+    dtype: object,
+    names: object,
+    dense_above: object,
+    strategy: object,
+) -> _Plan:
+    """Every check that needs no tensor data, with all problems in one report."""
+    problems: list[PatchProblem] = []
+    for side, value in (("old", old), ("new", new)):
+        if not isinstance(value, Mapping):
+            problems.append(
+                _problem(
+                    f"{side} must be a mapping of names to tensors (a state dict), got "
+                    f"{type(value).__name__}",
+                    type_error=True,
+                )
+            )
+    dtype_ok = _check_dtype(dtype, problems)
+    listed = _check_names(names, problems)
+    density = _check_dense_above(dense_above, problems)
+    chosen_strategy = _check_strategy(strategy, problems)
+    tensors: list[tuple[str, torch.dtype]] = []
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        if isinstance(dtype, Mapping):
+            problems.extend(
+                _problem(f"dtype names {key!r}, which is in neither old nor new", str(key))
+                for key in dtype
+                if key not in old and key not in new
+            )
+        usable_names = names is None or listed is not None
+        for name in _chosen_names(old, new, listed, problems) if usable_names else []:
+            before, after = old[name], new[name]
+            found = [
+                reason
+                for side, value in (("old", before), ("new", after))
+                if (reason := _tensor_problem(side, name, value)) is not None
+            ]
+            if found:
+                problems.extend(_problem(reason, name, type_error=True) for reason in found)
+                continue
+            if before.shape != after.shape:
+                problems.append(
+                    _problem(
+                        f"{name!r}: shape differs between old {tuple(before.shape)} and new "
+                        f"{tuple(after.shape)}; a patch cannot change a tensor's shape",
+                        name,
+                    )
+                )
+                continue
+            if dtype_ok:
+                receiver = _receiver_dtype(name, before, after, cast(_DtypeArg, dtype))
+                if isinstance(receiver, str):
+                    problems.append(_problem(receiver, name))
+                else:
+                    tensors.append((name, receiver))
+    if problems:
+        raise InvalidPatchError.from_problems(problems)
+    return _Plan(tensors, chosen_strategy, density)
+
+
+# ----------------------------------------------------------------------------------- diffing
+
+
+def _flat_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of the same width, flattened (a view when possible).
+
+    1-D for every dtype up to 8 bytes; ``(numel, 2)`` for complex128.
+    """
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8).reshape(-1)
+    size = tensor.element_size()
+    view = _BIT_VIEWS.get(size)
+    if view is not None:
+        return tensor.view(view).reshape(-1)
+    return tensor.reshape(-1).view(torch.int64).view(-1, size // 8)
+
+
+def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Undo `_flat_bits` on a (possibly gathered) 1-D or ``(n, 2)`` integer tensor."""
+    return bits.reshape(-1).view(dtype)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` view the same elements of the same storage the same way."""
+    return a is b or (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
+
+
+def _read_host(flags: torch.Tensor) -> list[int]:
+    """The one host synchronisation of a tensor's diff."""
+    return [int(v) for v in flags.tolist()]
+
+
+def _diff_tensor(
+    name: str,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    dtype: torch.dtype,
+    strategy: CopyStrategy,
+    dense_above: float | None,
+) -> CheckpointWeightPatch | None:
+    numel = new.numel()
+    if numel == 0:
+        return None
+    device = new.device
+    target = new.to(device=device, dtype=dtype)
+    new_bits = _flat_bits(target)
+    # The cast of `old` lives only for this comparison.
+    changed = _flat_bits(old.to(device=device, dtype=dtype)) != new_bits
+    if changed.ndim == 2:
+        changed = changed.any(dim=1)
+    count = changed.sum()
+    unsupported = strategy.unsupported_reason(dtype) is not None
+    if unsupported:
+        nnz = _read_host(count.view(1))[0]
+        reserved = True
+    else:
+        # Whether the changed values hold a value the strategy cannot carry, asked of a tensor
+        # whose every element is one of the changed values: the unchanged positions take the
+        # value at the first changed one. Exact for any strategy, and needs no count first.
+        first = changed.view(torch.uint8).argmax().view(1)
+        mask = changed.view(-1, 1) if new_bits.ndim == 2 else changed
+        filled = torch.where(mask, new_bits, new_bits.index_select(0, first))
+        flag = strategy.reserved_values(_from_bits(filled, dtype), dtype)
+        del filled
+        nnz, reserved_int = _read_host(torch.stack([count, flag.to(count.device, count.dtype)]))
+        reserved = bool(reserved_int)
+    if nnz == 0:
+        return None
+    shape = tuple(new.shape)
+    sparse = (
+        not reserved
+        and sparse_is_smaller(nnz, numel, target.element_size())
+        and (dense_above is None or nnz <= dense_above * numel)
+    )
+    if sparse:
+        positions = torch.nonzero_static(changed, size=nnz).view(-1)
+        del changed
+        values = _from_bits(new_bits.index_select(0, positions), dtype)
+        return CheckpointWeightPatch(name, shape, dtype, values, positions.to(index_dtype(numel)))
+    del changed
+    # A dense patch owns its values: the trainer may keep updating `new` in place.
+    flat = target.reshape(-1)
+    if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
+        flat = flat.clone()
+    return CheckpointWeightPatch(name, shape, dtype, flat)
+
+
+@torch.no_grad()
+def diff_state_dicts(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+    names: Iterable[str] | None = None,
+    dense_above: float | None = None,
+    strategy: CopyStrategy | None = None,
+) -> list[CheckpointWeightPatch]:
+    """The smallest patch set that turns a receiver holding `old` into one holding `new`.
+
+    Each tensor is compared **in the receiver's dtype**: both sides are cast to it and an
+    element counts as changed when the bits of its two casts differ. So fp32 master-weight
+    noise that rounds away in bf16 is not sent, while these are sent deliberately:
+
+    - ``-0.0`` versus ``+0.0`` is a change (the bits differ; the receiver ends up with the
+      exact bits of `new`).
+    - NaN is compared by its bits too: the same NaN on both sides is unchanged, a NaN whose
+      payload or sign differs is a change (casts to a narrower dtype may canonicalise
+      payloads first, as the receiver's own cast does).
+
+    Unchanged tensors produce no patch. A changed tensor becomes a sparse patch (flat
+    row-major indices, sorted and unique; int32 when the tensor has fewer than 2**31 elements,
+    int64 otherwise; values in the receiver dtype) when that payload is strictly smaller than
+    the dense one, ``nnz * (index bytes + value bytes) < numel * value bytes``, and the
+    density ``nnz / numel`` is at most `dense_above`; otherwise it becomes a dense patch.
+    A tensor also goes dense when `strategy` (the one the receiver will load with) cannot
+    stage its dtype or cannot carry one of its changed values: NaN under `NaNMask` (and
+    `Auto` for floats), the sentinel under `IntSentinel` (and `Auto` for integers: the
+    dtype's minimum), bool and complex under `Auto`. Nothing is dropped; to keep such tensors
+    sparse, pass ``strategy=BoolMask()`` here and to `load_checkpoint_weight_patches`.
+
+    The diff streams tensor by tensor: at most one tensor's casts, a boolean change mask and
+    one scratch tensor exist at a time, so the extra memory beyond the returned patches is
+    bounded by a small multiple of the largest tensor, never by the model. The returned
+    values never alias `new` (the trainer may keep stepping in place). Tensors may live on
+    any device; the work happens on `new`'s device (`old` is moved there one tensor at a
+    time), and each non-empty tensor costs one host synchronisation (reading its number of
+    changed elements and whether they hold a reserved value). Supported dtypes: every
+    non-quantized one (floating incl. bfloat16 and float8, integer, bool, complex). A 0-d
+    tensor is a one-element tensor (always dense: a sparse payload is never smaller); an
+    empty tensor never changes.
+
+    Args:
+        old: The state dict the receiver holds (what was last sent), in checkpoint coordinates.
+        new: The current state dict, with the same names and shapes.
+        dtype: The receiver's dtype. `None`: each tensor's own (`old` and `new` must then
+            agree). A dtype: applies to floating-point tensors; integer, bool and complex ones
+            keep their own. A mapping: the dtype per name (names not in it keep their own).
+        names: Diff only these names, in this order; other names of `old` and `new` are
+            ignored. Default: every name of `new`, in order (and the names must match).
+        dense_above: Send a tensor dense when more than this fraction of it changed, in
+            (0, 1]; `None` decides by payload size alone.
+        strategy: The strategy the receiver loads sparse patches with (default `Auto()`).
+
+    Returns:
+        One patch per changed tensor, in name order.
+
+    Raises:
+        InvalidPatchError: Listing every problem before any work: names missing from one side,
+            shapes that differ, dtypes that differ with no `dtype=` to settle them, and bad
+            arguments (an `InvalidPatchTypeError` when one is of the wrong type).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import diff_state_dicts
+        >>> old = {"w": torch.zeros(2, 4), "b": torch.ones(4)}
+        >>> new = {"w": torch.zeros(2, 4), "b": torch.tensor([1.0, -0.0, 1.001, 1.0])}
+        >>> new["w"][1, 2] = 0.5
+        >>> for patch in diff_state_dicts(old, new):
+        ...     print(patch.name, patch.indices, patch.values)
+        w tensor([6], dtype=torch.int32) tensor([0.5000])
+        b None tensor([1.0000, -0.0000, 1.0010, 1.0000])
+
+        In bf16, the receiver's dtype, 1.001 rounds to 1.0 and only the sign of zero changed:
+
+        >>> for patch in diff_state_dicts(old, new, dtype=torch.bfloat16):
+        ...     print(patch.name, patch.indices, patch.values)
+        w tensor([6], dtype=torch.int32) tensor([0.5000], dtype=torch.bfloat16)
+        b tensor([1], dtype=torch.int32) tensor([-0.], dtype=torch.bfloat16)
+    """
+    plan = _plan(old, new, dtype, names, dense_above, strategy)
+    patches = []
+    for name, receiver in plan.tensors:
+        before, after = old[name], new[name]
+        if _same_view(before, after):
+            continue  # the very same elements: unchanged in any dtype, no work, no sync
+        patch = _diff_tensor(
+            name, before.detach(), after.detach(), receiver, plan.strategy, plan.dense_above
+        )
+        if patch is not None:
+            patches.append(patch)
+    return patches
+
+
+def patch_nbytes(patches: Iterable[CheckpointWeightPatch]) -> int:
+    """The wire size of a patch set: the bytes of every patch's values and indices.
+
+    Counts the tensors as they are (their own dtypes), not names or shapes. Divide by the
+    bytes of the full tensors to log the compression of an update.
+
+    Args:
+        patches: `CheckpointWeightPatch` objects, or anything with `values` and `indices`.
+
+    Returns:
+        The total number of bytes.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch, patch_nbytes
+        >>> sparse = CheckpointWeightPatch("w", (1024,), torch.bfloat16,
+        ...                                torch.zeros(10, dtype=torch.bfloat16),
+        ...                                torch.arange(10, dtype=torch.int32))
+        >>> dense = CheckpointWeightPatch("b", (8,), torch.float32, torch.zeros(8))
+        >>> patch_nbytes([sparse, dense])  # 10 * (2 + 4) + 8 * 4
+        92
+    """
+    total = 0
+    for patch in patches:
+        total += patch.values.numel() * patch.values.element_size()
+        if patch.indices is not None:
+            total += patch.indices.numel() * patch.indices.element_size()
+    return total

@@ -1,0 +1,477 @@
+"""diff_state_dicts and patch_nbytes: round trips through real loaders, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from patchctx import (
+    Auto,
+    BoolMask,
+    CheckpointWeightPatch,
+    CopyStrategy,
+    IntSentinel,
+    InvalidPatchError,
+    InvalidPatchTypeError,
+    NaNMask,
+    diff_state_dicts,
+    load_checkpoint_weight_patches,
+    patch_nbytes,
+    validate_patches,
+)
+from patchctx._diff import index_dtype, sparse_is_smaller
+from patchctx._strategies import indexable
+from tests.support.builders import nan_with_payload, state_dict_pairs, tp_models
+from tests.support.memory import AllocationTracker, HostReads
+from tests.support.models import (
+    ToyModel,
+    assert_same_state,
+    bits,
+    mixed_dtype_model,
+    same_bits,
+    state,
+)
+
+STRATEGIES: list[CopyStrategy] = [Auto(), BoolMask()]
+
+
+def load_cast(
+    model: ToyModel, tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, Any]
+) -> None:
+    model.load_weights([(name, tensor.to(dtypes[name])) for name, tensor in tensors.items()])
+    model.load_calls.clear()
+
+
+def element_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """One row of raw bits per element (complex: real and imaginary parts)."""
+    raw = bits(tensor.reshape(-1))
+    return raw.reshape(tensor.numel(), -1) if tensor.numel() else raw.reshape(0, 1)
+
+
+def gather(flat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return indexable(flat).index_select(0, positions).view(flat.dtype)
+
+
+def assert_smallest_correct(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    dtypes: Mapping[str, torch.dtype],
+    patches: Sequence[CheckpointWeightPatch],
+    strategy: CopyStrategy,
+    dense_above: float | None,
+) -> None:
+    """Each changed tensor has exactly one patch, with exactly the changed elements when
+    sparse, and is dense exactly when the documented rule says so."""
+    by_name = {patch.name: patch for patch in patches}
+    assert len(by_name) == len(patches)
+    assert [p.name for p in patches] == [n for n in new if n in by_name]
+    for name in new:
+        receiver = dtypes[name]
+        before, after = old[name].to(receiver), new[name].to(receiver)
+        changed = (element_bits(before) != element_bits(after)).any(dim=1)
+        nnz, numel = int(changed.sum()), after.numel()
+        if nnz == 0:
+            assert name not in by_name
+            continue
+        patch = by_name[name]
+        assert (patch.name, patch.shape, patch.dtype) == (name, tuple(after.shape), receiver)
+        assert patch.values.dtype == receiver
+        positions = changed.nonzero().view(-1)
+        changed_values = gather(after.reshape(-1), positions)
+        element = after.element_size()
+        expect_sparse = (
+            strategy.unsupported_reason(receiver) is None
+            and not bool(strategy.reserved_values(changed_values, receiver))
+            and nnz * (4 + element) < numel * element
+            and (dense_above is None or nnz <= dense_above * numel)
+        )
+        if expect_sparse:
+            assert patch.indices is not None
+            assert patch.indices.dtype == torch.int32
+            assert torch.equal(patch.indices.long(), positions)
+            assert same_bits(patch.values, changed_values)
+        else:
+            assert patch.indices is None
+            assert same_bits(patch.values, after.reshape(-1))
+
+
+def round_trip(
+    model: ToyModel,
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None,
+    strategy: CopyStrategy,
+    dense_above: float | None = None,
+) -> list[CheckpointWeightPatch]:
+    """Apply diff_state_dicts(old, new) to a model holding `old`; it must then hold `new`."""
+    receiver = {name: spec.dtype for name, spec in model.checkpoint_specs().items()}
+    load_cast(model, old, receiver)
+    reference = copy.deepcopy(model)
+    load_cast(reference, new, receiver)
+    patches = diff_state_dicts(old, new, dtype=dtype, strategy=strategy, dense_above=dense_above)
+    validate_patches(patches, strategy=strategy)
+    load_checkpoint_weight_patches(model, patches, strategy=strategy)
+    assert_same_state(state(model), state(reference))
+    assert_smallest_correct(old, new, receiver, patches, strategy, dense_above)
+    return patches
+
+
+# ------------------------------------------------------------------------------ round trips
+
+
+@given(
+    data=st.data(),
+    fp32_trainer=st.booleans(),
+    mapping=st.booleans(),
+    strategy=st.sampled_from(STRATEGIES),
+    dense_above=st.sampled_from([None, 0.05, 1.0]),
+)
+def test_round_trip_through_packed_tp_loaders(
+    data: st.DataObject,
+    fp32_trainer: bool,
+    mapping: bool,
+    strategy: CopyStrategy,
+    dense_above: float | None,
+) -> None:
+    model, kwargs = data.draw(tp_models())
+    receiver = kwargs["dtype"]
+    assert isinstance(receiver, torch.dtype)
+    specs = model.checkpoint_specs()
+    trainer = dict.fromkeys(specs, torch.float32) if fp32_trainer else None
+    old, new = data.draw(state_dict_pairs(specs, trainer_dtypes=trainer))
+    dtype: torch.dtype | dict[str, torch.dtype] | None = receiver
+    if mapping:
+        dtype = {name: spec.dtype for name, spec in specs.items()}
+    elif not fp32_trainer and data.draw(st.booleans()):
+        dtype = None  # each tensor's own
+    round_trip(model, old, new, dtype=dtype, strategy=strategy, dense_above=dense_above)
+
+
+@given(data=st.data(), strategy=st.sampled_from(STRATEGIES))
+def test_round_trip_with_every_kind_of_dtype_and_shape(
+    data: st.DataObject, strategy: CopyStrategy
+) -> None:
+    """Scalars, empty tensors, bf16/fp16/fp32/fp64, float8, int8/int32/uint16/uint32, bool,
+    complex."""
+    model = mixed_dtype_model()
+    specs = model.checkpoint_specs()
+    fp32_masters = {
+        name: torch.float32
+        for name, spec in specs.items()
+        if spec.dtype.is_floating_point and spec.dtype.itemsize <= 2
+    }
+    old, new = data.draw(state_dict_pairs(specs, trainer_dtypes=fp32_masters))
+    dtypes = {name: spec.dtype for name, spec in specs.items()}
+    round_trip(model, old, new, dtype=dtypes, strategy=strategy)
+
+
+# --------------------------------------------------------------------- what counts as changed
+
+
+def test_fp32_noise_that_vanishes_in_bf16_is_not_sent() -> None:
+    old = {"w": torch.full((64,), 1.0)}
+    new = {"w": old["w"] + 1e-4}  # well below bf16's half ulp at 1.0 (2**-8)
+    assert diff_state_dicts(old, new, dtype=torch.bfloat16) == []
+    [patch] = diff_state_dicts(old, new)
+    assert patch.dtype == torch.float32
+
+
+def test_an_element_changes_when_only_its_bf16_rounding_does() -> None:
+    old = {"w": torch.full((64,), 1.0)}
+    new = {"w": old["w"].clone()}
+    new["w"][5] = 1.0 + 2**-8 + 2**-20  # rounds up to the next bf16 value
+    [patch] = diff_state_dicts(old, new, dtype=torch.bfloat16)
+    assert patch.indices is not None and patch.indices.tolist() == [5]
+    assert patch.values.tolist() == [1.0078125]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_negative_zero_is_a_change(dtype: torch.dtype) -> None:
+    old = {"w": torch.zeros(16, dtype=dtype)}
+    new = {"w": old["w"].clone()}
+    new["w"][3] = -0.0
+    [patch] = diff_state_dicts(old, new)
+    assert patch.indices is not None and patch.indices.tolist() == [3]
+    assert same_bits(patch.values, torch.tensor([-0.0], dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nan_compares_by_its_bits(dtype: torch.dtype) -> None:
+    quiet, payload = nan_with_payload(dtype, 0), nan_with_payload(dtype, 1)
+    old = {"w": torch.zeros(32, dtype=dtype)}
+    old["w"][[1, 2]] = quiet
+    new = {"w": old["w"].clone()}
+    new["w"][2] = payload  # same value class, other bits
+    [patch] = diff_state_dicts(old, new, strategy=BoolMask())
+    assert patch.indices is not None and patch.indices.tolist() == [2]  # position 1: same NaN
+    assert same_bits(patch.values, payload.view(1))
+
+
+def test_nan_update_goes_dense_under_nan_mask_and_stays_sparse_under_bool_mask() -> None:
+    old = {"w": torch.zeros(100)}
+    new = {"w": old["w"].clone()}
+    new["w"][[7, 9]] = torch.tensor([float("nan"), 1.0])
+    for strategy in (Auto(), NaNMask()):
+        [dense] = diff_state_dicts(old, new, strategy=strategy)
+        assert dense.indices is None and torch.isnan(dense.values[7])
+    [sparse] = diff_state_dicts(old, new, strategy=BoolMask())
+    assert sparse.indices is not None and sparse.indices.tolist() == [7, 9]
+
+
+def test_int_sentinel_update_goes_dense() -> None:
+    old = {"q": torch.zeros(100, dtype=torch.int8)}
+    new = {"q": old["q"].clone()}
+    new["q"][4] = -128  # IntSentinel's default sentinel for int8
+    [dense] = diff_state_dicts(old, new)
+    assert dense.indices is None
+    [sparse] = diff_state_dicts(old, new, strategy=IntSentinel(value=127))
+    assert sparse.indices is not None and sparse.values.tolist() == [-128]
+    new["q"][4] = 5
+    [sparse] = diff_state_dicts(old, new)
+    assert sparse.indices is not None
+
+
+def test_an_unchanged_sentinel_does_not_force_a_dense_patch() -> None:
+    old = {"q": torch.full((100,), -128, dtype=torch.int8)}  # the sentinel is everywhere ...
+    new = {"q": old["q"].clone()}
+    new["q"][50] = 3  # ... but no changed element holds it
+    [patch] = diff_state_dicts(old, new)
+    assert patch.indices is not None and patch.indices.tolist() == [50]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+def test_dtypes_the_strategy_cannot_stage_go_dense(dtype: torch.dtype) -> None:
+    old = {"x": torch.zeros(50, dtype=dtype)}
+    new = {"x": old["x"].clone()}
+    new["x"][1] = 1
+    [dense] = diff_state_dicts(old, new)
+    assert dense.indices is None
+    [sparse] = diff_state_dicts(old, new, strategy=BoolMask())
+    assert sparse.indices is not None and sparse.indices.tolist() == [1]
+
+
+# ---------------------------------------------------------------------------- dense or sparse
+
+
+@pytest.mark.parametrize(
+    ("dtype", "threshold"),
+    # sparse iff nnz * (4 + e) < numel * e, numel = 60
+    [(torch.float32, 30), (torch.bfloat16, 20), (torch.int8, 12), (torch.float64, 40)],
+)
+def test_sparse_only_when_its_payload_is_strictly_smaller(
+    dtype: torch.dtype, threshold: int
+) -> None:
+    old = {"w": torch.zeros(60, dtype=dtype)}
+    for nnz, sparse in ((threshold - 1, True), (threshold, False)):
+        new = {"w": old["w"].clone()}
+        new["w"][:nnz] = 1
+        [patch] = diff_state_dicts(old, new)
+        assert (patch.indices is not None) is sparse, nnz
+        assert patch_nbytes([patch]) <= 60 * old["w"].element_size()
+
+
+def test_dense_above_sends_denser_tensors_dense() -> None:
+    old = {"w": torch.zeros(1000)}
+    new = {"w": old["w"].clone()}
+    new["w"][:100] = 1.0  # density 0.1
+    assert diff_state_dicts(old, new, dense_above=0.1)[0].indices is not None
+    assert diff_state_dicts(old, new, dense_above=0.099)[0].indices is None
+    assert diff_state_dicts(old, new, dense_above=1)[0].indices is not None
+
+
+def test_index_dtype_is_int32_below_2_to_the_31_elements() -> None:
+    assert index_dtype(2**31 - 1) == torch.int32
+    assert index_dtype(2**31) == torch.int64
+    # 8-byte indices make the sparse payload of a huge tensor bigger
+    assert sparse_is_smaller(10, 2**31 - 1, 2) and not sparse_is_smaller(2**29, 2**31, 2)
+    assert sparse_is_smaller(2**29 - 1, 2**31 - 1, 2)
+
+
+# ------------------------------------------------------------------------ shapes and layouts
+
+
+def test_scalars_and_empty_tensors() -> None:
+    old = {"s": torch.tensor(1.0), "e": torch.zeros(0, 4), "same": torch.tensor(2.0)}
+    new = {"s": torch.tensor(-1.0), "e": torch.zeros(0, 4), "same": torch.tensor(2.0)}
+    [patch] = diff_state_dicts(old, new)
+    assert patch.name == "s" and patch.shape == () and patch.indices is None
+    assert patch.values.shape == (1,) and patch.values.tolist() == [-1.0]
+
+
+def test_non_contiguous_tensors_and_trainable_parameters() -> None:
+    base = torch.randn(8, 6)
+    old = {"t": base.t(), "p": torch.nn.Parameter(torch.randn(5))}
+    new = {"t": base.t().contiguous(), "p": torch.nn.Parameter(old["p"].detach().clone())}
+    new["t"][2, 3] = 100.0
+    with torch.no_grad():
+        new["p"][0] = -1.0
+    patches = diff_state_dicts(old, new)
+    assert [(p.name, p.indices.tolist()) for p in patches if p.indices is not None] == [
+        ("t", [2 * 8 + 3]),
+        ("p", [0]),
+    ]
+    assert all(not p.values.requires_grad for p in patches)
+
+
+def test_patches_never_alias_new() -> None:
+    old = {"dense": torch.zeros(4), "sparse": torch.zeros(100)}
+    new = {"dense": torch.ones(4), "sparse": torch.zeros(100)}
+    new["sparse"][3] = 1.0
+    patches = diff_state_dicts(old, new)
+    for tensor in new.values():
+        tensor.add_(5.0)  # the trainer steps on, in place
+    assert [p.values.tolist() for p in patches] == [[1.0] * 4, [1.0]]
+
+
+# ---------------------------------------------------------------------- names and dtype rules
+
+
+def test_names_restrict_and_order_the_diff() -> None:
+    old = {name: torch.zeros(3) for name in "abc"}
+    new = {name: torch.ones(3) for name in "abc"}
+    chosen = iter(["c", "a"])  # an iterator is read once
+    assert [p.name for p in diff_state_dicts(old, new, names=chosen)] == ["c", "a"]
+    only_new = {**new, "extra": torch.ones(1)}
+    assert [p.name for p in diff_state_dicts(old, only_new, names=["b"])] == ["b"]
+
+
+def test_a_single_dtype_applies_to_floating_tensors_only() -> None:
+    old = {"f": torch.zeros(4), "q": torch.zeros(4, dtype=torch.int8)}
+    new = {"f": torch.full((4,), 1.001), "q": torch.tensor([300, 0, 0, 0]).to(torch.int8)}
+    patches = diff_state_dicts(old, new, dtype=torch.bfloat16)
+    assert [(p.name, p.dtype) for p in patches] == [("f", torch.bfloat16), ("q", torch.int8)]
+
+
+def test_a_receiver_dtype_settles_old_and_new_of_different_dtypes() -> None:
+    sent = {"w": torch.ones(8, dtype=torch.bfloat16)}  # what was last sent, kept in bf16
+    master = {"w": torch.ones(8) + 1e-4}  # fp32 master weights
+    with pytest.raises(
+        InvalidPatchError, match=re.escape("old is torch.bfloat16 and new is torch.float32")
+    ):
+        diff_state_dicts(sent, master)
+    assert diff_state_dicts(sent, master, dtype=torch.bfloat16) == []
+    assert diff_state_dicts(sent, master, dtype={"w": torch.bfloat16}) == []
+
+
+def test_every_problem_is_reported_together_before_any_work() -> None:
+    old = {"a": torch.zeros(2), "shape": torch.zeros(2, 3), "only_old": torch.zeros(1)}
+    new = {
+        "a": torch.zeros(2, dtype=torch.float64),
+        "shape": torch.zeros(3, 2),
+        "only_new": torch.zeros(1),
+    }
+    with pytest.raises(InvalidPatchError) as caught:
+        diff_state_dicts(old, new, dense_above=0.0)
+    reasons = [str(p) for p in caught.value.problems]
+    assert len(reasons) == 5, reasons
+    assert "dense_above must be a density in (0, 1]" in reasons[0]
+    assert "'only_old' is in old but not in new" in reasons[1]
+    assert "'only_new' is in new but not in old" in reasons[2]
+    assert "old is torch.float32 and new is torch.float64" in reasons[3]
+    assert "'shape': shape differs between old (2, 3) and new (3, 2)" in reasons[4]
+    assert str(caught.value).startswith("5 problems")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "bfloat16"}, "dtype must be a torch.dtype, got 'bfloat16'"),
+        ({"dtype": {"w": float}}, "dtype['w'] must be a torch.dtype"),
+        ({"names": "w"}, "names must be an iterable of str"),
+        ({"strategy": NaNMask}, "not a class"),
+        ({"strategy": object()}, "takes a CopyStrategy"),
+        ({"old": [torch.zeros(1)]}, "old must be a mapping"),
+        ({"new": {"w": [1.0]}}, "new['w'] must be a torch.Tensor"),
+    ],
+)
+def test_wrong_types_raise_a_type_error(kwargs: dict[str, Any], message: str) -> None:
+    arguments: dict[str, Any] = {"old": {"w": torch.zeros(1)}, "new": {"w": torch.ones(1)}}
+    arguments.update(kwargs)
+    with pytest.raises(InvalidPatchTypeError, match=re.escape(message)):
+        diff_state_dicts(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": torch.int8}, "a single dtype= applies to the floating-point tensors"),
+        ({"dtype": {"typo": torch.float16}}, "dtype names 'typo', which is in neither"),
+        ({"names": ["w", "w"]}, "'w' appears more than once in names"),
+        ({"names": ["v"]}, "'v' (from names) is not in old or new"),
+        ({"dense_above": 1.5}, "dense_above must be a density in (0, 1]"),
+        ({"dense_above": True}, "dense_above must be a density in (0, 1]"),
+    ],
+)
+def test_invalid_arguments_are_reported(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidPatchError) as caught:
+        diff_state_dicts({"w": torch.zeros(1)}, {"w": torch.ones(1)}, **kwargs)
+    assert message in str(caught.value)
+
+
+# ---------------------------------------------------------------------- streaming and syncs
+
+
+@pytest.mark.parametrize("strategy", [Auto(), BoolMask()])
+def test_one_host_read_per_tensor_and_none_for_the_same_tensor(strategy: CopyStrategy) -> None:
+    shared = torch.ones(10)
+    old = {
+        "sparse": torch.zeros(10),
+        "dense": torch.zeros(3),
+        "nan": torch.zeros(10),
+        "unchanged": torch.zeros(10),
+        "same": shared,
+        "empty": torch.zeros(0),
+    }
+    new = {name: tensor.clone() for name, tensor in old.items()}
+    new["sparse"][1] = 1.0
+    new["dense"][:] = 2.0
+    new["nan"][2] = float("nan")
+    new["same"] = shared.view(10)  # another object viewing the same elements
+    assert strategy.unsupported_reason(torch.bfloat16) is None  # its one-time probe reads
+    with HostReads() as watch:
+        patches = diff_state_dicts(old, new, dtype=torch.bfloat16, strategy=strategy)
+    assert [p.name for p in patches] == ["sparse", "dense", "nan"]
+    # one each for "sparse", "dense", "nan", "unchanged"; none for "same" and "empty"
+    assert watch.reads == ["tolist"] * 4
+
+
+@pytest.mark.parametrize("receiver", [torch.bfloat16, torch.float32])
+def test_peak_memory_is_bounded_by_one_tensor_not_the_model(receiver: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    count, shape = 16, (128, 256)
+    old = {f"w{k}": torch.randn(shape, generator=generator) for k in range(count)}
+    new = {}
+    for name, tensor in old.items():
+        new[name] = tensor.clone()
+        new[name].view(-1)[torch.randperm(tensor.numel(), generator=generator)[:300]] += 1.0
+    tensor_bytes = math.prod(shape) * 4
+    with AllocationTracker(preexisting=[*old.values(), *new.values()]) as tracker:
+        patches = diff_state_dicts(old, new, dtype=receiver)
+    result = patch_nbytes(patches)
+    assert all(p.indices is not None for p in patches)
+    assert tracker.live <= result + 1024  # nothing but the patches is left behind
+    extra = tracker.peak - result
+    assert extra <= 2 * tensor_bytes, (extra, tensor_bytes)
+    assert extra < count * tensor_bytes // 4  # holding every tensor's cast would exceed this
+
+
+# ------------------------------------------------------------------------------- patch_nbytes
+
+
+def test_patch_nbytes_counts_values_and_indices_as_sent() -> None:
+    sparse = CheckpointWeightPatch(
+        "s", (100,), torch.bfloat16, torch.zeros(3, dtype=torch.bfloat16), torch.arange(3)
+    )
+    dense = CheckpointWeightPatch("d", (2, 2), torch.float16, torch.zeros(4))  # fp32 on the wire
+    assert patch_nbytes([]) == 0
+    assert patch_nbytes([sparse]) == 3 * (2 + 8)
+    assert patch_nbytes(iter([sparse, dense])) == 3 * (2 + 8) + 4 * 4

@@ -177,6 +177,22 @@ def _check_stage_structure(
     return math.prod(int(d) for d in shape)
 
 
+def _stage_filled(
+    strategy: CopyStrategy,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    fill: float,
+) -> torch.Tensor:
+    """A fresh checkpoint-shaped tensor holding `fill` everywhere but at `indices`."""
+    numel = _check_stage_structure(strategy, shape, dtype, indices, values)
+    flat = torch.full((numel,), fill, dtype=dtype, device=values.device)
+    if values.numel():
+        scatter_flat(flat, indices, values.to(dtype=dtype))
+    return flat.view(tuple(shape))
+
+
 @functools.cache
 def _nan_capable(dtype: torch.dtype) -> bool:
     """Whether torch can hold, detect and select NaN for `dtype` (probed once per dtype)."""
@@ -262,11 +278,7 @@ class NaNMask:
         indices: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor:
-        numel = _check_stage_structure(self, shape, dtype, indices, values)
-        flat = torch.full((numel,), float("nan"), dtype=dtype, device=values.device)
-        if values.numel():
-            scatter_flat(flat, indices, values.to(dtype=dtype))
-        return flat.view(tuple(shape))
+        return _stage_filled(self, shape, dtype, indices, values, float("nan"))
 
     def merge(
         self,
@@ -364,11 +376,7 @@ class IntSentinel:
         indices: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor:
-        numel = _check_stage_structure(self, shape, dtype, indices, values)
-        flat = torch.full((numel,), self.sentinel(dtype), dtype=dtype, device=values.device)
-        if values.numel():
-            scatter_flat(flat, indices, values.to(dtype=dtype))
-        return flat.view(tuple(shape))
+        return _stage_filled(self, shape, dtype, indices, values, self.sentinel(dtype))
 
     def merge(
         self,

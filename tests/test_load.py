@@ -34,21 +34,14 @@ from tests.support.models import (
     IntLinear,
     ToyModel,
     assert_same_state,
+    loaded,
     packed_tp_model,
-    random_checkpoint,
     state,
 )
 from tests.support.reference import reference_after, vllm_semantics_load
 
 CHUNKINGS: list[ChunkingPolicy] = [ByteBudget(), ByteBudget(600), PerTensor(), SingleCall()]
 ORDERINGS: list[OrderingPolicy] = [InputOrder(), Coalesce()]
-
-
-def loaded(model: ToyModel, seed: int = 0) -> dict[str, torch.Tensor]:
-    checkpoint = random_checkpoint(model.checkpoint_specs(), seed=seed)
-    model.load_weights(checkpoint.items())
-    model.load_calls.clear()
-    return checkpoint
 
 
 def sparse(

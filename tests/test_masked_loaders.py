@@ -29,16 +29,10 @@ from tests.support.models import (
     IntLinear,
     ToyModel,
     assert_same_state,
+    loaded,
     packed_tp_model,
-    random_checkpoint,
     state,
 )
-
-
-def loaded(model: ToyModel, seed: int = 0) -> dict[str, torch.Tensor]:
-    checkpoint = random_checkpoint(model.checkpoint_specs(), seed=seed)
-    model.load_weights(checkpoint.items())
-    return checkpoint
 
 
 def check_against_reference(model: ToyModel, strategy: CopyStrategy, patch: Sparse) -> None:

@@ -324,6 +324,14 @@ def random_checkpoint(
     return tensors
 
 
+def loaded(model: ToyModel, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Load a random full checkpoint into `model`; return it (and forget the loader calls)."""
+    checkpoint = random_checkpoint(model.checkpoint_specs(), seed=seed)
+    model.load_weights(checkpoint.items())
+    model.load_calls.clear()
+    return checkpoint
+
+
 def random_tensor(
     shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator
 ) -> torch.Tensor:

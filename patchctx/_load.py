@@ -140,8 +140,8 @@ class _Loader:
     ) -> None:
         self.model, self.strategy, self.chunking = model, strategy, chunking
         self.routes, self.undo = routes, undo
-        self.tensors = named_tensors(model)
-        self.persistent = PersistentIndex(self.tensors)
+        self.tensors = named_tensors(model) if routes is not None else {}
+        self._persistent: PersistentIndex | None = None  # built at the first loader call
         self.names: set[str] = set()
         self.chunk: list[CheckedPatch] = []
         self.chunk_names: set[str] = set()
@@ -182,7 +182,9 @@ class _Loader:
         if not self.chunk:
             return
         chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
-        session = LoadSession(self.strategy, self.persistent, self.undo)
+        if self._persistent is None:
+            self._persistent = PersistentIndex(self.tensors or named_tensors(self.model))
+        session = LoadSession(self.strategy, self._persistent, self.undo)
         weights = []
         for item in chunk:
             staged = _stage(item, self.strategy)

@@ -124,15 +124,17 @@ class Segment:
             bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
             start, stop = (int(v) for v in torch.searchsorted(indices, bounds))
             picked: slice | torch.Tensor = slice(start, stop)
-            # A copy (never the caller's tensor), shifted in place: 8 bytes per covered index.
-            covered = indices[start:stop].to(dtype=torch.long, copy=True)
+            covered = indices[start:stop]
         else:
             picked = (indices >= low) & (indices <= high)
-            covered = indices[picked].long()
+            covered = indices[picked]
+        # One pass into a fresh int64 tensor (never the caller's): 8 bytes per covered index.
+        shift = self.source.offset - self.target.offset if self._direct else self.source.offset
+        shifted = torch.sub(covered, shift, out=torch.empty_like(covered, dtype=torch.long))
         if self._direct:
-            return covered.sub_(self.source.offset - self.target.offset), picked
+            return shifted, picked
         # General strided view: decompose (index - offset) greedily by source stride.
-        rest = covered.sub_(self.source.offset)
+        rest = shifted
         positions = torch.full_like(rest, self.target.offset)
         valid = torch.ones_like(rest, dtype=torch.bool)
         for stride, size, target_stride in self._plan:

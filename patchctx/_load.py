@@ -10,7 +10,12 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from patchctx._chunking import ByteBudget, ChunkingPolicy
-from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
+from patchctx._errors import (
+    InvalidPatchError,
+    InvalidPatchTypeError,
+    LoaderContractError,
+    PatchProblem,
+)
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, check_patches, numel_of
 from patchctx._routes import RouteCache, named_tensors, replay
@@ -54,16 +59,14 @@ def _ordering_of(ordering: object) -> OrderingPolicy:
     return ordering
 
 
-def _check_aliases(aliases: object) -> Mapping[str, str]:
-    if aliases is None:
+def _str_mapping(value: object, what: str) -> Mapping[str, str]:
+    if value is None:
         return {}
-    if not isinstance(aliases, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
-        raise InvalidPatchTypeError(
-            f"aliases= maps alias names to canonical names (str -> str); you supplied {aliases!r}"
-        )
-    return aliases
+        raise InvalidPatchTypeError(f"{what} (str -> str); you supplied {value!r}")
+    return value
 
 
 def _resolve_aliases(items: list[CheckedPatch], aliases: Mapping[str, str]) -> list[CheckedPatch]:
@@ -137,15 +140,45 @@ class _Loader:
         chunking: ChunkingPolicy,
         routes: RouteCache | None,
         undo: UndoLog | None,
+        protect: Mapping[str, str],
     ) -> None:
         self.model, self.strategy, self.chunking = model, strategy, chunking
-        self.routes, self.undo = routes, undo
-        self.tensors = named_tensors(model) if routes is not None else {}
+        self.routes, self.undo, self.protect = routes, undo, protect
+        self.tensors = named_tensors(model) if routes is not None or protect else {}
         self._persistent: PersistentIndex | None = None  # built at the first loader call
         self.names: set[str] = set()
         self.chunk: list[CheckedPatch] = []
         self.chunk_names: set[str] = set()
         self.chunk_nbytes = 0
+
+    @property
+    def persistent(self) -> PersistentIndex:
+        if self._persistent is None:
+            tensors = self.tensors or named_tensors(self.model)
+            self._persistent = PersistentIndex(tensors, self.protect)
+        return self._persistent
+
+    def refuse_protected_routes(self, items: list[CheckedPatch]) -> None:
+        """Before any write: every known route that would reach a protected tensor."""
+        if self.routes is None or not self.protect:
+            return
+        refused = []
+        for item in items:
+            if not item.sparse:
+                continue
+            route = self.routes._usable(
+                item.patch.name, item.patch.shape, item.patch.dtype, self.tensors
+            )
+            for segment in route.segments if route is not None else ():
+                reason = self.persistent.protection(self.tensors[segment.tensor_name])
+                if reason is not None:
+                    refused.append(f"{item.patch.name!r} -> {reason}")
+                    break
+        if refused:
+            raise LoaderContractError(
+                "patches would write into protected tensors; nothing was written: "
+                + "; ".join(refused)
+            )
 
     def add(self, item: CheckedPatch) -> None:
         name = item.patch.name
@@ -155,6 +188,10 @@ class _Loader:
             route = self.routes._usable(name, item.patch.shape, item.patch.dtype, self.tensors)
             if route is not None:
                 self.flush()
+                for segment in route.segments:
+                    self.persistent.refuse_protected(
+                        self.tensors[segment.tensor_name], f"the patch to {name!r}"
+                    )
                 assert item.patch.indices is not None
                 replay(
                     route,
@@ -182,9 +219,7 @@ class _Loader:
         if not self.chunk:
             return
         chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
-        if self._persistent is None:
-            self._persistent = PersistentIndex(self.tensors or named_tensors(self.model))
-        session = LoadSession(self.strategy, self._persistent, self.undo)
+        session = LoadSession(self.strategy, self.persistent, self.undo)
         weights = []
         for item in chunk:
             staged = _stage(item, self.strategy)
@@ -219,6 +254,7 @@ def load_checkpoint_weight_patches(
     routes: RouteCache | None = None,
     atomic: bool = False,
     aliases: Mapping[str, str] | None = None,
+    protect: Mapping[str, str] | None = None,
 ) -> set[str]:
     """Apply dense and sparse patches through the model's own ``load_weights``.
 
@@ -254,6 +290,11 @@ def load_checkpoint_weight_patches(
             possibly part of that call's writes.
         aliases: Alias name -> canonical name (tied embeddings). An alias patch is loaded under
             its canonical name, or dropped when the canonical name is patched in the same call.
+        protect: Qualified names of parameters or buffers that must not be written (with the
+            reason), e.g. weights an engine has repacked into another layout. A write into one,
+            by the loader or by a route, raises `LoaderContractError` before it happens; known
+            routes are checked before the first write of the call. With ``atomic=True`` a
+            refusal found mid-call leaves the model as it was.
 
     Returns:
         The union of the names the model's ``load_weights`` calls reported.
@@ -290,7 +331,8 @@ def load_checkpoint_weight_patches(
     chosen_strategy = as_strategy(strategy, Auto(), "load_checkpoint_weight_patches")
     chosen_chunking = _chunking_of(max_chunk_bytes, chunking)
     chosen_ordering = _ordering_of(ordering)
-    alias_map = _check_aliases(aliases)
+    alias_map = _str_mapping(aliases, "aliases= maps alias names to canonical names")
+    protected = _str_mapping(protect, "protect= maps tensor names to the reason they are protected")
     if routes is not None and not isinstance(routes, RouteCache):
         raise InvalidPatchTypeError(f"routes= takes a RouteCache; you supplied {routes!r}")
 
@@ -302,7 +344,8 @@ def load_checkpoint_weight_patches(
     if routes is not None:
         routes._bind(model)
     undo = UndoLog() if atomic else None
-    loader = _Loader(model, chosen_strategy, chosen_chunking, routes, undo)
+    loader = _Loader(model, chosen_strategy, chosen_chunking, routes, undo, protected)
+    loader.refuse_protected_routes(items)
     try:
         for item in items:
             loader.add(item)

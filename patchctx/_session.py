@@ -109,19 +109,46 @@ class _Owner:
 
 
 class PersistentIndex:
-    """The model's parameters and buffers by storage: what outlives a loader call."""
+    """The model's parameters and buffers by storage: what outlives a loader call.
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    `protect` names tensors (qualified names, with the reason) that no write may reach: a
+    write into their storage, under any of its names, is refused before it happens.
+    """
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], protect: Mapping[str, str] | None = None
+    ) -> None:
         self.tensors = dict(tensors)
         self._by_storage: dict[int, _Owner] = {}
         for name, tensor in tensors.items():
             key = _storage_key(tensor)
             if key is not None and key not in self._by_storage:
                 self._by_storage[key] = _Owner(name, tensor)
+        self._protected: dict[int, str] = {}
+        for name, reason in (protect or {}).items():
+            protected = self.tensors.get(name)
+            key = None if protected is None else _storage_key(protected)
+            if key is not None:
+                self._protected[key] = f"{name!r} ({reason})"
 
     def owner(self, tensor: torch.Tensor) -> _Owner | None:
         key = _storage_key(tensor)
         return None if key is None else self._by_storage.get(key)
+
+    def protection(self, tensor: torch.Tensor) -> str | None:
+        """Why `tensor`'s storage must not be written, or `None`."""
+        if not self._protected:
+            return None
+        key = _storage_key(tensor)
+        return None if key is None else self._protected.get(key)
+
+    def refuse_protected(self, tensor: torch.Tensor, what: str) -> None:
+        """Raise before `what` writes into a protected tensor."""
+        reason = self.protection(tensor)
+        if reason is not None:
+            raise LoaderContractError(
+                f"{what} would write into the protected tensor {reason}; nothing was written to it"
+            )
 
 
 class _Snapshot:
@@ -285,6 +312,7 @@ class LoadSession:
     # -- writes --------------------------------------------------------------------------
 
     def _log_write(self, view: torch.Tensor, owner: _Owner, name: str | None) -> None:
+        self.persistent.refuse_protected(view, f"the loader (for {name or 'its own purposes'!s})")
         key = _storage_key(view)
         assert key is not None
         low, high = Geometry.of(view).span()
@@ -294,6 +322,7 @@ class LoadSession:
                 self.undo.save_view(view)
 
     def _log_masked_write(self, destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
+        self.persistent.refuse_protected(destination, f"the patch to {name!r}")
         key = _storage_key(destination)
         assert key is not None
         low, high = Geometry.of(destination).span()

@@ -265,3 +265,55 @@ def test_a_deepcopy_of_the_model_is_not_touched() -> None:
     before = state(twin)
     load_checkpoint_weight_patches(model, [PATCH])
     assert_same_state(state(twin), before)
+
+
+# -------------------------------------------------------------------------------- protect
+
+
+class TwoWeights(nn.Module):
+    """'a' and 'b' load into their own parameter; 'b' stands for a weight an engine repacked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            getattr(self, name).data.copy_(tensor)
+        return {name for name, _ in weights}
+
+
+def two(name: str, value: float) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(
+        name, (2, 3), torch.float32, torch.tensor([value]), torch.tensor([4])
+    )
+
+
+def test_protected_tensors_are_refused_before_the_write_and_atomic_restores_the_rest() -> None:
+    model = TwoWeights()
+    protect = {"b": "repacked by the engine"}
+    with pytest.raises(
+        LoaderContractError, match=r"protected tensor 'b' \(repacked by the engine\)"
+    ):
+        load_checkpoint_weight_patches(
+            model, [two("a", 1.0), two("b", 2.0)], protect=protect, atomic=True
+        )
+    assert not model.a.any() and not model.b.any()
+    load_checkpoint_weight_patches(model, [two("a", 1.0)], protect=protect)
+    assert model.a.view(-1)[4] == 1.0
+
+
+def test_known_routes_into_protected_tensors_are_refused_before_any_write() -> None:
+    from patchctx import RouteCache
+
+    model = TwoWeights()
+    routes = RouteCache()
+    load_checkpoint_weight_patches(model, [two("a", 1.0), two("b", 1.0)], routes=routes)
+    before = state(model)
+    with pytest.raises(LoaderContractError, match=r"nothing was written: 'b' -> 'b'"):
+        load_checkpoint_weight_patches(
+            model, [two("a", 5.0), two("b", 5.0)], routes=routes, protect={"b": "repacked"}
+        )
+    assert_same_state(state(model), before)  # even 'a', patched first, was not touched
+    assert routes.stats.replayed == 0

@@ -339,6 +339,13 @@ class LoadSession:
             positions = (where * strides).sum(1) + destination.storage_offset()
             self.undo.save_positions(destination, positions)
 
+    def _note_tampering(self, target: torch.Tensor, how: str) -> None:
+        """The loader writes into a sparse staged tensor: its "keep" marks are not trusted."""
+        staged = self.staged.get(_storage_key(target) or -1)
+        if staged is not None and staged.sparse:
+            staged.tampered = True
+            self._unprovable(frozenset({staged.name}), f"the loader modified it with {how}")
+
     def _unprovable(self, names: frozenset[str], reason: str) -> None:
         for name in names:
             self.unprovable.setdefault(name, reason)
@@ -347,6 +354,7 @@ class LoadSession:
         self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
     ) -> torch.Tensor:
         """Every ``copy_`` of the loader call (the swap's interceptor)."""
+        self._note_tampering(destination, "copy_")
         origin = self.origin(source)
         owner = self.persistent.owner(destination)
         if origin is None or not origin.sparse:
@@ -464,10 +472,7 @@ class LoadSession:
         origin = self._origin_of(sources)
         for target in targets:
             owner = self.persistent.owner(target)
-            staged = self.staged.get(_storage_key(target) or -1)
-            if staged is not None and staged.sparse:
-                staged.tampered = True
-                self._unprovable(frozenset({staged.name}), f"the loader modified it with {func}")
+            self._note_tampering(target, str(func))
             if owner is None:
                 continue
             if func.overloadpacket in (aten.set_, aten.resize_):

@@ -130,6 +130,7 @@ REFUSED: list[tuple[str, Write]] = [
     ("copy-of-arithmetic", lambda m, w: m.weight.data.copy_(w * 2)),
     ("copy-of-nan_to_num", lambda m, w: m.weight.data.copy_(torch.nan_to_num(w))),
     ("staged-tampered-in-place", lambda m, w: m.weight.data.copy_(w.fill_(0))),
+    ("staged-overwritten-by-copy_", lambda m, w: m.weight.data.copy_(w.copy_(torch.zeros_like(w)))),
     ("copy-of-where", lambda m, w: m.weight.data.copy_(torch.where(torch.isnan(w), 0.0, w))),
     ("index_put-accumulate", lambda m, w: m.weight.data.index_put_((rows(w),), w, accumulate=True)),
     (

@@ -1,0 +1,55 @@
+"""Checked by mypy, never run: user-written policies and strategies satisfy the protocols."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from typing_extensions import assert_type
+
+from patchctx import (
+    AuditReport,
+    CheckpointWeightPatch,
+    Coalesce,
+    PerTensor,
+    RouteCache,
+    audit,
+    diff_state_dicts,
+    load_checkpoint_weight_patches,
+    patch_nbytes,
+)
+
+
+class AtMostTwo:
+    def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
+        return chunk_len >= 2
+
+
+class ByName:
+    def order(self, patches: Sequence[CheckpointWeightPatch]) -> list[CheckpointWeightPatch]:
+        return sorted(patches, key=lambda patch: patch.name)
+
+
+class WrongChunking:
+    def split_before(self, chunk_nbytes: int) -> bool:
+        return False
+
+
+model = torch.nn.Linear(2, 2)
+patches = [CheckpointWeightPatch("w", (2,), torch.float32, torch.zeros(2))]
+
+assert_type(load_checkpoint_weight_patches(model, patches), set[str])
+assert_type(
+    load_checkpoint_weight_patches(
+        model, patches, chunking=AtMostTwo(), ordering=ByName(), routes=RouteCache(), atomic=True
+    ),
+    set[str],
+)
+load_checkpoint_weight_patches(model, patches, chunking=PerTensor(), ordering=Coalesce())
+load_checkpoint_weight_patches(model, patches, chunking=WrongChunking())  # type: ignore[arg-type]
+load_checkpoint_weight_patches(model, patches, ordering=AtMostTwo())  # type: ignore[arg-type]
+load_checkpoint_weight_patches(model, patches, routes={})  # type: ignore[arg-type]
+load_checkpoint_weight_patches(model, patches, 1024)  # type: ignore[call-arg]
+assert_type(audit(model, [("w", (2,), torch.float32)]), AuditReport)
+assert_type(diff_state_dicts({}, {}), list[CheckpointWeightPatch])
+assert_type(patch_nbytes(patches), int)

@@ -247,9 +247,10 @@ def load_checkpoint_weight_patches(
             are replayed in O(nnz) without the loader; the others record their routes.
         atomic: On any failure (an invalid write, a loader exception, KeyboardInterrupt),
             restore every element this call wrote before the exception propagates. Costs
-            memory for the old values: O(nnz) per sparse patch, O(N) per dense one. Without
-            it, a failure leaves the patches before the failing loader call applied, and
-            possibly part of that call's writes.
+            memory for the old values, held until the call returns: O(nnz) per sparse
+            patch, O(N) per dense one. Without it, a failure leaves the patches before the
+            failing loader call or route replay applied, and the writes the failing loader
+            call made before it failed; a refused write is never made.
         aliases: Alias name -> canonical name (tied embeddings). An alias patch is loaded under
             its canonical name, or dropped when the canonical name is patched in the same call.
 

@@ -358,8 +358,8 @@ def test_replaced_parameter_object_invalidates_its_route() -> None:
     strict=True,
     reason="known bug (reported): a route is checked against its parameter's storage pointer, "
     "dtype and storage size only, so a parameter rebound to another view of the same storage "
-    "(or reallocated at a reused address, as the CUDA caching allocator does) keeps a stale "
-    "route and replay writes the old positions",
+    "(or freed and reallocated in another layout at a reused address) keeps a stale route and "
+    "replay writes the old positions",
 )
 def test_a_parameter_rebound_to_another_layout_of_its_storage_invalidates_its_route() -> None:
     model = Layer("twice-other-positions")

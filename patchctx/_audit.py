@@ -148,12 +148,14 @@ def _audit_one(
         return AuditRow(name, "unsupported", reason)
     device = next((t.device for t in persistent.tensors.values()), torch.device("cpu"))
     nothing = torch.zeros(0, dtype=torch.long, device=device)
-    staged = strategy.stage(shape, dtype, nothing, torch.zeros(0, dtype=dtype, device=device))
     undo = UndoLog()
     session = LoadSession(strategy, persistent, undo)
-    session.add(name, staged, sparse=True)
+    keep_everything = torch.zeros(0, dtype=dtype, device=device)
+    staged = session.add(name, strategy.stage(shape, dtype, nothing, keep_everything), sparse=True)
+    weights = [(name, staged)]
+    del staged  # the session checks that no staged tensor outlives the loader call
     try:
-        session.run(model, [(name, staged)])
+        session.run(model, weights)
     except LoaderContractError as error:
         return AuditRow(name, "unsupported", str(error))
     except Exception as error:  # the loader itself failed on this name

@@ -49,7 +49,8 @@ class ByteBudget:
 
     The default policy, with vLLM's default budget of 512 MiB; ``max_chunk_bytes=N`` is
     shorthand for ``chunking=ByteBudget(N)``. Staged bytes alive at any moment stay below
-    ``max(max_bytes, largest single staged tensor)``.
+    ``max(max_bytes, largest single staged tensor)`` (counting the staged tensors themselves;
+    `BoolMask` keeps one more byte per element beside each).
 
     Examples:
         >>> from patchctx import ByteBudget

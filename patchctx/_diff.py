@@ -388,8 +388,9 @@ def diff_state_dicts(
     A tensor also goes dense when `strategy` (the one the receiver will load with) cannot
     stage its dtype or cannot carry one of its changed values: NaN under `NaNMask` (and
     `Auto` for floats), the sentinel under `IntSentinel` (and `Auto` for integers: the
-    dtype's minimum), bool and complex under `Auto`. Nothing is dropped; to keep such tensors
-    sparse, pass ``strategy=BoolMask()`` here and to `load_checkpoint_weight_patches`.
+    dtype's minimum, or its maximum for unsigned dtypes), bool and complex under `Auto`.
+    Nothing is dropped; to keep such tensors sparse, pass ``strategy=BoolMask()`` here and to
+    `load_checkpoint_weight_patches`.
 
     The diff streams tensor by tensor: at most one tensor's casts, a boolean change mask and
     one scratch tensor exist at a time, so the extra memory beyond the returned patches is
@@ -415,7 +416,8 @@ def diff_state_dicts(
         strategy: The strategy the receiver loads sparse patches with (default `Auto()`).
 
     Returns:
-        One patch per changed tensor, in name order.
+        One patch per changed tensor, in the order of the names diffed (`names`, or the
+        order of `new`).
 
     Raises:
         InvalidPatchError: Listing every problem before any work: names missing from one side,

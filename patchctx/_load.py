@@ -220,13 +220,16 @@ class _Loader:
             return
         chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
         session = LoadSession(self.strategy, self.persistent, self.undo)
-        weights = []
-        for item in chunk:
-            staged = _stage(item, self.strategy)
-            session.add(item.patch.name, staged, sparse=item.sparse)
-            weights.append((item.patch.name, staged))
+        # No other reference to a staged tensor may outlive the list: after the loader returns,
+        # a staged tensor still alive was kept by the loader (the session checks).
+        weights = [
+            (
+                item.patch.name,
+                session.add(item.patch.name, _stage(item, self.strategy), sparse=item.sparse),
+            )
+            for item in chunk
+        ]
         self.names |= session.run(self.model, weights)
-        del weights, staged
         if self.routes is not None:
             self.routes.stats.loaded += len(chunk)
             shapes = {i.patch.name: (i.patch.shape, i.patch.dtype) for i in chunk if i.sparse}
@@ -285,9 +288,10 @@ def load_checkpoint_weight_patches(
             are replayed in O(nnz) without the loader; the others record their routes.
         atomic: On any failure (an invalid write, a loader exception, KeyboardInterrupt),
             restore every element this call wrote before the exception propagates. Costs
-            memory for the old values: O(nnz) per sparse patch, O(N) per dense one. Without
-            it, a failure leaves the patches before the failing loader call applied, and
-            possibly part of that call's writes.
+            memory for the old values, held until the call returns: O(nnz) per sparse
+            patch, O(N) per dense one. Without it, a failure leaves the patches before the
+            failing loader call or route replay applied, and the writes the failing loader
+            call made before it failed; a refused write is never made.
         aliases: Alias name -> canonical name (tied embeddings). An alias patch is loaded under
             its canonical name, or dropped when the canonical name is patched in the same call.
         protect: Qualified names of parameters or buffers that must not be written (with the

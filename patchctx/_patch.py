@@ -327,7 +327,9 @@ def validate_patches(
     shape, dtype, 1-D values, value count, index dtype and count, the strategy's support of the
     dtype), then numbers with one host synchronisation per device: values the strategy cannot
     carry, indices out of range, and duplicate indices within a patch. Indices that are strictly
-    increasing (the common producer format) are validated in O(nnz) without a sort.
+    increasing (the common producer format) are validated in O(nnz) without a sort; when some
+    patch's are not, ruling out duplicates takes a sort and a second host synchronisation on
+    that device (none with ``validate_unique_indices=False``).
 
     Args:
         patches: `CheckpointWeightPatch` objects, or anything with the same attributes.

@@ -89,6 +89,9 @@ class Segment:
         tensor_name: Fully qualified name of the parameter or buffer owning that storage.
         storage_ptr: The storage's data pointer when recorded (checked before replay).
         dtype: The destination dtype (values are cast as ``copy_`` would).
+        layout: The parameter's own sizes, strides and offset when recorded: the loader's
+            views derive from them, so a parameter rebound to another layout of the same
+            storage invalidates the segment.
     """
 
     source: Geometry
@@ -96,6 +99,7 @@ class Segment:
     tensor_name: str
     storage_ptr: int
     dtype: torch.dtype
+    layout: Geometry
     _plan: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
     _direct: bool = field(init=False, repr=False, compare=False)
 
@@ -276,6 +280,7 @@ class RouteCache:
                 tensor is None
                 or tensor.dtype != segment.dtype
                 or _storage_ptr(tensor) != segment.storage_ptr
+                or Geometry.of(tensor) != segment.layout
                 or segment.target.span()[1] * tensor.element_size()
                 >= tensor.untyped_storage().nbytes()
             ):

@@ -25,6 +25,7 @@ It tracks which tensors carry staged data: views of a staged tensor (same storag
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -93,6 +94,12 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
     except (RuntimeError, NotImplementedError):  # meta, sparse layouts, functional wrappers
         return None
     return storage.data_ptr() if storage.nbytes() else None
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns `tensor`'s storage: every view keeps it alive (``_base``)."""
+    base = tensor._base
+    return tensor if base is None else base
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -191,7 +198,9 @@ class _Snapshot:
 @dataclass
 class _Staged:
     name: str
-    tensor: torch.Tensor
+    ref: weakref.ref[torch.Tensor]  # weak: a staged tensor alive after the call was kept
+    dtype: torch.dtype
+    numel: int
     sparse: bool
     # The loader wrote into the staged tensor itself: its sentinels can no longer be trusted.
     tampered: bool = False
@@ -248,14 +257,16 @@ class LoadSession:
     segments: dict[str, list[Segment]] = field(default_factory=dict)
     unprovable: dict[str, str] = field(default_factory=dict)
     writes: list[_Write] = field(default_factory=list)
+    # Storages created during the call (outputs of the loader's operations): its temporaries.
+    fresh: set[int] = field(default_factory=set)
     _internal: int = 0
 
-    def add(self, name: str, tensor: torch.Tensor, *, sparse: bool) -> None:
-        """Register a staged tensor handed to the loader under `name`."""
+    def add(self, name: str, tensor: torch.Tensor, *, sparse: bool) -> torch.Tensor:
+        """Register a staged tensor handed to the loader under `name`; return it."""
         key = _storage_key(tensor)
         if key is None:
-            return
-        entry = _Staged(name, tensor, sparse)
+            return tensor
+        entry = _Staged(name, weakref.ref(_root(tensor)), tensor.dtype, tensor.numel(), sparse)
         if sparse:
             self.segments.setdefault(name, [])
             if not (tensor.is_contiguous() and tensor.storage_offset() == 0):
@@ -263,6 +274,7 @@ class LoadSession:
             self.staged[key] = entry
         else:
             self.staged.setdefault(key, entry)
+        return tensor
 
     # -- classification ----------------------------------------------------------------
 
@@ -298,7 +310,9 @@ class LoadSession:
         key = _storage_key(tensor)
         if key is None or key in self.staged:
             return
-        self.derived[key] = _Derived(weakref.ref(tensor), origin.names, origin.sparse, faithful)
+        self.derived[key] = _Derived(
+            weakref.ref(_root(tensor)), origin.names, origin.sparse, faithful
+        )
 
     @contextmanager
     def internal(self) -> Iterator[None]:
@@ -339,6 +353,42 @@ class LoadSession:
             positions = (where * strides).sum(1) + destination.storage_offset()
             self.undo.save_positions(destination, positions)
 
+    def _note_fresh(
+        self, func: torch._ops.OpOverload, inputs: list[torch.Tensor], result: Any
+    ) -> None:
+        """Remember the storages the loader's operations create: its temporaries."""
+        outputs = _tensors(result)
+        if not outputs:
+            return
+        if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
+            inputs = []  # torch.tensor(...) data: created by the loader a moment ago
+        existing = {_storage_key(t) for t in inputs}
+        for output in outputs:
+            key = _storage_key(output)
+            if key is not None and key not in existing:
+                self.fresh.add(key)
+
+    def _refuse_lasting(self, target: torch.Tensor, origin: _Origin, how: str) -> None:
+        """Staged data may reach only the model (masked) and the loader's own temporaries."""
+        key = _storage_key(target)
+        if key is None or key in self.fresh or key in self.staged:
+            return
+        raise LoaderContractError(
+            f"the loader writes staged data of {', '.join(sorted(origin.names))!r} with {how} "
+            f"into a tensor ({_describe(target)}) that is neither a parameter or buffer of the "
+            "model nor created during the load (a plain tensor attribute, a global, a cache): "
+            "it would keep the 'keep' marks after the call; nothing was written. Register it as "
+            "a buffer, or let the loader write only into parameters and its own temporaries."
+        )
+
+    def _kept_after_the_call(self) -> list[str]:
+        """Sparse staged data still alive once the loader returned: it was stashed somewhere."""
+        kept = {e.name for e in self.staged.values() if e.sparse and e.ref() is not None}
+        for derived in self.derived.values():
+            if derived.sparse and derived.ref() is not None:
+                kept |= derived.names
+        return sorted(kept)
+
     def _note_tampering(self, target: torch.Tensor, how: str) -> None:
         """The loader writes into a sparse staged tensor: its "keep" marks are not trusted."""
         staged = self.staged.get(_storage_key(target) or -1)
@@ -368,6 +418,7 @@ class LoadSession:
         if owner is None:
             # Sparse staged data into a temporary: copy it as is, sentinels included, and keep
             # following it; the final write into the model decides.
+            self._refuse_lasting(destination, origin, "copy_")
             self._unprovable(origin.names, "the loader copied staged data into a temporary")
             with self.internal():
                 result = _swap.plain_copy(destination, source, non_blocking)
@@ -422,19 +473,26 @@ class LoadSession:
         target_geometry = Geometry.of(destination)
         low, high = source_geometry.span()
         if (
-            source.dtype != staged.tensor.dtype
+            source.dtype != staged.dtype
             or destination.dtype != owner.tensor.dtype
             or not source_geometry.injective()
             or not target_geometry.injective()
             or low < 0
-            or high >= staged.tensor.numel()
+            or high >= staged.numel
         ):
             self._unprovable(origin.names, "the copy is not a one-to-one view of the staged data")
             return
         key = _storage_key(destination)
         assert key is not None
         self.segments.setdefault(name, []).append(
-            Segment(source_geometry, target_geometry, owner.name, key, destination.dtype)
+            Segment(
+                source_geometry,
+                target_geometry,
+                owner.name,
+                key,
+                destination.dtype,
+                Geometry.of(owner.tensor),
+            )
         )
 
     # -- the guard -----------------------------------------------------------------------
@@ -452,6 +510,7 @@ class LoadSession:
         if not written:
             result = func(*args, **kwargs)
             inputs = _tensors((args, kwargs))
+            self._note_fresh(func, inputs, result)
             origin = self._origin_of(inputs)
             if origin is not None:
                 faithful = origin.faithful and func.overloadpacket in _LAYOUT_COPIES
@@ -474,6 +533,8 @@ class LoadSession:
             owner = self.persistent.owner(target)
             self._note_tampering(target, str(func))
             if owner is None:
+                if origin is not None and origin.sparse:
+                    self._refuse_lasting(target, origin, str(func))
                 continue
             if func.overloadpacket in (aten.set_, aten.resize_):
                 raise LoaderContractError(
@@ -546,6 +607,17 @@ class LoadSession:
         changed = snapshot.restore()
         if changed:
             raise _rebound(changed)
+        weights.clear()  # ours now: the staged tensors may die here unless the loader kept them
+        kept = self._kept_after_the_call()
+        if kept:
+            gc.collect()  # a reference cycle may be all that keeps a temporary alive
+            kept = self._kept_after_the_call()
+        if kept:
+            raise LoaderContractError(
+                f"the loader kept staged data of {', '.join(map(repr, kept))} in a tensor that "
+                "outlives the load (a cache, an attribute, a global): it holds 'keep' marks, not "
+                "weights; discard it. The parameters themselves were written correctly."
+            )
         return names
 
     def routes(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Route]:

@@ -318,3 +318,62 @@ def test_known_routes_into_protected_tensors_are_refused_before_any_write() -> N
         )
     assert_same_state(state(model), before)  # even 'a', patched first, was not touched
     assert routes.stats.replayed == 0
+
+
+def test_staged_data_kept_in_a_plain_tensor_attribute_carries_no_sentinel() -> None:
+    class Cached(Layer):
+        """Keeps a copy of what it loaded in a plain attribute (not a registered buffer)."""
+
+        def __init__(self) -> None:
+            super().__init__(dict(MASKED)["copy_"])
+            self.last_loaded = torch.zeros(4, 6)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.last_loaded.copy_(tensor)
+                self.weight.data.copy_(tensor)
+            return {"weight"}
+
+    model = Cached()
+    before = state(model)
+    with pytest.raises(LoaderContractError, match="neither a parameter or buffer"):
+        load_checkpoint_weight_patches(model, [PATCH])
+    assert not torch.isnan(model.last_loaded).any(), "refused before the write"
+    assert_same_state(state(model), before)
+
+
+class Stashes(Layer):
+    """Keeps a temporary it made from the staged tensor (or the staged tensor itself)."""
+
+    def __init__(self, keep: str) -> None:
+        super().__init__(dict(MASKED)["copy_"])
+        self.keep = keep
+        self.stash: list[torch.Tensor] = []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.weight.data.copy_(tensor)
+            if self.keep == "clone":
+                self.stash.append(tensor.clone())
+            elif self.keep == "view":
+                self.stash.append(tensor[1:])
+            elif self.keep == "scratch-then-dropped":
+                scratch = torch.tensor([0.0]).expand(4, 6).clone()
+                scratch.copy_(tensor)  # a temporary made by the loader: allowed
+        return {"weight"}
+
+
+@pytest.mark.parametrize("keep", ["clone", "view"])
+def test_staged_data_stashed_past_the_call_fails_the_load(keep: str) -> None:
+    model = Stashes(keep)
+    before = state(model)
+    with pytest.raises(LoaderContractError, match="kept staged data of 'w'"):
+        load_checkpoint_weight_patches(model, [PATCH], atomic=True)
+    assert_same_state(state(model), before)
+
+
+def test_temporaries_the_loader_drops_are_fine() -> None:
+    model = Stashes("scratch-then-dropped")
+    expected = expected_after(model)
+    load_checkpoint_weight_patches(model, [PATCH])
+    assert same_bits(model.weight.detach(), expected)

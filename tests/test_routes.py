@@ -354,6 +354,19 @@ def test_replaced_parameter_object_invalidates_its_route() -> None:
     assert model.weight.view(-1)[7] == 2.0
 
 
+def test_a_parameter_rebound_to_another_layout_of_its_storage_invalidates_its_route() -> None:
+    model = Layer("twice-other-positions")
+    routes = RouteCache()
+    load_checkpoint_weight_patches(model, [sparse_w(1.0)], routes=routes)
+    model.weight.data = model.weight.data.view(6, 4).t()  # same storage and shape, transposed
+    reference = copy.deepcopy(model)
+    assert reference.weight.stride() == model.weight.stride() == (1, 4)
+    load_checkpoint_weight_patches(reference, [sparse_w(2.0, 8)])  # the loader path
+    load_checkpoint_weight_patches(model, [sparse_w(2.0, 8)], routes=routes)
+    assert_same_state(state(model), state(reference))
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
 def test_route_cache_api_and_dense_patches_invalidate_nothing() -> None:
     model = Layer("twice-other-positions")
     routes = RouteCache()

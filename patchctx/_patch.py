@@ -187,8 +187,8 @@ def _numeric_problems(
 
     One host read per device for all patches: strictly increasing indices (the producer
     format) are then fully validated, in O(nnz) and without a sort. A second read per device
-    happens only when some patch's indices are not strictly increasing: their range and (when
-    asked) duplicates are checked then, by sorting.
+    happens only when duplicates must be ruled out (`validate_unique_indices`) for some patch
+    whose indices are not strictly increasing: it sorts them.
     """
     by_device: dict[torch.device, list[_NumericChecks]] = {}
     for k, item in enumerate(checked):
@@ -198,10 +198,14 @@ def _numeric_problems(
         device = patch.values.device
         indices = patch.indices.to(device=device)
         false = torch.zeros((), dtype=torch.bool, device=device)
-        increasing = (indices[1:] > indices[:-1]).all() if indices.numel() > 1 else ~false
-        # Exact when the indices are increasing (then the ends are the extremes); unsorted
-        # indices get a full range check in the second phase.
-        out_of_range = (indices[0] < 0) | (indices[-1] >= item.numel) if indices.numel() else false
+        if indices.numel():
+            low, high = torch.aminmax(indices)
+            out_of_range = (low < 0) | (high >= item.numel)
+        else:
+            out_of_range = false
+        # Strictly increasing <=> every difference is positive. Exact whenever the indices are
+        # in range: differences of non-negative values of the index dtype cannot overflow.
+        increasing = torch.diff(indices).min() > 0 if indices.numel() > 1 else ~false
         reserved = strategy.reserved_values(patch.values, patch.dtype).to(device)
         by_device.setdefault(device, []).append(
             _NumericChecks(k, reserved, out_of_range, increasing)
@@ -221,29 +225,23 @@ def _numeric_problems(
             increasing_of[c.checked] = is_increasing
             if has_reserved:
                 problems.append(_reserved_problem(item, strategy))
-            if is_increasing and has_out_of_range:
+            if has_out_of_range:
                 problems.append(_range_problem(item))
-            if not is_increasing:
+                increasing_of[c.checked] = False  # not meaningful for out-of-range indices
+            elif validate_unique_indices and not is_increasing:
                 unsorted.setdefault(device, []).append(c.checked)
 
-    # Second phase, only for indices that are not strictly increasing: the range over all of
-    # them, and duplicates by sorting (when asked for).
+    # Second phase, only for in-range indices that are not strictly increasing: duplicates,
+    # by sorting.
     for device, ks in unsorted.items():
-        second: list[torch.Tensor] = []
+        duplicate_flags = []
         for k in ks:
             patch_indices = checked[k].patch.indices
             assert patch_indices is not None
-            patch_indices = patch_indices.to(device=device)
-            low, high = torch.aminmax(patch_indices)
-            second.append((low < 0) | (high >= checked[k].numel))
-            if validate_unique_indices:
-                ordered = patch_indices.sort().values
-                second.append((ordered[1:] == ordered[:-1]).any())
-        read = iter(_host_read(torch.stack(second)))
-        for k in ks:
-            if next(read):
-                problems.append(_range_problem(checked[k]))
-            if validate_unique_indices and next(read):
+            ordered = patch_indices.to(device=device).sort().values
+            duplicate_flags.append((ordered[1:] == ordered[:-1]).any())
+        for k, duplicated in zip(ks, _host_read(torch.stack(duplicate_flags)), strict=True):
+            if duplicated:
                 problems.append(_duplicate_problem(checked[k]))
 
     result = [

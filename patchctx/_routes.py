@@ -115,6 +115,13 @@ class Segment:
             self.source.contiguous_run() and self.target.contiguous_run(),
         )
 
+    def covered(self, indices: torch.Tensor) -> tuple[int, int]:
+        """The slice of sorted `indices` that falls inside the source view's span."""
+        low, high = self.source.span()
+        bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
+        start, stop = torch.searchsorted(indices, bounds).tolist()
+        return int(start), int(stop)
+
     def positions(
         self, indices: torch.Tensor, *, sorted_unique: bool
     ) -> tuple[torch.Tensor, slice | torch.Tensor]:
@@ -125,8 +132,7 @@ class Segment:
         """
         low, high = self.source.span()
         if sorted_unique:
-            bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
-            start, stop = (int(v) for v in torch.searchsorted(indices, bounds))
+            start, stop = self.covered(indices)
             picked: slice | torch.Tensor = slice(start, stop)
             covered = indices[start:stop]
         else:
@@ -312,6 +318,11 @@ class RouteStats:
     invalidated: int = 0
 
 
+# Replay writes in blocks of this many positions through one reused int64 buffer: memory stays
+# O(block), not O(nnz), and no large fresh allocation (page faults) happens per call.
+_BLOCK = 1 << 16
+
+
 def replay(
     route: Route,
     indices: torch.Tensor,
@@ -321,20 +332,44 @@ def replay(
     sorted_unique: bool,
     undo: UndoLog | None = None,
 ) -> None:
-    """Write a sparse patch along `route`: O(nnz), in place, casting as the loader path does."""
+    """Write a sparse patch along `route`: O(nnz), in place, casting as the loader path does.
+
+    The loader path casts values to the checkpoint dtype when staging, and ``copy_`` casts them
+    to the destination dtype: replay applies the same two casts, to the covered values only.
+    """
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    buffer: torch.Tensor | None = None
     for segment in route.segments:
         target = tensors[segment.tensor_name]
         if target.device not in on_device:
             on_device[target.device] = (indices.to(target.device), values.to(target.device))
         device_indices, device_values = on_device[target.device]
-        positions, picked = segment.positions(device_indices, sorted_unique=sorted_unique)
-        if positions.numel() == 0:
+        flat = indexable(storage_flat(target))
+        if not (sorted_unique and segment._direct):
+            positions, picked = segment.positions(device_indices, sorted_unique=sorted_unique)
+            if positions.numel():
+                chosen = indexable(device_values)[picked].view(device_values.dtype)
+                update = chosen.to(dtype=route.dtype).to(dtype=segment.dtype)
+                if undo is not None:
+                    undo.save_positions(target, positions)
+                flat.index_copy_(0, positions, indexable(update))
             continue
-        # The loader path casts to the checkpoint dtype when staging and copy_ casts to the
-        # destination dtype: the same two casts, on the covered values only.
-        chosen = indexable(device_values)[picked].view(device_values.dtype)
-        update = chosen.to(dtype=route.dtype).to(dtype=segment.dtype)
-        if undo is not None:
-            undo.save_positions(target, positions)
-        indexable(storage_flat(target)).index_copy_(0, positions, indexable(update))
+        # The common case: sorted indices, a contiguous run onto a contiguous run. Binary search
+        # the covered slice, then shift it block by block (no copy at all when the shift is 0
+        # and the indices are already int64).
+        start, stop = segment.covered(device_indices)
+        shift = segment.source.offset - segment.target.offset
+        for begin in range(start, stop, _BLOCK):
+            end = min(stop, begin + _BLOCK)
+            block = device_indices[begin:end]
+            if shift == 0 and block.dtype == torch.long:
+                positions = block
+            else:
+                if buffer is None or buffer.device != target.device:
+                    size = min(_BLOCK, stop - start)
+                    buffer = torch.empty(size, dtype=torch.long, device=target.device)
+                positions = torch.sub(block, shift, out=buffer[: end - begin])
+            update = device_values[begin:end].to(dtype=route.dtype).to(dtype=segment.dtype)
+            if undo is not None:
+                undo.save_positions(target, positions)
+            flat.index_copy_(0, positions, indexable(update))

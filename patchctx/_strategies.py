@@ -225,6 +225,16 @@ def _int_capable(dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def _reduces(dtype: torch.dtype, reduction: str) -> bool:
+    """Whether this torch build implements `reduction` (amin/amax) for `dtype` on CPU."""
+    try:
+        getattr(torch.zeros(2, dtype=dtype), reduction)()
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
@@ -266,7 +276,11 @@ class NaNMask:
         return None
 
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.isnan(values.to(dtype=dtype)).any()
+        values = values.to(dtype=dtype)
+        if values.numel() and _reduces(dtype, "amax"):
+            # amax propagates NaN: one reduction, no temporary (isnan().any() makes a mask).
+            return torch.isnan(values.amax())
+        return torch.isnan(values).any()
 
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return f"NaN (NaNMask reserves NaN in {dtype} to mean 'keep the destination')"
@@ -361,7 +375,16 @@ class IntSentinel:
         return None
 
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (values.to(dtype=dtype) == self.sentinel(dtype)).any()
+        values = values.to(dtype=dtype)
+        sentinel = self.sentinel(dtype)
+        if values.numel():
+            # The default sentinel is an extreme of the dtype: one reduction finds it.
+            info = torch.iinfo(dtype)
+            if sentinel == info.min and _reduces(dtype, "amin"):
+                return values.amin() == sentinel
+            if sentinel == info.max and _reduces(dtype, "amax"):
+                return values.amax() == sentinel
+        return (values == sentinel).any()
 
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return (

@@ -230,16 +230,16 @@ def test_sorted_indices_need_one_host_read_for_the_whole_call(
     assert sorts == []  # sorted input is validated in O(nnz), without a sort
 
 
-def test_unsorted_indices_add_one_read_for_range_and_duplicates(
+def test_unsorted_indices_add_one_read_for_the_duplicate_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reads = count_host_reads(monkeypatch)
     patches = [good(), good(indices=torch.tensor([9, 3])), good(indices=torch.tensor([7, 1]))]
     validate_patches(patches)
-    assert reads == [9, 4]  # first: 3 flags x 3 patches; then range + duplicates x 2 unsorted
+    assert reads == [9, 2]  # first: 3 flags x 3 patches; then the duplicate check x 2 unsorted
     reads.clear()
     validate_patches(patches, validate_unique_indices=False)
-    assert reads == [9, 2]  # the range of unsorted indices still needs its full check
+    assert reads == [9]
 
 
 def test_unsorted_out_of_range_is_caught_even_when_the_ends_are_in_range() -> None:
@@ -247,6 +247,10 @@ def test_unsorted_out_of_range_is_caught_even_when_the_ends_are_in_range() -> No
     bad = good(values=torch.ones(3), indices=torch.tensor([3, 500, 5]))
     with pytest.raises(InvalidPatchError, match=r"out of range \[0, 128\).*max 500"):
         validate_patches([bad])
+    # Wrapping int32 differences must not make an out-of-range sequence look increasing.
+    wraps = torch.tensor([0, 2**31 - 1, -5, 7], dtype=torch.int32)
+    with pytest.raises(InvalidPatchError, match="min -5, max 2147483647"):
+        validate_patches([good(values=torch.ones(4), indices=wraps)])
     with pytest.raises(InvalidPatchError, match="min -7"):
         validate_patches(
             [good(values=torch.ones(3), indices=torch.tensor([3, -7, 5]))],

@@ -225,6 +225,8 @@ class _Loader:
             staged = _stage(item, self.strategy)
             session.add(item.patch.name, staged, sparse=item.sparse)
             weights.append((item.patch.name, staged))
+        if self.routes is not None:
+            self.routes.stats.loader_calls += 1
         self.names |= session.run(self.model, weights)
         del weights, staged
         if self.routes is not None:

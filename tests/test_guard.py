@@ -317,3 +317,14 @@ def test_known_routes_into_protected_tensors_are_refused_before_any_write() -> N
         )
     assert_same_state(state(model), before)  # even 'a', patched first, was not touched
     assert routes.stats.replayed == 0
+
+
+def test_a_dense_patch_into_a_protected_tensor_is_refused_naming_the_patch() -> None:
+    model = TwoWeights()
+    dense = CheckpointWeightPatch("b", (2, 3), torch.float32, torch.ones(6))
+    with pytest.raises(
+        LoaderContractError,
+        match=r"the dense patch to 'b' would write into the protected tensor 'b' \(repacked\)",
+    ):
+        load_checkpoint_weight_patches(model, [dense], protect={"b": "repacked"})
+    assert not model.b.any()

@@ -7,10 +7,8 @@ sets ``PATCHCTX_REQUIRE_VLLM=1``: then the run fails if any test here was skippe
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,9 @@ import pytest
 HERE = Path(__file__).parent
 REQUIRE_VLLM = os.environ.get("PATCHCTX_REQUIRE_VLLM") == "1"
 
-# Warnings that vLLM and its dependencies raise from their own code on import or at engine
-# start; none is about patchctx. Everything else still fails the run (filterwarnings=error).
-VLLM_WARNING_FILTERS = ("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",)
+# The support modules import patchctx.vllm, which needs vLLM: without it, --doctest-modules
+# must not import them.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["support"]
 
 
 class _LaneCheck:
@@ -37,35 +35,6 @@ def _in_this_folder(path: object) -> bool:
         return Path(str(path)).resolve().is_relative_to(HERE)
     except (OSError, ValueError):
         return False
-
-
-# Imported once, warnings ignored, before any test module: vLLM and torch modules it pulls in
-# warn at import time (e.g. torch.utils.mkldnn's `torch.jit.script_method` deprecation).
-WARM_IMPORTS = (
-    "vllm",
-    "vllm.config",
-    "vllm.distributed",
-    "vllm.model_executor.layers.fused_moe",
-    "vllm.model_executor.layers.linear",
-    "vllm.model_executor.layers.vocab_parallel_embedding",
-    "vllm.model_executor.model_loader.checkpoint_weight_patch",
-    "vllm.model_executor.model_loader.utils",
-    "transformers",
-)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    for line in VLLM_WARNING_FILTERS:
-        config.addinivalue_line("filterwarnings", line)
-    if importlib.util.find_spec("vllm") is None:
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for module in WARM_IMPORTS:
-            try:
-                importlib.import_module(module)
-            except Exception:  # a broken install shows up as the test modules' skips
-                return
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m vllm` deselects by marker

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from patchctx._errors import LoaderContractError
+from patchctx._errors import InvalidPatchTypeError, LoaderContractError
 from patchctx._routes import named_tensors
 from patchctx._session import LoadSession, PersistentIndex
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
@@ -84,6 +84,7 @@ def audit(
     specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
     *,
     strategy: CopyStrategy | None = None,
+    protect: Mapping[str, str] | None = None,
 ) -> AuditReport:
     """Find out, for each checkpoint tensor, how sparse patches to it will be applied.
 
@@ -97,6 +98,9 @@ def audit(
         model: The model, as for `load_checkpoint_weight_patches`.
         specs: The checkpoint tensors: name, full shape and dtype.
         strategy: The strategy real patches will use; default `Auto()`.
+        protect: Tensors that must not be written, with the reason, as for
+            `load_checkpoint_weight_patches`: a name whose loader would write into one is
+            reported ``"unsupported"`` with that reason.
 
     Returns:
         One row per name: replayable, masked, or unsupported with the reason.
@@ -125,7 +129,14 @@ def audit(
         1 replayable, 1 masked, 0 unsupported
     """
     chosen = as_strategy(strategy, Auto(), "audit")
-    persistent = PersistentIndex(named_tensors(model))
+    if protect is not None and not (
+        isinstance(protect, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in protect.items())
+    ):
+        raise InvalidPatchTypeError(
+            f"protect= maps tensor names to the reason they are protected; you supplied {protect!r}"
+        )
+    persistent = PersistentIndex(named_tensors(model), protect)
     rows = []
     with torch.no_grad():
         for name, shape, dtype in specs:

@@ -11,6 +11,7 @@ __all__ = [
     "LoaderContractError",
     "PatchError",
     "PatchProblem",
+    "WeightVersionError",
 ]
 
 
@@ -152,3 +153,37 @@ class LoaderContractError(PatchError, NotImplementedError):
         ...     print("refused, weight untouched:", not weight.any().item())
         refused, weight untouched: True
     """
+
+
+class WeightVersionError(PatchError, ValueError):
+    """Patches were made against weights other than those the model holds; nothing was written.
+
+    A patch set is a difference: it is only right on top of the weights it was computed from.
+    When a payload names the version it expects (``base_version``) and the worker holds
+    another one (say, the trainer resumed from an older checkpoint while the inference engine
+    kept the newer weights), the payload is refused before any write. Raised by
+    `patchctx.vllm.apply_patches` and the worker extension.
+
+    Attributes:
+        expected: The version the patches were made against.
+        found: The version the worker holds (`None`: unknown, e.g. never declared, or lost
+            after a failed non-atomic update).
+
+    Examples:
+        >>> from patchctx._errors import WeightVersionError
+        >>> error = WeightVersionError("patches made against step 41; the worker holds step 40",
+        ...                            expected=41, found=40)
+        >>> isinstance(error, ValueError), error.expected, error.found
+        (True, 41, 40)
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        expected: str | int | None = None,
+        found: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.found = found

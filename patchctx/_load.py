@@ -229,6 +229,8 @@ class _Loader:
             )
             for item in chunk
         ]
+        if self.routes is not None:
+            self.routes.stats.loader_calls += 1
         self.names |= session.run(self.model, weights)
         if self.routes is not None:
             self.routes.stats.loaded += len(chunk)

@@ -305,17 +305,19 @@ class RouteStats:
         replayed: Sparse patches applied by route replay, without the loader.
         loaded: Patches that went through the loader (dense, first-time or unprovable sparse).
         invalidated: Routes dropped because a destination was rebound or the tensor changed.
+        loader_calls: Calls of the model's ``load_weights`` (one per chunk of loaded patches).
 
     Examples:
         >>> from patchctx import RouteCache
         >>> RouteCache().stats
-        RouteStats(recorded=0, replayed=0, loaded=0, invalidated=0)
+        RouteStats(recorded=0, replayed=0, loaded=0, invalidated=0, loader_calls=0)
     """
 
     recorded: int = 0
     replayed: int = 0
     loaded: int = 0
     invalidated: int = 0
+    loader_calls: int = 0
 
 
 # Replay writes in blocks of this many positions through one reused int64 buffer: memory stays

@@ -325,8 +325,12 @@ class LoadSession:
 
     # -- writes --------------------------------------------------------------------------
 
-    def _log_write(self, view: torch.Tensor, owner: _Owner, name: str | None) -> None:
-        self.persistent.refuse_protected(view, f"the loader (for {name or 'its own purposes'!s})")
+    def _log_write(
+        self, view: torch.Tensor, owner: _Owner, name: str | None, what: str | None = None
+    ) -> None:
+        self.persistent.refuse_protected(
+            view, what or f"the loader (for {name or 'its own purposes'!s})"
+        )
         key = _storage_key(view)
         assert key is not None
         low, high = Geometry.of(view).span()
@@ -410,7 +414,8 @@ class LoadSession:
         if origin is None or not origin.sparse:
             # No sentinel in the data: a plain copy, logged when it lands in the model.
             if owner is not None:
-                self._log_write(destination, owner, None)
+                dense = None if origin is None else ", ".join(sorted(origin.names))
+                self._log_write(destination, owner, None, dense and f"the dense patch to {dense!r}")
             elif origin is not None:
                 self._mark_derived(destination, origin, faithful=True)
             with self.internal():

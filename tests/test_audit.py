@@ -96,3 +96,15 @@ def test_a_loader_that_raises_is_unsupported() -> None:
     report = audit(model, [("w0", (3, 4), torch.float32)])
     assert report.rows[0].status == "unsupported"
     assert "RuntimeError" in report.rows[0].reason
+
+
+def test_names_whose_loader_writes_a_protected_tensor_are_unsupported() -> None:
+    from tests.test_guard import TwoWeights
+
+    model = TwoWeights()
+    specs = [("a", (2, 3), torch.float32), ("b", (2, 3), torch.float32)]
+    report = audit(model, specs, protect={"b": "repacked by the engine"})
+    assert report.names("replayable") == ["a"]
+    assert report.names("unsupported") == ["b"]
+    assert "protected tensor 'b' (repacked by the engine)" in report.rows[1].reason
+    assert not model.a.any() and not model.b.any()

@@ -377,3 +377,14 @@ def test_temporaries_the_loader_drops_are_fine() -> None:
     expected = expected_after(model)
     load_checkpoint_weight_patches(model, [PATCH])
     assert same_bits(model.weight.detach(), expected)
+
+
+def test_a_dense_patch_into_a_protected_tensor_is_refused_naming_the_patch() -> None:
+    model = TwoWeights()
+    dense = CheckpointWeightPatch("b", (2, 3), torch.float32, torch.ones(6))
+    with pytest.raises(
+        LoaderContractError,
+        match=r"the dense patch to 'b' would write into the protected tensor 'b' \(repacked\)",
+    ):
+        load_checkpoint_weight_patches(model, [dense], protect={"b": "repacked"})
+    assert not model.b.any()

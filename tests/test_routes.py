@@ -225,12 +225,13 @@ def test_every_name_of_the_packed_model_records_a_route_and_then_replays() -> No
     load_checkpoint_weight_patches(model, first, routes=routes, chunking=SingleCall())
     assert set(routes) == set(specs), "mixed chunks attribute writes by staged tensor"
     calls = len(model.load_calls)
+    assert routes.stats.loader_calls == 1  # SingleCall: one load_weights call
     second = [patch(name, 2) for name in sorted(specs)]
     reference = reference_after(model, dict(checkpoint), [])
     load_checkpoint_weight_patches(reference, first + second)
     load_checkpoint_weight_patches(model, second, routes=routes)
     assert len(model.load_calls) == calls, "replay makes no loader call"
-    assert routes.stats.replayed == len(specs)
+    assert routes.stats.replayed == len(specs) and routes.stats.loader_calls == 1
     assert_same_state(state(model), state(reference))
 
 

@@ -60,10 +60,12 @@ PYTHON = Source(
         *_same_page(
             "library/stdtypes.html",
             "class",
+            "bytearray",
             "bytes",
             "dict",
             "frozenset",
             "list",
+            "memoryview",
             "set",
             "str",
             "tuple",

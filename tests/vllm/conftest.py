@@ -1,110 +1,20 @@
-"""The vLLM lane: tests against vLLM's real layers, models and engine.
+"""The vLLM lane: tests against vLLM's real layers, models and engine (fixtures).
 
-Every test in this folder is marked ``vllm``. Without vLLM installed (the core environment)
-each test module skips at import (``pytest.importorskip``). In the vLLM lane the test command
-sets ``PATCHCTX_REQUIRE_VLLM=1``: then the run fails if any test here was skipped or none ran.
+Every test in this folder is marked ``vllm`` (by the root ``conftest.py``, which also holds
+the lane's accounting). Without vLLM installed (the core environment) each test module skips
+at import (``pytest.importorskip``).
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import os
-import warnings
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
-REQUIRE_VLLM = os.environ.get("PATCHCTX_REQUIRE_VLLM") == "1"
-
-# Warnings that vLLM and its dependencies raise from their own code on import or at engine
-# start; none is about patchctx. Everything else still fails the run (filterwarnings=error).
-VLLM_WARNING_FILTERS = ("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",)
-
-
-class _LaneCheck:
-    def __init__(self) -> None:
-        self.ran = 0
-        self.skipped: list[str] = []
-
-
-_lane = _LaneCheck()
-
-
-def _in_this_folder(path: object) -> bool:
-    try:
-        return Path(str(path)).resolve().is_relative_to(HERE)
-    except (OSError, ValueError):
-        return False
-
-
-# Imported once, warnings ignored, before any test module: vLLM and torch modules it pulls in
-# warn at import time (e.g. torch.utils.mkldnn's `torch.jit.script_method` deprecation).
-WARM_IMPORTS = (
-    "vllm",
-    "vllm.config",
-    "vllm.distributed",
-    "vllm.model_executor.layers.fused_moe",
-    "vllm.model_executor.layers.linear",
-    "vllm.model_executor.layers.vocab_parallel_embedding",
-    "vllm.model_executor.model_loader.checkpoint_weight_patch",
-    "vllm.model_executor.model_loader.utils",
-    "transformers",
-)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    for line in VLLM_WARNING_FILTERS:
-        config.addinivalue_line("filterwarnings", line)
-    if importlib.util.find_spec("vllm") is None:
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for module in WARM_IMPORTS:
-            try:
-                importlib.import_module(module)
-            except Exception:  # a broken install shows up as the test modules' skips
-                return
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m vllm` deselects by marker
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if _in_this_folder(item.path):
-            item.add_marker(pytest.mark.vllm)
-
-
-def pytest_collectreport(report: pytest.CollectReport) -> None:
-    if report.skipped and _in_this_folder(report.fspath):
-        _lane.skipped.append(report.nodeid)
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "vllm" not in report.keywords or hasattr(report, "wasxfail"):
-        return
-    if report.skipped:
-        _lane.skipped.append(report.nodeid)
-    elif report.when == "call":
-        _lane.ran += 1
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if REQUIRE_VLLM and (_lane.skipped or not _lane.ran):
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not REQUIRE_VLLM:
-        return
-    if _lane.skipped or not _lane.ran:
-        terminalreporter.write_line(
-            f"vLLM lane FAILED: PATCHCTX_REQUIRE_VLLM=1, but {_lane.ran} vllm tests ran and "
-            f"{len(_lane.skipped)} were skipped: {_lane.skipped[:5]}",
-            red=True,
-        )
-    else:
-        terminalreporter.write_line(f"vLLM lane: {_lane.ran} vllm tests ran, none skipped")
+# The support modules import patchctx.vllm, which needs vLLM: without it, --doctest-modules
+# must not import them.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["support"]
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""``vllm.LLM`` on tiny checkpoints: greedy generation against ``transformers``, the CPU
-backend's repacking of weights after loading, and sparse patches sent through
-``collective_rpc`` to the worker extension."""
+"""``vllm.LLM`` on tiny checkpoints with ``patchctx.vllm``'s worker extension: patches sent
+through ``collective_rpc`` give the same greedy generations as ``transformers`` on the
+identically patched checkpoint; weights the CPU backend transformed after loading are refused
+(where vLLM's own function would write them silently); a version mismatch changes nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from torch import nn
 
 pytest.importorskip("vllm")
 
+from patchctx import LoaderContractError
+from patchctx.vllm import (
+    WeightVersionError,
+    apply_patches,
+    set_weight_version,
+    transformed_weights,
+)
 from tests.vllm.support.checkpoints import read_checkpoint, write_checkpoint_tensors
 from tests.vllm.support.engine import (
     assert_same_generations,
@@ -19,9 +27,7 @@ from tests.vllm.support.engine import (
     running_engine,
     vllm_greedy,
 )
-from tests.vllm.support.extension import encode
-from tests.vllm.support.patches import Patch, apply_to_checkpoint, sparse, vllm_load
-from tests.vllm.support.repack import transformed_weights
+from tests.vllm.support.patches import Patch, apply_to_checkpoint, dense, sparse, vllm_load
 
 LINEAR_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
 
@@ -37,14 +43,16 @@ def parameter_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
 
-def expected_repacked(name: str, tied: bool) -> str | None:
+def expected_reason(name: str, tied: bool) -> str | None:
     """What the CPU backend does to a weight after loading (see FINDINGS.md), by name."""
     if name.endswith(LINEAR_WEIGHTS) or name.endswith("mlp.gate.weight"):
-        return "transformed after loading: shape"  # replaced by an empty Parameter
+        return "prepacked by the CPU GEMM kernel after loading and replaced by an empty tensor"
     if name.endswith(("experts.w13_weight", "experts.w2_weight")):
-        return "transformed after loading: attributes"  # permuted into the kernel's layout
-    if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
-        return "read through a kernel-owned copy"  # oneDNN keeps its own packed copy
+        return "repacked by the CPU MoE kernel into its own layout"
+    if name == "lm_head.weight":
+        return "the CPU kernel (lm_head.cpu_linear) computes from its own copy"
+    if tied and name == "model.embed_tokens.weight":
+        return "tied to 'lm_head.weight', whose CPU kernel computes from its own copy"
     return None
 
 
@@ -55,41 +63,63 @@ def expected_repacked(name: str, tied: bool) -> str | None:
         ("qwen3_moe", "model.layers.0.mlp.experts.1.up_proj.weight"),  # lands in kernel layout
     ],
 )
-def test_default_cpu_engine_repacks_weights_after_loading(
+def test_default_cpu_engine_refuses_patches_into_transformed_weights(
     checkpoints: dict[str, Path], tmp_path: Path, arch: str, hazard: str
 ) -> None:
     model_dir = checkpoints[arch]
-    shape = tuple(read_checkpoint(model_dir)[hazard].shape)
-    patch = sparse(hazard, shape, density=0.3, seed=7)
+    checkpoint = read_checkpoint(model_dir)
+    patch = sparse(hazard, tuple(checkpoint[hazard].shape), density=0.3, seed=7)
+    norm = dense("model.norm.weight", tuple(checkpoint["model.norm.weight"].shape), seed=8)
     with running_engine(model_dir) as llm:
-        assert_same_generations(vllm_greedy(llm), hf_greedy(model_dir))
+        before = vllm_greedy(llm)
+        assert_same_generations(before, hf_greedy(model_dir))
 
         found = llm.apply_model(transformed_weights)[0]
         for name in llm.apply_model(parameter_names)[0]:
-            expected = expected_repacked(name, tied=arch == "qwen2")
+            expected = expected_reason(name, tied=arch == "qwen2")
             if expected is None:
                 assert name not in found, f"{name}: {found.get(name)}"
             else:
                 assert found.get(name, "").startswith(expected), f"{name}: {found.get(name)}"
 
-        # What a checkpoint-layout patch does to such a weight without patchctx's refusal:
-        # vLLM's own function loads it, and the engine then disagrees with the patched model.
+        # patchctx refuses, naming the patch and the weight, and writes nothing: the norm
+        # patch sent first is undone (the update is atomic once anything is protected).
+        set_weight_version(llm, "v0")
+        with pytest.raises(LoaderContractError) as refused:
+            apply_patches(llm, [norm, patch], base_version="v0", target_version="v1")
+        message = str(refused.value)
+        assert f"the patch to {hazard!r} would write model." in message
+        assert "Checkpoint-layout patches cannot be applied" in message
+        assert_same_generations(vllm_greedy(llm), before, atol=1e-6)
+        # nothing changed, so the worker still holds v0: an update made against v0 applies
+        [stats] = apply_patches(llm, [norm], base_version="v0", target_version="v1")
+        assert stats.version == "v1" and stats.atomic and stats.protected == len(found)
+        assert differ(vllm_greedy(llm), before)
+
+        # What vLLM's own function does with the same patch: it loads it, and the engine then
+        # follows neither the old nor the patched model.
         llm.apply_model(lambda m: vllm_load(m, [patch]))
         after = vllm_greedy(llm)
-    truth = hf_greedy(patched_checkpoint(model_dir, [patch], tmp_path / "patched"))
+    truth = hf_greedy(patched_checkpoint(model_dir, [norm, patch], tmp_path / "patched"))
     assert differ(truth, hf_greedy(model_dir)), "the hazard patch should change the model"
     assert differ(after, truth), "the CPU engine now follows checkpoint-layout patches"
 
 
-def non_expert_patches(model_dir: Path, seed: int) -> list[Patch]:
-    """Sparse patches on every checkpoint tensor that the CPU engine keeps in checkpoint layout
-    once `keep_layout` is on (MoE experts stay repacked)."""
+def update(model_dir: Path, seed: int) -> list[Patch]:
+    """A mixed update of every checkpoint tensor that the CPU engine keeps in checkpoint layout
+    once `keep_checkpoint_layout` is on (MoE experts stay repacked): sparse matrices, dense
+    vectors."""
     checkpoint = read_checkpoint(model_dir)
-    return [
-        sparse(name, tuple(tensor.shape), density=0.05, seed=seed + i)
-        for i, (name, tensor) in enumerate(sorted(checkpoint.items()))
-        if ".experts." not in name
-    ]
+    patches = []
+    for i, (name, tensor) in enumerate(sorted(checkpoint.items())):
+        shape = tuple(tensor.shape)
+        if ".experts." in name:
+            continue
+        if len(shape) > 1:
+            patches.append(sparse(name, shape, density=0.05, seed=seed + i))
+        else:
+            patches.append(dense(name, shape, seed=seed + i))
+    return patches
 
 
 @pytest.mark.parametrize(
@@ -97,22 +127,57 @@ def non_expert_patches(model_dir: Path, seed: int) -> list[Patch]:
     [("qwen2", False), ("qwen3_moe", False), ("qwen2", True)],
     ids=["qwen2-in-process", "qwen3_moe-in-process", "qwen2-multiprocess"],
 )
-def test_sparse_patches_through_collective_rpc_match_transformers(
+def test_patches_through_collective_rpc_match_transformers(
     checkpoints: dict[str, Path], tmp_path: Path, arch: str, multiprocess: bool
 ) -> None:
     model_dir = checkpoints[arch]
-    patches = non_expert_patches(model_dir, seed=11)
-    with running_engine(model_dir, multiprocess=multiprocess, keep_layout=True) as llm:
-        assert llm.collective_rpc("patchctx_test_layout_kept") == [True]
-        before = vllm_greedy(llm)
-        loaded = llm.collective_rpc("patchctx_test_apply", args=(encode(patches),))
-        after = vllm_greedy(llm)
+    first, second = update(model_dir, seed=11), update(model_dir, seed=500)
+    second = [p for p in second if p.indices is not None]  # sparse only: replayed
+    stale = update(model_dir, seed=900)
+    # Multi-process: the extension users name, the layout switch through the environment.
+    extension = "patchctx.vllm.PatchWorkerExtension" if multiprocess else None
+    options = {"worker_extension_cls": extension} if extension else {}
+    with running_engine(model_dir, multiprocess=multiprocess, keep_layout=True, **options) as llm:
         if not multiprocess:
-            still_transformed = set(llm.apply_model(transformed_weights)[0])
-    assert len(loaded) == 1 and loaded[0]
+            assert llm.collective_rpc("patchctx_test_layout_kept") == [True]
+        before = vllm_greedy(llm)
+        set_weight_version(llm, 0)
+        [one] = apply_patches(llm, first, base_version=0, target_version=1)
+        after_one = vllm_greedy(llm)
+        [two] = apply_patches(llm, second, base_version=1, target_version=2)
+        after_two = vllm_greedy(llm)
+        # A payload made against version 1 (e.g. by a trainer resumed from an older
+        # checkpoint) is refused on a worker at version 2, before any write.
+        with pytest.raises(WeightVersionError, match="made against weight version 1"):
+            apply_patches(llm, stale, base_version=1, target_version=3)
+        after_refusal = vllm_greedy(llm)
+        versions = llm.collective_rpc("patchctx_weight_version")
+        expert = None
+        if arch == "qwen3_moe":  # experts stay repacked: refused, nothing written
+            name = "model.layers.1.mlp.experts.2.down_proj.weight"
+            expert = sparse(
+                name, tuple(read_checkpoint(model_dir)[name].shape), density=0.1, seed=3
+            )
+            with pytest.raises(LoaderContractError, match="repacked by the CPU MoE kernel"):
+                apply_patches(llm, [*stale[:3], expert], base_version=2, target_version=3)
+            assert_same_generations(vllm_greedy(llm), after_two, atol=1e-6)
+    assert versions == [2]
+    assert (one.version, two.version) == (1, 2)
+    # Layout kept: nothing protected on the dense model, only the experts on the MoE model.
+    assert one.protected == (4 if arch == "qwen3_moe" else 0)
+    assert one.names == tuple(sorted(p.name for p in first)) and one.loader_calls > 0
+    assert two.replayed == len(second) and two.loader_calls == 0, two
+    for stats in (one, two):
+        print(
+            f"{arch} {'multi-process' if multiprocess else 'in-process'}: "
+            f"{len(stats.names)} names, {stats.replayed} replayed, {stats.through_loader} "
+            f"through {stats.loader_calls} loader calls, {stats.milliseconds:.1f} ms"
+        )
+
     assert_same_generations(before, hf_greedy(model_dir))
-    truth = hf_greedy(patched_checkpoint(model_dir, patches, tmp_path / "patched"))
-    assert differ(before, truth)
-    assert_same_generations(after, truth)
-    if not multiprocess:
-        assert all(".experts." in name for name in still_transformed), still_transformed
+    truth_one = hf_greedy(patched_checkpoint(model_dir, first, tmp_path / "one"))
+    truth_two = hf_greedy(patched_checkpoint(model_dir, first + second, tmp_path / "two"))
+    assert differ(before, truth_one) and differ(truth_one, truth_two)
+    assert_same_generations(after_one, truth_one)
+    assert_same_generations(after_two, truth_two)
+    assert_same_generations(after_refusal, after_two, atol=1e-6)

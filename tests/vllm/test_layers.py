@@ -1,5 +1,6 @@
-"""vLLM's parallel layers at TP=1 and TP=2: sparse patches through ``masked_copy`` and through
-vLLM's ``load_checkpoint_weight_patches`` equal loading the patched full checkpoint tensor
+"""vLLM's parallel layers at TP=1 and TP=2: sparse and dense patches through patchctx's
+``load_checkpoint_weight_patches`` (with a `RouteCache`: later rounds replay), through vLLM's
+own function and through ``masked_copy`` equal loading the patched full checkpoint tensor
 through the layer's own loader, bit for bit, on every rank."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def test_patches_equal_loading_the_patched_checkpoint(tp: int, case: str, dtype:
         truth = params(rank_results, case, dtype, "truth")
         base = params(rank_results, case, dtype, "base")
         assert truth, f"no parameters recorded for {case}"
-        for variant in ("masked", "vllm"):
+        for variant in ("patchctx", "vllm", "masked"):
             got = params(rank_results, case, dtype, variant)
             assert got.keys() == truth.keys()
             for name, value in got.items():
@@ -52,13 +53,18 @@ def test_patches_equal_loading_the_patched_checkpoint(tp: int, case: str, dtype:
         for name in truth:
             changed[name] = changed.get(name, False) or not torch.equal(truth[name], base[name])
     assert all(changed.values()), f"patches changed nothing in {changed}"
+    for rank_results in by_rank:
+        recorded, replayed, loader_calls = rank_results[f"{case}/{dtype}/routes"].tolist()
+        # Every name of round 1 records its route; round 2 replays the first and the last name.
+        assert recorded == len(layers.CASES[case].tensors), (recorded, replayed)
+        assert replayed == 2 and loader_calls >= 2, (recorded, replayed, loader_calls)
 
 
 @pytest.mark.parametrize("case", ["embedding", "lm_head"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vocabulary_padding_rows_stay_zero(tp: int, case: str) -> None:
     for rank, rank_results in enumerate(results(tp)):
-        for variant in ("truth", "masked", "vllm"):
+        for variant in ("truth", "patchctx", "vllm", "masked"):
             weight = params(rank_results, case, "float32", variant)["weight"]
             rows = weight.shape[0]
             owned = min(max(layers.VOCAB - rank * rows, 0), rows)
@@ -78,7 +84,7 @@ def test_vocabulary_padding_rows_stay_zero(tp: int, case: str) -> None:
     ],
 )
 def test_tp2_shards_reassemble_the_tp1_parameter(case: str, param: str, dim: int) -> None:
-    for variant in ("truth", "masked"):
+    for variant in ("truth", "patchctx"):
         whole = params(results(1)[0], case, "float32", variant)[param]
         shards = [params(r, case, "float32", variant)[param] for r in results(2)]
         assert torch.equal(torch.cat(shards, dim=dim), whole)

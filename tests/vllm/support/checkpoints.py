@@ -16,14 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchctx.vllm import audit_model
 from tests.vllm.support.dist import Rank, Results
 from tests.vllm.support.patches import (
+    ModelWorker,
     Patch,
     apply_to_checkpoint,
     dense,
-    load_patches,
     masked_load,
+    patchctx_load,
     sparse,
+    vllm_load,
 )
 
 HIDDEN = 64
@@ -167,11 +170,39 @@ def load_model(model_dir: Path, tp_size: int = 1) -> nn.Module:
     return model
 
 
+def load_engine_model(model_dir: Path, tp_size: int = 1) -> nn.Module:
+    """vLLM's model as the default CPU engine holds it: loaded, then post-processed
+    (``process_weights_after_loading``: linear weights prepacked, MoE experts repacked)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import (
+        initialize_model,
+        process_weights_after_loading,
+    )
+
+    config = vllm_config(model_dir, tp_size)
+    with set_current_vllm_config(config):
+        model: Any = initialize_model(config)
+        model.load_weights(read_checkpoint(model_dir).items())
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    loaded: nn.Module = model
+    return loaded
+
+
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def checkpoint_aliases(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The tied-embedding alias of a checkpoint that stores no LM head (Qwen2 here)."""
+    return {} if "lm_head.weight" in checkpoint else dict(TIED)
+
+
 def model_rounds(checkpoint: Mapping[str, torch.Tensor], seed: int) -> list[list[Patch]]:
     """Three rounds of mixed patches over a checkpoint, as an RL trainer would send them.
 
     Round 1 touches every tensor (sparse matrices, dense vectors); round 2 a third of them,
-    one name twice; round 3 every matrix very sparsely after a dense replacement of one.
+    one name twice; round 3 every matrix very sparsely after a dense replacement of one. A
+    tied checkpoint gets a round 4: a patch named ``lm_head.weight`` (its embedding; alone,
+    since an alias patched with its canonical name in one call is dropped, as vLLM does).
     """
     names = sorted(checkpoint)
     shapes = {name: tuple(checkpoint[name].shape) for name in names}
@@ -191,33 +222,110 @@ def model_rounds(checkpoint: Mapping[str, torch.Tensor], seed: int) -> list[list
     round3 += [
         sparse(n, shapes[n], density=0.005, seed=seed + 1100 + i) for i, n in enumerate(matrices)
     ]
-    return [round1, round2, round3]
+    round4 = [
+        sparse(alias, shapes[embed], density=0.01, seed=seed + 1900)
+        for alias in checkpoint_aliases(checkpoint)
+    ]
+    return [round1, round2, round3, *([round4] if round4 else [])]
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def model_job(rank: Rank, args: Mapping[str, Any]) -> Results:
-    """Each architecture at this rank: parameters after the patch rounds, three ways.
+def specs_of(checkpoint: Mapping[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], Any]]:
+    return [(name, tuple(t.shape), t.dtype) for name, t in sorted(checkpoint.items())]
 
-    ``truth``: a fresh model loaded from the patched checkpoint; ``applied``: the checkpoint,
-    then each round through `load_patches`; ``masked``: the same through `masked_load`.
-    Keys are ``"<arch>/<variant>/<parameter name>"``.
+
+def counts(report: Any) -> torch.Tensor:
+    found = report.counts()
+    return torch.tensor([found["replayable"], found["masked"], found["unsupported"]])
+
+
+def unchanged(before: Mapping[str, torch.Tensor], model: nn.Module) -> bool:
+    after = model_state(model)
+    return before.keys() == after.keys() and all(
+        torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before
+    )
+
+
+def engine_layout_checks(model_dir: Path, world_size: int) -> dict[str, torch.Tensor]:
+    """On the model as the default CPU engine holds it: audit counts, and that patches to
+    transformed weights are refused, naming the weight, with nothing written."""
+    model = load_engine_model(model_dir, world_size)
+    checkpoint = read_checkpoint(model_dir)
+    report = audit_model(model, specs_of(checkpoint))
+    refused = report.names("unsupported")
+    worker = ModelWorker(model)
+    before = model_state(model)
+    vectors = [n for n in sorted(checkpoint) if checkpoint[n].ndim == 1]
+    fine = [dense(vectors[0], tuple(checkpoint[vectors[0]].shape), seed=1)]
+    flags = []
+    for name in refused:
+        bad = sparse(name, tuple(checkpoint[name].shape), density=0.05, seed=2)
+        result = patchctx_load(worker, [*fine, bad], errors="return")
+        error = result.get("error", {})
+        flags.append(
+            not result["ok"]
+            and error.get("type") == "LoaderContractError"
+            and f"the patch to {name!r} would write " in error.get("message", "")
+            and "Checkpoint-layout patches cannot be applied" in error.get("message", "")
+            and unchanged(before, model)
+        )
+    done = patchctx_load(worker, fine)  # what is not transformed still takes patches
+    patched = not unchanged(before, model)
+    return {
+        "engine_counts": counts(report),
+        "engine_refusals": torch.tensor(flags, dtype=torch.bool),
+        "engine_patchable": torch.tensor([done["ok"] and patched, done["protected"] > 0]),
+    }
+
+
+def model_job(rank: Rank, args: Mapping[str, Any]) -> Results:
+    """Each architecture at this rank: parameters after the patch rounds, several ways.
+
+    ``truth``: a fresh model loaded from the patched checkpoint; ``patchctx``: the checkpoint,
+    then each round through ``patchctx.vllm``'s worker extension (one `RouteCache`, tied
+    aliases); ``vllm``: the same through vLLM's ``load_checkpoint_weight_patches``;
+    ``masked``: the same through `masked_load`. Keys are
+    ``"<arch>/<variant>/<parameter name>"``, plus per architecture ``"<arch>/routes"`` (routes
+    held, names patched sparsely, patches replayed, loader calls), ``"<arch>/counts"`` (the
+    audit in checkpoint layout: replayable, masked, unsupported) and the results of
+    `engine_layout_checks`.
     """
     results: Results = {}
     for arch, directory in args["model_dirs"].items():
         model_dir = Path(directory)
         checkpoint = read_checkpoint(model_dir)
+        aliases = checkpoint_aliases(checkpoint)
         rounds = model_rounds(checkpoint, seed=args.get("seed", 0))
-        patched = apply_to_checkpoint(checkpoint, [p for r in rounds for p in r])
+        patched = apply_to_checkpoint(checkpoint, [p for r in rounds for p in r], aliases)
         truth: Any = build_model(model_dir, rank.world_size)
         truth.load_weights(patched.items())
         results.update({f"{arch}/truth/{k}": v for k, v in model_state(truth).items()})
-        for variant, apply in (("applied", load_patches), ("masked", masked_load)):
-            model: Any = build_model(model_dir, rank.world_size)
-            model.load_weights(checkpoint.items())
-            for patches in rounds:
-                apply(model, patches)
+        models: dict[str, Any] = {}
+        for variant in ("patchctx", "vllm", "masked"):
+            models[variant] = build_model(model_dir, rank.world_size)
+            models[variant].load_weights(checkpoint.items())
+        before = model_state(models["patchctx"])
+        results[f"{arch}/counts"] = counts(audit_model(models["patchctx"], specs_of(checkpoint)))
+        assert unchanged(before, models["patchctx"]), "audit changed a weight"
+        worker = ModelWorker(models["patchctx"])
+        for patches in rounds:
+            renamed = [p._replace(name=aliases.get(p.name, p.name)) for p in patches]
+            patchctx_load(worker, patches)
+            vllm_load(models["vllm"], patches, aliases)
+            masked_load(models["masked"], renamed)
+        for variant, model in models.items():
             results.update({f"{arch}/{variant}/{k}": v for k, v in model_state(model).items()})
+        routes = worker._patchctx_worker().routes
+        sparse_names = {
+            aliases.get(p.name, p.name) for r in rounds for p in r if p.indices is not None
+        }
+        results[f"{arch}/routes"] = torch.tensor(
+            [len(routes), len(sparse_names), routes.stats.replayed, routes.stats.loader_calls]
+        )
+        if args.get("engine_layout", True):
+            for key, value in engine_layout_checks(model_dir, rank.world_size).items():
+                results[f"{arch}/{key}"] = value
     return results

@@ -74,27 +74,27 @@ def running_engine(
 ) -> Iterator[Any]:
     """A started ``vllm.LLM`` on `model_dir`, shut down (process groups released) on exit.
 
-    `keep_layout` switches the CPU backend's repacking of dense linear and embedding weights
-    off (`tests.vllm.support.extension.keep_checkpoint_layout`), in this process or, for a
-    multi-process engine, in the engine's worker process.
+    `keep_layout` switches the CPU backend's prepacking of dense linear and embedding weights
+    off (``patchctx.vllm.keep_checkpoint_layout``) while the engine starts in this process or,
+    for a multi-process engine, in its worker process (``PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1``
+    in the environment the worker inherits; the worker applies it when it imports
+    ``patchctx.vllm`` to resolve the extension).
     """
+    from patchctx.vllm import keep_checkpoint_layout
+    from patchctx.vllm._layout import KEEP_LAYOUT_ENV
     from tests.vllm.support.dist import teardown_distributed
-    from tests.vllm.support.extension import KEEP_LAYOUT_ENV, keep_checkpoint_layout
 
     extra = {KEEP_LAYOUT_ENV: "1"} if keep_layout and multiprocess else None
-    undo = keep_checkpoint_layout() if keep_layout and not multiprocess else None
-    try:
-        with engine_env(multiprocess=multiprocess, extra=extra):
-            if not multiprocess:
-                teardown_distributed()  # the in-process worker builds its own TP=1 world
+    keeping = keep_checkpoint_layout() if keep_layout and not multiprocess else None
+    with engine_env(multiprocess=multiprocess, extra=extra):
+        if not multiprocess:
+            teardown_distributed()  # the in-process worker builds its own TP=1 world
+        with keeping or contextlib.nullcontext():
             llm = start_llm(model_dir, worker_extension_cls=worker_extension_cls)
-            try:
-                yield llm
-            finally:
-                shutdown_llm(llm)
-    finally:
-        if undo is not None:
-            undo()
+        try:
+            yield llm
+        finally:
+            shutdown_llm(llm)
 
 
 def start_llm(

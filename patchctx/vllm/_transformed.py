@@ -1,0 +1,238 @@
+"""Weights the engine transformed after loading: found from the model, refused before a write.
+
+vLLM post-processes weights after ``load_weights`` (``process_weights_after_loading``): the CPU
+backend prepacks dense linear weights for its GEMM and replaces them by empty tensors, keeps a
+prepacked copy of the LM head, and repacks MoE experts into its kernel's layout; quantized
+kernels repack and reshape. A checkpoint-layout patch into such a weight is wrong or lost.
+Three signals, read from the live model:
+
+1. Known kernels: a fused-MoE layer whose experts run on vLLM's CPU MoE kernel (``w13_weight``
+   and ``w2_weight`` are in the kernel's layout), and a linear or LM-head module whose
+   ``cpu_linear`` computes from its own prepacked copy (every name bound to that weight).
+2. vLLM's own load-time record: ``initialize_model`` keeps meta copies of every parameter as
+   created (``LAYERWISE_INFO[module].restore_metadata``); a live parameter whose shape,
+   strides, dtype or class differs, or that lost recorded attributes (``replace_parameter``
+   keeps only ``weight_loader``), was replaced after loading.
+3. Without that record (another vLLM version): an empty weight in a module that computes with
+   ``cpu_linear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import torch
+
+from patchctx import _swap
+from patchctx._errors import LoaderContractError
+from patchctx._session import LoadSession
+
+__all__ = ["refusing_transformed", "transformed_weights"]
+
+_MISSING = object()
+_KEEP = "patchctx.vllm.keep_checkpoint_layout() keeps it in checkpoint layout"
+
+
+def _layerwise_records() -> Any:
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - vLLM-internal; rules 1 and 3 still apply
+        return None
+    return LAYERWISE_INFO
+
+
+def _class(path: str, name: str) -> type | None:
+    try:
+        module = __import__(path, fromlist=[name])
+    except ImportError:  # pragma: no cover - depends on the vLLM version
+        return None
+    found = getattr(module, name, None)
+    return found if isinstance(found, type) else None
+
+
+def _differences(live: torch.Tensor, recorded: torch.Tensor) -> list[str]:
+    found = []
+    if live.shape != recorded.shape:
+        found.append(f"shape {tuple(recorded.shape)} -> {tuple(live.shape)}")
+    elif live.stride() != recorded.stride():
+        found.append(f"strides {recorded.stride()} -> {live.stride()}")
+    if live.dtype != recorded.dtype:
+        found.append(f"dtype {recorded.dtype} -> {live.dtype}")
+    if type(live) is not type(recorded):
+        found.append(f"class {type(recorded).__name__} -> {type(live).__name__}")
+    dropped = sorted(set(vars(recorded)) - set(vars(live)))
+    if dropped:
+        found.append(f"attributes {dropped} dropped")
+    return found
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
+    """Find the parameters the engine transformed after loading, with the reason for each.
+
+    A checkpoint-layout patch must not be written into such a weight: it is in another layout
+    (repacked MoE experts), empty (prepacked CPU linear weights), or no longer read by the
+    kernel (an LM head computed from a prepacked copy, and the input embedding tied to it).
+    The worker extension passes this map as ``protect=`` to
+    `load_checkpoint_weight_patches`, with ``atomic=True``, so a patch set that reaches one is
+    refused and changes nothing.
+
+    Args:
+        model: The vLLM model as the worker holds it (after ``process_weights_after_loading``).
+
+    Returns:
+        Qualified parameter name -> reason, every name of a tied parameter included; empty
+        when every weight is in checkpoint layout (e.g. unquantized models on GPU, or CPU
+        engines under `keep_checkpoint_layout` without MoE layers).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx.vllm import transformed_weights
+        >>> transformed_weights(torch.nn.Linear(2, 2))  # nothing vLLM did to it
+        {}
+    """
+    linear_classes = tuple(
+        c
+        for c in (
+            _class("vllm.model_executor.layers.linear", "LinearBase"),
+            _class("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+        )
+        if c is not None
+    )
+    cpu_experts = _class(
+        "vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts"
+    )
+    records = _layerwise_records()
+    reasons: dict[str, str] = {}
+    kernel_copies: dict[int, str] = {}  # storage -> module computing from its own copy
+    for prefix, module in model.named_modules():
+
+        def qualified(local: str, prefix: str = prefix) -> str:
+            return f"{prefix}.{local}" if prefix else local
+
+        kernel = getattr(
+            getattr(getattr(module, "quant_method", None), "moe_kernel", None),
+            "fused_experts",
+            None,
+        )
+        if (
+            cpu_experts is not None
+            and isinstance(kernel, cpu_experts)
+            and not getattr(kernel, "_use_zentorch", False)
+        ):
+            isa = getattr(kernel, "isa", "?")
+            for local in ("w13_weight", "w2_weight"):
+                if isinstance(getattr(module, local, None), torch.Tensor):
+                    reasons[qualified(local)] = (
+                        f"repacked by the CPU MoE kernel into its own layout (isa {isa!r}) after "
+                        "loading"
+                    )
+        cpu_linear = getattr(module, "cpu_linear", None)
+        weight = getattr(module, "weight", None)
+        if (
+            cpu_linear is not None
+            and cpu_linear is not torch.nn.functional.linear
+            and isinstance(module, linear_classes)
+            and isinstance(weight, torch.Tensor)
+        ):
+            if weight.numel() == 0:
+                reasons.setdefault(
+                    qualified("weight"),
+                    "prepacked by the CPU GEMM kernel after loading and replaced by an empty "
+                    f"tensor ({_KEEP})",
+                )
+            elif (key := _storage(weight)) is not None:
+                kernel_copies[key] = prefix
+        info = records.get(module) if records is not None else None
+        recorded: Mapping[str, object] = (
+            getattr(info, "restore_metadata", ({}, {}))[0] if info is not None else {}
+        )
+        for local, param in module.named_parameters(recurse=False):
+            meta = recorded.get(local)
+            found = _differences(param, meta) if isinstance(meta, torch.Tensor) else []
+            if found:
+                reasons.setdefault(
+                    qualified(local), "replaced after loading (" + "; ".join(found) + ")"
+                )
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = kernel_copies.get(_storage(param) or -1)
+        if owner is None or name in reasons:
+            continue
+        head = f"{owner}.weight" if owner else "weight"
+        if name == head:
+            reasons[name] = (
+                f"the CPU kernel ({owner}.cpu_linear) computes from its own copy, prepacked "
+                f"after loading: a patch would not reach the logits ({_KEEP})"
+            )
+        else:
+            reasons[name] = (
+                f"tied to {head!r}, whose CPU kernel computes from its own copy, prepacked "
+                "after loading: a patch would change the embedding lookup but not the logits "
+                f"({_KEEP})"
+            )
+    return reasons
+
+
+def _patch_names(loaded_weight: object) -> str | None:
+    """The checkpoint name(s) whose staged data `loaded_weight` carries, in a patch load."""
+    session = _swap.active_interceptor()
+    if not isinstance(session, LoadSession) or not isinstance(loaded_weight, torch.Tensor):
+        return None
+    with session.internal():
+        origin = session.origin(loaded_weight)
+    return None if origin is None else ", ".join(sorted(origin.names))
+
+
+def _refusal(name: str, reason: str) -> Any:
+    def refuse(param: object, loaded_weight: object, *args: object, **kwargs: object) -> NoReturn:
+        names = _patch_names(loaded_weight)
+        what = f"the patch to {names!r}" if names else "a patch"
+        raise LoaderContractError(
+            f"{what} would write {name}: {reason}. Checkpoint-layout patches cannot be applied "
+            "to it; refused before writing to it"
+        )
+
+    return refuse
+
+
+@contextmanager
+def refusing_transformed(model: torch.nn.Module, reasons: Mapping[str, str]) -> Iterator[None]:
+    """While the block runs, loading into a transformed parameter raises `LoaderContractError`.
+
+    vLLM's loaders call ``param.weight_loader``: each transformed parameter gets one that
+    refuses, naming the parameter and the reason, before anything is written to it (an empty
+    prepacked weight would otherwise fail with an unrelated ``AttributeError`` or size
+    assertion). Parameters whose ``weight_loader`` cannot be replaced (a property) keep it;
+    ``protect=`` refuses their writes at the write. Restored on exit.
+    """
+    saved: list[tuple[Any, object]] = []
+    seen: set[int] = set()
+    params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+    try:
+        for name, reason in reasons.items():
+            param = params.get(name)
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            old = vars(param).get("weight_loader", _MISSING)
+            try:
+                param.weight_loader = _refusal(name, reason)
+            except AttributeError:  # a read-only property (vLLM's BasevLLMParameter)
+                continue
+            saved.append((param, old))
+        yield
+    finally:
+        for param, old in reversed(saved):
+            if old is _MISSING:
+                del param.weight_loader
+            else:
+                param.weight_loader = old

@@ -20,7 +20,7 @@ from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, check_patches, numel_of
 from patchctx._routes import RouteCache, named_tensors, replay
 from patchctx._session import LoadSession, PersistentIndex
-from patchctx._strategies import Auto, CopyStrategy, as_strategy
+from patchctx._strategies import Auto, CopyStrategy, as_strategy, indexable
 from patchctx._undo import UndoLog
 
 __all__ = ["load_checkpoint_weight_patches"]
@@ -70,18 +70,58 @@ def _str_mapping(value: object, what: str) -> Mapping[str, str]:
 
 
 def _resolve_aliases(items: list[CheckedPatch], aliases: Mapping[str, str]) -> list[CheckedPatch]:
-    """Load an alias under its canonical name; drop it when the canonical name is patched too."""
+    """Load an alias under its canonical name; drop it when the canonical name is patched too.
+
+    A dropped alias patch must equal one of the canonical name's patches in the call (tied
+    weights are sent twice): otherwise one of the two updates would be lost, and the call is
+    refused before any write.
+    """
     if not aliases:
         return items
-    present = {item.patch.name for item in items}
+    by_name: dict[str, list[CheckpointWeightPatch]] = {}
+    for item in items:
+        by_name.setdefault(item.patch.name, []).append(item.patch)
     resolved = []
+    problems = []
     for item in items:
         canonical = aliases.get(item.patch.name)
         if canonical is None or canonical == item.patch.name:
             resolved.append(item)
-        elif canonical not in present:
+        elif canonical not in by_name:
             resolved.append(item.renamed(canonical))
+        elif not any(_same_update(item.patch, other) for other in by_name[canonical]):
+            problems.append(
+                PatchProblem(
+                    item.position,
+                    item.patch.name,
+                    f"is an alias of {canonical!r} (tied weights), which the call also patches, "
+                    "with a different update; one of them would be lost. Send the tied tensor "
+                    "once, or send identical patches to both names",
+                )
+            )
+    if problems:
+        raise InvalidPatchError(problems)
     return resolved
+
+
+def _same_update(a: CheckpointWeightPatch, b: CheckpointWeightPatch) -> bool:
+    """Whether two patches write the same bits to the same positions."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return False
+    if (a.indices is None) != (b.indices is None):
+        return False
+    if a.indices is not None and b.indices is not None:
+        if a.indices.numel() != b.indices.numel():
+            return False
+        if not torch.equal(a.indices.long(), b.indices.to(a.indices.device).long()):
+            return False
+    values_a = indexable(a.values.to(a.dtype))
+    values_b = indexable(b.values.to(device=a.values.device, dtype=b.dtype))
+    if not values_a.dtype.is_floating_point and not values_a.dtype.is_complex:
+        return torch.equal(values_a, values_b)
+    # Compare bits, so that NaN payloads and -0.0 count as they are.
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values_a.element_size()]
+    return torch.equal(values_a.view(bits), values_b.view(bits))
 
 
 def _apply_ordering(
@@ -295,7 +335,8 @@ def load_checkpoint_weight_patches(
             failing loader call or route replay applied, and the writes the failing loader
             call made before it failed; a refused write is never made.
         aliases: Alias name -> canonical name (tied embeddings). An alias patch is loaded under
-            its canonical name, or dropped when the canonical name is patched in the same call.
+            its canonical name, or dropped when the canonical name is patched in the same call
+            with the same update (a different update is refused: one would be lost).
         protect: Qualified names of parameters or buffers that must not be written (with the
             reason), e.g. weights an engine has repacked into another layout. A write into one,
             by the loader or by a route, raises `LoaderContractError` before it happens; known

@@ -36,6 +36,7 @@ from tests.support.models import (
     assert_same_state,
     loaded,
     packed_tp_model,
+    same_bits,
     state,
 )
 from tests.support.reference import reference_after, vllm_semantics_load
@@ -305,9 +306,40 @@ def test_aliases_load_under_the_canonical_name_or_are_dropped() -> None:
 
     model.load_calls.clear()
     canonical = sparse("tr.proj.weight", model, [3], [4.0])
-    load_checkpoint_weight_patches(model, [via_alias, canonical], aliases=alias)
+    tied = canonical._replace(name="lm_head.proj.weight")  # the same update, sent twice
+    load_checkpoint_weight_patches(model, [tied, canonical], aliases=alias)
     assert model.load_calls == [["tr.proj.weight"]]
     assert float(model.layer("tr").weight.t().reshape(-1)[3]) == 4.0
+
+
+def test_an_alias_patched_differently_from_its_canonical_name_is_refused() -> None:
+    from patchctx import InvalidPatchError
+
+    model = packed_tp_model()
+    loaded(model)
+    before = state(model)
+    alias = {"lm_head.proj.weight": "tr.proj.weight"}
+    canonical = sparse("tr.proj.weight", model, [3], [4.0])
+    same = canonical._replace(name="lm_head.proj.weight")
+    load_checkpoint_weight_patches(model, [canonical, same], aliases=alias)  # tied: sent twice
+    assert model.load_calls == [["tr.proj.weight"]]
+    model.load_calls.clear()
+    different = same._replace(values=torch.tensor([5.0]))
+    with pytest.raises(InvalidPatchError, match=r"patches\[1\] 'lm_head.proj.weight': is an alias"):
+        load_checkpoint_weight_patches(model, [canonical, different], aliases=alias)
+    assert model.load_calls == []
+    after_first = state(model)
+    assert not same_bits(after_first["layers.tr.weight"], before["layers.tr.weight"])
+    negative_zero = canonical._replace(values=torch.tensor([-0.0]))
+    with pytest.raises(InvalidPatchError):  # bits differ: -0.0 is not 0.0
+        load_checkpoint_weight_patches(
+            model,
+            [
+                canonical._replace(values=torch.tensor([0.0])),
+                negative_zero._replace(name="lm_head.proj.weight"),
+            ],
+            aliases=alias,
+        )
 
 
 def test_accepts_any_object_with_the_fields_such_as_vllms_namedtuple() -> None:

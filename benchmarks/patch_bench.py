@@ -12,10 +12,16 @@ process, interleaved (the order of methods rotates from repeat to repeat):
 - ``dense-reload``: loading the full patched tensors through the loader with plain copies.
 
 For each (dtype, density): the median milliseconds of one round (a patch to each of the four
-checkpoint tensors), the ratio to the baseline, the peak extra memory of a round (measured: the
-process's peak RSS above the level before the call on CPU, with the kernel's peak mark reset
-per measurement; ``torch.cuda.max_memory_allocated`` on CUDA), and whether every method ended
-with bit-identical weights.
+checkpoint tensors), the ratio to the baseline, the peak extra memory of a round, and whether
+every method ended with bit-identical weights.
+
+Memory is measured, not computed: on CPU, the process's peak RSS above its level before the
+call, with the kernel's peak mark reset per measurement; on CUDA, ``max_memory_allocated``
+after a reset. On CPU the script runs itself twice and merges the rows: once for times, with
+the default allocator (a long-running worker reuses freed memory), and once for memory, with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that every buffer is mapped fresh and unmapped on free (the
+RSS then sees every allocation; that run's times would include page faults the first run does
+not pay).
 
 Run ``./dev bench`` (this script with its defaults, about two minutes on 2 CPU cores), or
 ``python -m benchmarks.patch_bench --help``.
@@ -32,7 +38,9 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -516,28 +524,96 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", choices=["auto", "vllm", "written"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows and settings as JSON")
+    parser.add_argument(
+        "--measure",
+        choices=["both", "time", "memory"],
+        default="both",
+        help="on CPU, time and memory come from two runs of this script (see --help of the "
+        "module): 'both' starts them and merges their rows; 'time' or 'memory' is one of them",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print no table (JSON only)")
     args = parser.parse_args(argv)
-    if args.device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        # Measure memory honestly: with a fixed mmap threshold, glibc returns every large
-        # buffer to the kernel on free, so freed memory is never reused unseen by the RSS.
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(
-            sys.executable,
-            [sys.executable, "-m", "benchmarks.patch_bench", *sys.argv[1:]]
-            if argv is None
-            else [sys.executable, "-m", "benchmarks.patch_bench", *argv],
-        )
     for name in args.dtypes:
         if name not in DTYPES:
             parser.error(f"--dtypes: unknown {name!r} (choose from {', '.join(DTYPES)})")
-    rows, meta = run(args)
-    print(table(rows, meta))
+    forwarded = sys.argv[1:] if argv is None else list(argv)
+    if args.device == "cpu" and args.measure == "both":
+        rows, meta = _time_and_memory(forwarded)
+    else:
+        if args.device == "cpu" and args.measure == "memory" and not _fixed_mmap_threshold():
+            # Every buffer of 64 KiB or more is mapped fresh and unmapped on free, so the RSS
+            # sees every allocation (freed memory is never reused unseen).
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
+            os.execv(sys.executable, [sys.executable, "-m", "benchmarks.patch_bench", *forwarded])
+        rows, meta = run(args)
+        meta["measured"] = args.measure
+    if not args.quiet:
+        print(table(rows, meta))
     if args.json:
         args.json.write_text(
             json.dumps({"settings": meta, "rows": [asdict(r) for r in rows]}, indent=2)
         )
-        print(f"\nwrote {args.json}")
+        if not args.quiet:
+            print(f"\nwrote {args.json}")
     return 0 if all(r.identical is not False for r in rows) else 1
+
+
+_MMAP_THRESHOLD = 65536
+
+
+def _fixed_mmap_threshold() -> bool:
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(_MMAP_THRESHOLD)
+
+
+def _time_and_memory(forwarded: list[str]) -> tuple[list[Row], dict[str, Any]]:
+    """Two runs, merged: times with the default allocator (a long-running process reuses
+    freed memory), peak memory with a fixed mmap threshold (every allocation visible)."""
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for measure in ("time", "memory"):
+            out = Path(folder) / f"{measure}.json"
+            env = dict(os.environ)
+            env.pop("MALLOC_MMAP_THRESHOLD_", None)
+            command = [sys.executable, "-m", "benchmarks.patch_bench", *_without_output(forwarded)]
+            command += ["--measure", measure, "--quiet", "--json", str(out)]
+            subprocess.run(command, env=env, check=True)
+            results[measure] = json.loads(out.read_text())
+    rows = []
+    for timed, sized in zip(results["time"]["rows"], results["memory"]["rows"], strict=True):
+        assert (timed["dtype"], timed["scenario"], timed["method"]) == (
+            sized["dtype"],
+            sized["scenario"],
+            sized["method"],
+        )
+        merged = dict(timed)
+        merged["peak_extra_mib"] = sized["peak_extra_mib"]
+        merged["bytes_per_changed_element"] = sized["bytes_per_changed_element"]
+        if timed["identical"] is not None:
+            merged["identical"] = bool(timed["identical"] and sized["identical"])
+        rows.append(Row(**merged))
+    meta = results["time"]["settings"]
+    meta["memory"] = (
+        "peak RSS above the pre-call level (kernel peak mark reset per call), measured in a "
+        f"second run with MALLOC_MMAP_THRESHOLD_={_MMAP_THRESHOLD}"
+    )
+    meta["measured"] = "time (default allocator) and memory (second run), merged"
+    return rows, meta
+
+
+def _without_output(arguments: list[str]) -> list[str]:
+    """The caller's arguments minus --json/--measure/--quiet (the parent owns those)."""
+    kept, skip = [], False
+    for argument in arguments:
+        if skip:
+            skip = False
+            continue
+        if argument in ("--json", "--measure"):
+            skip = True
+            continue
+        if argument == "--quiet" or argument.startswith(("--json=", "--measure=")):
+            continue
+        kept.append(argument)
+    return kept
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ __all__ = [
     "CopyInterceptor",
     "active_interceptor",
     "enter",
-    "is_dispatching_copy",
     "is_installed",
     "leave",
     "plain_copy",
@@ -119,11 +118,6 @@ def plain_copy(
 def is_installed() -> bool:
     """Whether ``torch.Tensor.copy_`` is currently our dispatching function."""
     return torch.Tensor.__dict__.get("copy_") is _dispatching_copy_
-
-
-def is_dispatching_copy(func: object) -> bool:
-    """Whether `func` is the swapped-in ``copy_`` (torch hands it to torch-function modes)."""
-    return func is _dispatching_copy_
 
 
 def active_interceptor() -> CopyInterceptor | None:

@@ -77,8 +77,3 @@ class UndoLog:
                 plain_copy(target, entry.old)
         self._entries.clear()
         self.nbytes = 0
-
-    def discard(self) -> None:
-        """Forget everything (the call succeeded)."""
-        self._entries.clear()
-        self.nbytes = 0

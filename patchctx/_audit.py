@@ -11,7 +11,7 @@ import torch
 
 from patchctx._errors import InvalidPatchTypeError, LoaderContractError
 from patchctx._routes import named_tensors
-from patchctx._session import LoadSession, PersistentIndex
+from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
 
@@ -136,7 +136,7 @@ def audit(
         raise InvalidPatchTypeError(
             f"protect= maps tensor names to the reason they are protected; you supplied {protect!r}"
         )
-    persistent = PersistentIndex(named_tensors(model), protect)
+    persistent = ModelIndex(named_tensors(model), protect)
     rows = []
     with torch.no_grad():
         for name, shape, dtype in specs:
@@ -148,7 +148,7 @@ def audit(
 
 def _audit_one(
     model: torch.nn.Module,
-    persistent: PersistentIndex,
+    persistent: ModelIndex,
     strategy: CopyStrategy,
     name: str,
     shape: tuple[int, ...],
@@ -159,22 +159,24 @@ def _audit_one(
         return AuditRow(name, "unsupported", reason)
     device = next((t.device for t in persistent.tensors.values()), torch.device("cpu"))
     nothing = torch.zeros(0, dtype=torch.long, device=device)
-    undo = UndoLog()
-    session = LoadSession(strategy, persistent, undo)
     keep_everything = torch.zeros(0, dtype=dtype, device=device)
-    staged = session.add(name, strategy.stage(shape, dtype, nothing, keep_everything), sparse=True)
-    weights = [(name, staged)]
-    del staged  # the session checks that no staged tensor outlives the loader call
+    undo = UndoLog()
     try:
-        session.run(model, weights)
+        result = run_loader(
+            model,
+            [Load(name, shape, dtype, keep_everything, nothing)],
+            index=persistent,
+            undo=undo,
+            atomic=True,
+        )
     except LoaderContractError as error:
         return AuditRow(name, "unsupported", str(error))
     except Exception as error:  # the loader itself failed on this name
         return AuditRow(name, "unsupported", f"the loader raised {type(error).__name__}: {error}")
     finally:
         undo.restore()
-    if name in session.routes({name: (shape, dtype)}):
-        if not session.segments.get(name):
+    if name in result.routes:
+        if not result.segments.get(name):
             return AuditRow(name, "replayable", "the loader writes nothing for it (on this rank)")
         return AuditRow(name, "replayable")
-    return AuditRow(name, "masked", session.unprovable.get(name, ""))
+    return AuditRow(name, "masked", result.unprovable.get(name, ""))

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from patchctx._bits import bit_view
 from patchctx._chunking import ByteBudget, ChunkingPolicy
 from patchctx._errors import (
     InvalidPatchError,
@@ -18,9 +19,9 @@ from patchctx._errors import (
 )
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, check_patches, numel_of
-from patchctx._routes import RouteCache, named_tensors, replay
-from patchctx._session import LoadSession, PersistentIndex
-from patchctx._strategies import Auto, CopyStrategy, as_strategy, indexable
+from patchctx._routes import Route, RouteCache, named_tensors, replay
+from patchctx._session import Load, ModelIndex, run_loader
+from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
 
 __all__ = ["load_checkpoint_weight_patches"]
@@ -115,13 +116,10 @@ def _same_update(a: CheckpointWeightPatch, b: CheckpointWeightPatch) -> bool:
             return False
         if not torch.equal(a.indices.long(), b.indices.to(a.indices.device).long()):
             return False
-    values_a = indexable(a.values.to(a.dtype))
-    values_b = indexable(b.values.to(device=a.values.device, dtype=b.dtype))
-    if not values_a.dtype.is_floating_point and not values_a.dtype.is_complex:
-        return torch.equal(values_a, values_b)
+    values_a = a.values.to(a.dtype)
+    values_b = b.values.to(device=a.values.device, dtype=b.dtype)
     # Compare bits, so that NaN payloads and -0.0 count as they are.
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values_a.element_size()]
-    return torch.equal(values_a.view(bits), values_b.view(bits))
+    return torch.equal(bit_view(values_a), bit_view(values_b))
 
 
 def _apply_ordering(
@@ -176,27 +174,30 @@ class _Loader:
     def __init__(
         self,
         model: torch.nn.Module,
-        strategy: CopyStrategy,
         chunking: ChunkingPolicy,
         routes: RouteCache | None,
-        undo: UndoLog | None,
+        undo: UndoLog,
         protect: Mapping[str, str],
+        *,
+        atomic: bool,
     ) -> None:
-        self.model, self.strategy, self.chunking = model, strategy, chunking
-        self.routes, self.undo, self.protect = routes, undo, protect
+        self.model, self.chunking = model, chunking
+        self.routes, self.undo, self.protect, self.atomic = routes, undo, protect, atomic
         self.tensors = named_tensors(model) if routes is not None or protect else {}
-        self._persistent: PersistentIndex | None = None  # built at the first loader call
+        self._index: ModelIndex | None = None  # built at the first loader call
         self.names: set[str] = set()
         self.chunk: list[CheckedPatch] = []
         self.chunk_names: set[str] = set()
         self.chunk_nbytes = 0
+        # Routes being verified in the current chunk: name -> the route to compare with.
+        self.verifying: dict[str, Route] = {}
 
     @property
-    def persistent(self) -> PersistentIndex:
-        if self._persistent is None:
+    def index(self) -> ModelIndex:
+        if self._index is None:
             tensors = self.tensors or named_tensors(self.model)
-            self._persistent = PersistentIndex(tensors, self.protect)
-        return self._persistent
+            self._index = ModelIndex(tensors, self.protect)
+        return self._index
 
     def refuse_protected_routes(self, items: list[CheckedPatch]) -> None:
         """Before any write: every known route that would reach a protected tensor."""
@@ -210,7 +211,7 @@ class _Loader:
                 item.patch.name, item.patch.shape, item.patch.dtype, self.tensors
             )
             for segment in route.segments if route is not None else ():
-                reason = self.persistent.protection(self.tensors[segment.tensor_name])
+                reason = self.index.protection(self.tensors[segment.tensor_name])
                 if reason is not None:
                     refused.append(f"{item.patch.name!r} -> {reason}")
                     break
@@ -226,22 +227,11 @@ class _Loader:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
             route = self.routes._usable(name, item.patch.shape, item.patch.dtype, self.tensors)
-            if route is not None:
+            if route is not None and self.routes._due_for_verification(name):
+                self.verifying[name] = route  # through the loader this time, then compared
+            elif route is not None:
                 self.flush()
-                for segment in route.segments:
-                    self.persistent.refuse_protected(
-                        self.tensors[segment.tensor_name], f"the patch to {name!r}"
-                    )
-                assert item.patch.indices is not None
-                replay(
-                    route,
-                    item.patch.indices,
-                    item.patch.values,
-                    self.tensors,
-                    sorted_unique=item.sorted_unique,
-                    undo=self.undo,
-                )
-                self.routes.stats.replayed += 1
+                self._replay(route, item)
                 return
         size = item.staged_nbytes
         if self.chunk and (
@@ -254,36 +244,57 @@ class _Loader:
         self.chunk_names.add(name)
         self.chunk_nbytes += size
 
+    def _replay(self, route: Route, item: CheckedPatch) -> None:
+        assert self.routes is not None and item.patch.indices is not None
+        for segment in route.segments:
+            self.index.refuse_protected(
+                self.tensors[segment.tensor_name], f"the patch to {item.patch.name!r}"
+            )
+        replay(
+            route,
+            item.patch.indices,
+            item.patch.values,
+            self.tensors,
+            sorted_unique=item.sorted_unique,
+            undo=self.undo if self.atomic else None,
+        )
+        self.names |= route.reported
+        self.routes.stats.replayed += 1
+
     def flush(self) -> None:
-        """Stage the gathered chunk, load it in one session, keep the routes it proves."""
+        """Load the gathered chunk in one loader call; keep the routes it proves."""
         if not self.chunk:
             return
         chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
-        session = LoadSession(self.strategy, self.persistent, self.undo)
-        # No other reference to a staged tensor may outlive the list: after the loader returns,
-        # a staged tensor still alive was kept by the loader (the session checks).
-        weights = [
-            (
+        loads = [
+            Load(
                 item.patch.name,
-                session.add(item.patch.name, _stage(item, self.strategy), sparse=item.sparse),
+                tuple(item.patch.shape),
+                item.patch.dtype,
+                item.patch.values,
+                item.patch.indices,
             )
             for item in chunk
         ]
+        del chunk[:]  # only the loader holds the staged tensors from here on
         if self.routes is not None:
             self.routes.stats.loader_calls += 1
-        self.names |= session.run(self.model, weights)
-        if self.routes is not None:
-            self.routes.stats.loaded += len(chunk)
-            shapes = {i.patch.name: (i.patch.shape, i.patch.dtype) for i in chunk if i.sparse}
-            for route in session.routes(shapes).values():
-                self.routes._store(route)
-
-
-def _stage(item: CheckedPatch, strategy: CopyStrategy) -> torch.Tensor:
-    patch = item.patch
-    if patch.indices is None:
-        return patch.values.to(dtype=patch.dtype).view(patch.shape)
-    return strategy.stage(patch.shape, patch.dtype, patch.indices, patch.values)
+        result = run_loader(self.model, loads, index=self.index, undo=self.undo, atomic=self.atomic)
+        if not self.atomic:
+            self.undo.forget()  # this call stands; its old values are not needed any more
+        self.names |= result.names
+        if self.routes is None:
+            return
+        self.routes.stats.loaded += len(loads)
+        for load in loads:
+            old = self.verifying.pop(load.name, None)
+            new = result.routes.get(load.name)
+            if old is not None:
+                self.routes._verified(load.name, old, new)
+            if new is not None:
+                self.routes._store(new)
+            elif load.indices is not None:
+                self.routes.invalidate(load.name)
 
 
 @torch.no_grad()
@@ -390,15 +401,20 @@ def load_checkpoint_weight_patches(
     items = _apply_ordering(chosen_ordering, items, chosen_strategy, validate_unique_indices)
     if routes is not None:
         routes._bind(model)
-    undo = UndoLog() if atomic else None
-    loader = _Loader(model, chosen_strategy, chosen_chunking, routes, undo, protected)
+    undo = UndoLog()
+    loader = _Loader(model, chosen_chunking, routes, undo, protected, atomic=atomic)
     loader.refuse_protected_routes(items)
+    done = False
     try:
         for item in items:
             loader.add(item)
         loader.flush()
+        done = True
     except BaseException:
-        if undo is not None:
+        if atomic:
             undo.restore()
         raise
+    finally:
+        if not done and atomic:
+            undo.restore()  # a second attempt, for an exception that cut the first short
     return loader.names

@@ -12,6 +12,7 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from patchctx import _swap
+from patchctx._staged import StagedTensor
 from patchctx._strategies import CopyStrategy, NaNMask, as_strategy
 
 __all__ = ["MaskedCopy", "masked_copy"]
@@ -31,6 +32,10 @@ class _StrategyInterceptor:
     def copy_(
         self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
     ) -> torch.Tensor:
+        if isinstance(source, StagedTensor):
+            # Data staged by patchctx carries its own mask, whatever this region's strategy:
+            # its copy_ is the masked merge already.
+            return _swap.plain_copy(destination, source, non_blocking)
         return self.strategy.merge(destination, source, non_blocking=non_blocking)
 
 
@@ -88,11 +93,40 @@ class MaskedCopy:
         return f"masked_copy(strategy={self._strategy!r}{timeout})"
 
     def __enter__(self) -> Self:
-        _swap.enter(self, _StrategyInterceptor(self._strategy), timeout=self._timeout)
-        return self
+        region = _swap.Region(self, _StrategyInterceptor(self._strategy))
+        try:
+            _swap.enter(region, timeout=self._timeout)  # closes the region if it fails
+            return self
+        except BaseException:  # an asynchronous exception right after entering
+            _swap.leave(region)
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
-        _swap.leave(self)
+        region = _swap.innermost(self)
+        try:
+            _swap.leave(region)
+        finally:
+            _swap.leave(region)  # idempotent: a second attempt, for one cut short
+
+    def _run(self, body: Callable[[], R]) -> R:
+        """`body()` in a region of its own, closed on every exit, even an asynchronous one.
+
+        The decorators use it instead of ``with self:``: an exception raised between a
+        ``with`` body's last line and ``__exit__`` would skip the exit. Here the close is
+        attempted twice on every path, at different lines, and is idempotent.
+        """
+        region = _swap.Region(self, _StrategyInterceptor(self._strategy))
+        try:
+            _swap.enter(region, timeout=self._timeout)
+            try:
+                result = body()
+            except BaseException:
+                _swap.leave(region)
+                raise
+            _swap.leave(region)
+            return result
+        finally:
+            _swap.leave(region)
 
     def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
         """Decorate `func` so that each call (each resume, for a generator) runs in the region."""
@@ -115,8 +149,7 @@ class MaskedCopy:
 
         @functools.wraps(func)
         def call_in_region(*args: P.args, **kwargs: P.kwargs) -> R:
-            with self:
-                return func(*args, **kwargs)
+            return self._run(lambda: func(*args, **kwargs))
 
         return call_in_region
 
@@ -127,21 +160,17 @@ class MaskedCopy:
         def resume_in_region(*args: P.args, **kwargs: P.kwargs) -> Generator[Any, Any, Any]:
             generator = func(*args, **kwargs)  # runs no code until the first send
             try:
-                with self:
-                    item = generator.send(None)
+                item = self._run(functools.partial(generator.send, None))
                 while True:
                     try:
                         sent = yield item
                     except GeneratorExit:
-                        with self:
-                            generator.close()
+                        self._run(generator.close)
                         raise
                     except BaseException as error:
-                        with self:
-                            item = generator.throw(error)
+                        item = self._run(functools.partial(generator.throw, error))
                     else:
-                        with self:
-                            item = generator.send(sent)
+                        item = self._run(functools.partial(generator.send, sent))
             except StopIteration as stop:
                 return stop.value
 

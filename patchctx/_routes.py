@@ -17,10 +17,12 @@ import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from patchctx._strategies import indexable
+from patchctx._bits import indexable
+from patchctx._errors import InvalidPatchError
 from patchctx._undo import UndoLog, storage_flat
 
 __all__ = ["Geometry", "Route", "RouteCache", "Segment", "named_tensors"]
@@ -162,12 +164,17 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """How one checkpoint name reaches the model: its segments in the order they were copied."""
+    """How one checkpoint name reaches the model: its segments in the order they were copied.
+
+    `reported` holds the names the loader returned for it when the route was recorded, so a
+    replay reports what the loader path would.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     segments: tuple[Segment, ...]
+    reported: frozenset[str] = frozenset()
 
 
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -196,6 +203,19 @@ class RouteCache:
     through the loader again (recording a new route). A cache belongs to one model: used with
     another model it starts over.
 
+    A route is a record of what the loader *did*, so it holds as long as the loader would do
+    the same again. Call `clear` (or `invalidate` for one name) whenever that may have changed
+    without the tensors changing: the loader's code or configuration, a rank, tensor-parallel
+    or expert placement attribute it reads, or weights an engine repacked in place. To check
+    rather than trust, pass ``verify_every=k``: every k-th patch to a name then goes through
+    the loader instead of the route, and the route it records is compared with the cached one
+    (``stats.verified``, ``stats.mismatched``; a mismatch replaces the route). `verify` checks
+    every route at once without changing any weight.
+
+    Args:
+        verify_every: Send every k-th sparse patch of each name through the loader and
+            compare routes; `None` (the default) trusts recorded routes.
+
     Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
@@ -219,11 +239,80 @@ class RouteCache:
         (1, [1.0, 2.0])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, verify_every: int | None = None) -> None:
+        if verify_every is not None and (
+            isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 1
+        ):
+            raise InvalidPatchError(
+                f"RouteCache(verify_every=...) takes a positive int or None; you supplied "
+                f"{verify_every!r}"
+            )
         self._routes: dict[str, Route] = {}
-        self._model: weakref.ref[torch.nn.Module] | None = None
+        self._model: weakref.ref[Any] | None = None
         self._lock = threading.Lock()
+        self._verify_every = verify_every
+        self._uses: dict[str, int] = {}
+        self._verify_all = False
+        self._mismatches: list[str] = []
         self.stats = RouteStats()
+
+    @property
+    def verify_every(self) -> int | None:
+        """Every how many patches to a name its route is checked against the loader."""
+        return self._verify_every
+
+    def verify(self, model: Any) -> list[str]:
+        """Check every route against the loader now; return the names whose route changed.
+
+        Each name goes through the model's ``load_weights`` with a patch that changes
+        nothing (weights stay bit-identical), and the route it records replaces the cached
+        one: a changed route is corrected, a route that is no longer provable is dropped.
+
+        Args:
+            model: The model this cache belongs to.
+
+        Returns:
+            The names whose recorded route differed from the cached one (sorted).
+
+        Examples:
+            >>> import torch
+            >>> from patchctx import CheckpointWeightPatch, RouteCache
+            >>> from patchctx import load_checkpoint_weight_patches
+            >>> class Model(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            ...         self.rank = 0
+            ...     def load_weights(self, weights):
+            ...         for _, tensor in weights:  # this rank's half of the checkpoint
+            ...             self.w.copy_(tensor.view(2, 4)[self.rank])
+            ...         return {"w"}
+            >>> model, routes = Model(), RouteCache()
+            >>> patch = CheckpointWeightPatch("w", (8,), torch.float32, torch.tensor([1.0]),
+            ...                               torch.tensor([5]))
+            >>> _ = load_checkpoint_weight_patches(model, [patch], routes=routes)
+            >>> routes.verify(model)
+            []
+            >>> model.rank = 1  # the mapping changed: the recorded route is stale
+            >>> routes.verify(model)
+            ['w']
+        """
+        from patchctx._load import load_checkpoint_weight_patches
+        from patchctx._patch import CheckpointWeightPatch
+
+        with self._lock:
+            routes = list(self._routes.values())
+        nothing = torch.zeros(0, dtype=torch.long)
+        patches = [
+            CheckpointWeightPatch(r.name, r.shape, r.dtype, torch.zeros(0, dtype=r.dtype), nothing)
+            for r in routes
+        ]
+        self._verify_all, self._mismatches = True, []
+        try:
+            load_checkpoint_weight_patches(model, patches, routes=self, atomic=True)
+        finally:
+            self._verify_all = False
+        return sorted(self._mismatches)
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -264,6 +353,23 @@ class RouteCache:
         with self._lock:
             self._routes[route.name] = route
         self.stats.recorded += 1
+
+    def _due_for_verification(self, name: str) -> bool:
+        """Whether this patch to `name` goes through the loader to check its route."""
+        if self._verify_all:
+            return True
+        if self._verify_every is None:
+            return False
+        uses = self._uses.get(name, 0) + 1
+        self._uses[name] = uses
+        return uses % self._verify_every == 0
+
+    def _verified(self, name: str, old: Route, new: Route | None) -> None:
+        """Compare a route the loader just recorded with the cached one."""
+        self.stats.verified += 1
+        if new is None or new.segments != old.segments:
+            self.stats.mismatched += 1
+            self._mismatches.append(name)
 
     def _usable(
         self,
@@ -306,11 +412,14 @@ class RouteStats:
         loaded: Patches that went through the loader (dense, first-time or unprovable sparse).
         invalidated: Routes dropped because a destination was rebound or the tensor changed.
         loader_calls: Calls of the model's ``load_weights`` (one per chunk of loaded patches).
+        verified: Routes checked against the loader (``verify_every``, `RouteCache.verify`).
+        mismatched: Checked routes the loader no longer follows (replaced or dropped).
 
     Examples:
         >>> from patchctx import RouteCache
         >>> RouteCache().stats
-        RouteStats(recorded=0, replayed=0, loaded=0, invalidated=0, loader_calls=0)
+        RouteStats(recorded=0, replayed=0, loaded=0, invalidated=0, loader_calls=0, \
+verified=0, mismatched=0)
     """
 
     recorded: int = 0
@@ -318,6 +427,8 @@ class RouteStats:
     loaded: int = 0
     invalidated: int = 0
     loader_calls: int = 0
+    verified: int = 0
+    mismatched: int = 0
 
 
 # Replay writes in blocks of this many positions through one reused int64 buffer: memory stays

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from patchctx import _swap
+from patchctx._bits import indexable, scatter_flat
 from patchctx._errors import InvalidPatchError, LoaderContractError
+from patchctx._staged import StagedTensor, stage
 
 __all__ = [
     "Auto",
@@ -24,6 +26,8 @@ __all__ = [
     "CopyStrategy",
     "IntSentinel",
     "NaNMask",
+    "indexable",
+    "scatter_flat",
 ]
 
 
@@ -119,34 +123,13 @@ def _flat_indices(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
     return indices.to(device=device, dtype=torch.long)
 
 
-_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-_SIGNED_VIEWS = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
-
-
-def indexable(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, or an integer view of the same bits where torch lacks indexing kernels.
-
-    The float8 dtypes (on some devices) and the unsigned 16/32/64-bit integers (on CPU) have no
-    ``index_copy_``/``index_select``/``cat`` kernels; moving their bits through a signed or
-    ``uint8`` view of the same width is exact. View the result back with ``.view(dtype)``.
-    """
-    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
-        return tensor.view(torch.uint8)
-    signed = _SIGNED_VIEWS.get(tensor.dtype)
-    return tensor if signed is None else tensor.view(signed)
-
-
-def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[indices] = values`` (1-D, values already in ``flat.dtype``), for every dtype.
-
-    Uses ``index_copy_`` (fast on CPU for bf16, unlike ``scatter_``); dtypes without an
-    ``index_copy_`` kernel (the float8 family on CPU) are written through an integer view of
-    the same width, which moves the same bits.
-    """
-    positions = _flat_indices(indices, flat.device)
-    indexable(flat).index_copy_(0, positions, indexable(values.to(device=flat.device)))
+def _merge_staged(
+    destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
+) -> torch.Tensor | None:
+    """Data staged by patchctx carries its own mask: its ``copy_`` is the masked merge."""
+    if isinstance(source, StagedTensor):
+        return _swap.plain_copy(destination, source, non_blocking)
+    return None
 
 
 def _check_stage_structure(
@@ -185,12 +168,9 @@ def _stage_filled(
     values: torch.Tensor,
     fill: float,
 ) -> torch.Tensor:
-    """A fresh checkpoint-shaped tensor holding `fill` everywhere but at `indices`."""
-    numel = _check_stage_structure(strategy, shape, dtype, indices, values)
-    flat = torch.full((numel,), fill, dtype=dtype, device=values.device)
-    if values.numel():
-        scatter_flat(flat, indices, values.to(dtype=dtype))
-    return flat.view(tuple(shape))
+    """A staged tensor holding `values` at `indices` and "keep" (values `fill`) elsewhere."""
+    _check_stage_structure(strategy, shape, dtype, indices, values)
+    return stage(shape, dtype, indices, values, fill=fill)
 
 
 @functools.cache
@@ -301,6 +281,9 @@ class NaNMask:
         *,
         non_blocking: bool = False,
     ) -> torch.Tensor:
+        staged = _merge_staged(destination, source, non_blocking)
+        if staged is not None:
+            return staged
         _require_same_shape(self, destination, source)
         if not (source.is_floating_point() and destination.is_floating_point()):
             raise LoaderContractError(
@@ -314,7 +297,9 @@ class NaNMask:
         return torch.where(keep, destination, source, out=destination)
 
     def update_mask(self, source: torch.Tensor) -> torch.Tensor:
-        """Where `source` carries an update (not NaN); used to save O(nnz) undo data."""
+        """Where `source` carries an update (not NaN; staged data: its own mask)."""
+        if isinstance(source, StagedTensor):
+            return source._update
         return ~torch.isnan(source)
 
 
@@ -408,6 +393,9 @@ class IntSentinel:
         *,
         non_blocking: bool = False,
     ) -> torch.Tensor:
+        staged = _merge_staged(destination, source, non_blocking)
+        if staged is not None:
+            return staged
         _require_same_shape(self, destination, source)
         if source.dtype != destination.dtype or self.unsupported_reason(source.dtype) is not None:
             raise LoaderContractError(
@@ -420,33 +408,21 @@ class IntSentinel:
         return torch.where(keep, destination, source, out=destination)
 
     def update_mask(self, source: torch.Tensor) -> torch.Tensor:
-        """Where `source` carries an update (not the sentinel)."""
+        """Where `source` carries an update (not the sentinel; staged data: its own mask)."""
+        if isinstance(source, StagedTensor):
+            return source._update
         return source != self.sentinel(source.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class _StagedMask:
-    dtype: torch.dtype
-    numel: int
-    mask: torch.Tensor  # flat bool, True where the staged tensor carries an update
-
-
-# Masks of tensors staged by BoolMask, by the data pointer of their storage. An entry lives as
-# long as the staged tensor that `stage` returned (a weakref finalizer removes it).
-_BOOL_MASKS: dict[int, _StagedMask] = {}
 
 
 @dataclass(frozen=True, slots=True)
 class BoolMask:
     """An explicit boolean mask marks the updated positions: any dtype, NaN allowed as a value.
 
-    `stage` returns a tensor whose unchanged positions hold zeros and remembers, beside it, a
-    boolean mask of the changed ones. `merge` finds that mask again from the source's storage
-    and applies the same view (offset and strides) to it, so the loader may narrow, select,
-    transpose or reshape the staged tensor as views. A loader that *materialises* a copy of it
-    (``.contiguous()`` on a transposed view, a dtype conversion before ``copy_``, ``torch.cat``)
-    leaves the mask behind, and the merge is refused with `LoaderContractError`. Keep the
-    staged tensor alive until the load has finished (the list passed to ``load_weights`` does).
+    `stage` returns a staged tensor that carries, beside its values, the mask of the positions
+    the patch changes, through every view, copy, cast or reinterpretation the loader makes of
+    it (see the Concepts page). Its ``copy_`` into a weight keeps the weight wherever the mask
+    says "keep", in any thread and inside any region; no value is reserved. A plain tensor
+    carries no mask, so `merge` refuses one.
 
     Examples:
         >>> import torch
@@ -477,18 +453,7 @@ class BoolMask:
         indices: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor:
-        numel = _check_stage_structure(self, shape, dtype, indices, values)
-        flat = torch.zeros((numel,), dtype=dtype, device=values.device)
-        mask = torch.zeros((numel,), dtype=torch.bool, device=values.device)
-        if values.numel():
-            scatter_flat(flat, indices, values.to(dtype=dtype))
-            mask.index_fill_(0, _flat_indices(indices, flat.device), True)
-        staged = flat.view(tuple(shape))
-        if numel:
-            key = flat.untyped_storage().data_ptr()
-            _BOOL_MASKS[key] = _StagedMask(dtype, numel, mask)
-            weakref.finalize(staged, _forget_mask, key, mask)
-        return staged
+        return _stage_filled(self, shape, dtype, indices, values, 0)
 
     def merge(
         self,
@@ -497,44 +462,24 @@ class BoolMask:
         *,
         non_blocking: bool = False,
     ) -> torch.Tensor:
-        _require_same_shape(self, destination, source)
-        if source.numel() == 0:
-            return destination
-        update = _move(self.update_mask(source), destination, non_blocking)
-        source = _move(source, destination, non_blocking)
-        if source.dtype != destination.dtype:
-            source = source.to(dtype=destination.dtype)
-        return torch.where(update, source, destination, out=destination)
+        staged = _merge_staged(destination, source, non_blocking)
+        if staged is not None:
+            return staged
+        self.update_mask(source)  # raises: a plain tensor has no mask
+        raise AssertionError  # pragma: no cover
 
     def update_mask(self, source: torch.Tensor) -> torch.Tensor:
-        """Where `source` (a view of a tensor staged by `stage`) carries an update."""
-        entry = _BOOL_MASKS.get(source.untyped_storage().data_ptr())
-        if entry is None or entry.dtype != source.dtype:
-            raise LoaderContractError(
-                f"{self!r}: the source of this copy_ ({_describe(source)}) is not a view of a "
-                "tensor staged by BoolMask.stage, so its mask is unknown. The loader copied or "
-                "converted the staged tensor (.contiguous(), .to(dtype), torch.cat, ...) before "
-                "its final copy_; BoolMask follows views only. Use NaNMask() for floating "
-                "weights, or make the loader copy a view of the tensor it was given."
-            )
-        last = source.storage_offset() + sum(
-            (size - 1) * stride for size, stride in zip(source.shape, source.stride(), strict=True)
+        """Where `source` (a tensor staged by `stage`, or a view of one) carries an update."""
+        if isinstance(source, StagedTensor):
+            return source._update
+        raise LoaderContractError(
+            f"{self!r}: the source of this copy_ ({_describe(source)}) was not staged by "
+            "patchctx, so it carries no mask; stage it with BoolMask().stage(...)"
         )
-        if source.storage_offset() < 0 or last >= entry.numel:
-            raise LoaderContractError(
-                f"{self!r}: the source of this copy_ reaches outside the staged tensor it views"
-            )
-        return entry.mask.as_strided(source.shape, source.stride(), source.storage_offset())
 
 
 _NAN_MASK = NaNMask()
 _INT_SENTINEL = IntSentinel()
-
-
-def _forget_mask(key: int, mask: torch.Tensor) -> None:
-    entry = _BOOL_MASKS.get(key)
-    if entry is not None and entry.mask is mask:
-        del _BOOL_MASKS[key]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,16 +1,23 @@
 """The swap: the only code in patchctx that touches ``torch.Tensor.copy_``.
 
-While at least one masked region is active anywhere in the process, ``torch.Tensor.copy_`` is
-replaced by `_dispatching_copy_`. That function looks at the *current thread's* stack of
-interceptors (a `ContextVar`): the innermost one handles the copy; with none, the copy goes to
-whatever ``copy_`` was there before the swap, with its signature and return value untouched.
-Other threads, and code in this thread outside a region, therefore see plain ``copy_``.
+While at least one `masked_copy` region is open anywhere in the process, ``torch.Tensor.copy_``
+is replaced by `_dispatching_copy_`. That function looks at the regions of the *current
+context* (a `ContextVar` stack) and uses the innermost one that was opened **by the current
+thread** and is still open; with none, the copy goes to whatever ``copy_`` was there before the
+swap. Other threads, contexts copied into other threads (``asyncio.to_thread``,
+``contextvars.copy_context``) and code outside a region therefore see plain ``copy_``.
 
-Regions are serialized by one process-global `threading.RLock` (reentrant, so regions nest in one
-thread). A depth count installs the replacement on the first entry and restores the exact object
-that was there before on the last exit, also when the region's body raises. If something else
-replaced ``copy_`` while a region was active, the last exit warns and leaves that replacement in
-place instead of clobbering it.
+Regions are serialized by one process-wide lock that one thread holds at a time and may enter
+again (regions nest). The lock's whole state is the list `_held` of open regions: who holds it,
+whether the swap must be installed, and whether a waiting thread may enter are all derived from
+that list, and every change of it is followed by `_settle`, which makes the swap match it.
+Every transition is idempotent and run twice on exit paths (``try: step() finally: step()``),
+so an exception raised asynchronously at any line (``KeyboardInterrupt`` from a signal) leaves
+the lock, the swap and the stack consistent. A region left from another thread than the one
+that opened it is closed there, and the lock freed, instead of staying held forever.
+
+If something else replaced ``copy_`` while a region was open, the last exit warns and leaves that
+replacement in place instead of clobbering it.
 """
 
 from __future__ import annotations
@@ -20,24 +27,33 @@ import types
 import warnings
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Final, Protocol
+from dataclasses import dataclass, field
+from typing import Final, Protocol, TypeVar
 
 import torch
 
 __all__ = [
     "CopyInterceptor",
+    "Region",
     "active_interceptor",
+    "bypass",
+    "end_bypass",
     "enter",
+    "holder",
+    "is_bypassed",
     "is_installed",
     "leave",
     "plain_copy",
+    "resume",
+    "suspend",
 ]
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+_T = TypeVar("_T")
 
 
 class CopyInterceptor(Protocol):
-    """What a region puts on the thread's stack: it performs every ``copy_`` of the region."""
+    """What a region performs every ``copy_`` of its thread with."""
 
     def copy_(
         self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
@@ -47,7 +63,7 @@ class CopyInterceptor(Protocol):
 
 
 def _find_builtin_copy() -> CopyFn:
-    # The C implementation, wherever it sits in the MRO (``torch._C.TensorBase`` today). Used only
+    # The C implementation, wherever it sits in the MRO (``torch._C.TensorBase`` today). Used
     # to break recursion when a foreign wrapper of copy_ calls back into ours.
     for klass in torch.Tensor.__mro__:
         candidate = klass.__dict__.get("copy_")
@@ -58,27 +74,51 @@ def _find_builtin_copy() -> CopyFn:
 
 _BUILTIN_COPY: Final[CopyFn] = _find_builtin_copy()
 _ABSENT: Final = object()
-_LOCK: Final = threading.RLock()
 
 
-class _SwapState:
-    """Process-global state; read and written only while holding `_LOCK`."""
+@dataclass(eq=False)
+class Region:
+    """One open masked region: who opened it, in which thread, and what performs its copies."""
 
-    depth: int = 0
-    # What ``torch.Tensor.__dict__["copy_"]`` held before our install (`_ABSENT` if nothing:
-    # then copy_ was inherited and we delete our entry on restore).
-    saved_entry: object = _ABSENT
-    # The resolved ``torch.Tensor.copy_`` before our install: what plain copies call.
-    previous: CopyFn = _BUILTIN_COPY
+    owner: object
+    interceptor: CopyInterceptor
+    thread: int = field(default_factory=threading.get_ident)
+    open: bool = True
 
 
-_state = _SwapState()
-_stack: ContextVar[tuple[tuple[object, CopyInterceptor], ...]] = ContextVar(
-    "patchctx_interceptors", default=()
-)
+class _Swap:
+    """What the installation replaced; written only under `_cond`."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        # What ``torch.Tensor.__dict__["copy_"]`` held before our install (`_ABSENT`: nothing,
+        # so copy_ was inherited and our entry is deleted on restore).
+        self.saved_entry: object = _ABSENT
+        # The resolved ``torch.Tensor.copy_`` before our install: what plain copies call.
+        self.previous: CopyFn = _BUILTIN_COPY
+
+
+_swap = _Swap()
+# One lock guards `_held` and the swap. It is taken and released only through `_locked`, never
+# by a ``with`` statement: an exception raised between a ``with`` body's last line and its
+# ``__exit__`` (a signal arriving there) would leave it held.
+_lock: Final = threading.RLock()
+_cond: Final = threading.Condition(_lock)
+_held: list[Region] = []  # the open regions, all of one thread, outermost first
+_stack: ContextVar[tuple[Region, ...]] = ContextVar("patchctx_regions", default=())
 # Per-thread reentrancy mark: set while this thread is inside `_dispatching_copy_`. A copy_ made
 # from inside an interceptor (or from a foreign wrapper that calls back into ours) is plain.
 _reentry = threading.local()
+
+
+def _current(stack: tuple[Region, ...]) -> Region | None:
+    if not stack:
+        return None
+    me = threading.get_ident()
+    for region in reversed(stack):
+        if region.open and region.thread == me:
+            return region
+    return None
 
 
 def _dispatching_copy_(
@@ -86,14 +126,17 @@ def _dispatching_copy_(
 ) -> torch.Tensor:
     if getattr(_reentry, "inside", False):
         return _BUILTIN_COPY(self, src, non_blocking)
-    stack = _stack.get()
-    _reentry.inside = True
+    region = _current(_stack.get())
     try:
-        if stack:
-            return stack[-1][1].copy_(self, src, non_blocking)
-        return _state.previous(self, src, non_blocking)
-    finally:
+        _reentry.inside = True
+        if region is not None:
+            result = region.interceptor.copy_(self, src, non_blocking)
+        else:
+            result = _swap.previous(self, src, non_blocking)
         _reentry.inside = False
+        return result
+    finally:
+        _reentry.inside = False  # a second reset, for an exception that cut the first
 
 
 _dispatching_copy_.__name__ = "copy_"
@@ -104,15 +147,34 @@ _dispatching_copy_.__doc__ = _BUILTIN_COPY.__doc__
 def plain_copy(
     destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = False
 ) -> torch.Tensor:
-    """Copy without interception, whatever region is active (for interceptors' own writes)."""
-    if _state.depth == 0:
-        return torch.Tensor.copy_(destination, source, non_blocking)
-    was_inside = getattr(_reentry, "inside", False)
-    _reentry.inside = True  # a foreign wrapper that calls back into ours gets the built-in
+    """Copy without interception, whatever region is open (for interceptors' own writes)."""
+    was_inside = is_bypassed()
     try:
-        return _state.previous(destination, source, non_blocking)
+        bypass()
+        result = _swap.previous(destination, source, non_blocking)
+        end_bypass(was_inside)
+        return result
     finally:
-        _reentry.inside = was_inside
+        end_bypass(was_inside)  # a second reset, for an exception that cut the first
+
+
+def is_bypassed() -> bool:
+    """Whether this thread's ``copy_`` calls go to the built-in one (see `bypass`)."""
+    return bool(getattr(_reentry, "inside", False))
+
+
+def bypass() -> None:
+    """From now on every ``copy_`` of this thread is the built-in one (our own writes).
+
+    Read `is_bypassed` before; call this first thing inside a ``try``; call `end_bypass`
+    with what was read both at the end of the ``try`` and in its ``finally``.
+    """
+    _reentry.inside = True
+
+
+def end_bypass(was_inside: bool) -> None:
+    """Undo `bypass` (idempotent)."""
+    _reentry.inside = was_inside
 
 
 def is_installed() -> bool:
@@ -120,83 +182,160 @@ def is_installed() -> bool:
     return torch.Tensor.__dict__.get("copy_") is _dispatching_copy_
 
 
-def active_interceptor() -> CopyInterceptor | None:
-    """The current thread's innermost interceptor, or `None` outside every region."""
-    stack = _stack.get()
-    return stack[-1][1] if stack else None
+def _release_all() -> None:
+    """Release every level of `_lock` this thread holds (none: nothing happens)."""
+    while _lock._is_owned():  # type: ignore[attr-defined]
+        _lock.release()
 
 
-def _install() -> None:
-    _state.saved_entry = torch.Tensor.__dict__.get("copy_", _ABSENT)
-    _state.previous = torch.Tensor.copy_
-    setattr(torch.Tensor, "copy_", _dispatching_copy_)  # noqa: B010 - the swap itself
+def _locked(body: Callable[[], _T], *, wait: bool = False, timeout: float | None = None) -> _T:
+    """Run `body` holding `_lock`; release it on every exit, even an asynchronous one.
 
-
-def _uninstall() -> None:
-    current = torch.Tensor.__dict__.get("copy_", _ABSENT)
-    if current is not _dispatching_copy_:
-        warnings.warn(
-            "patchctx: torch.Tensor.copy_ was replaced by other code while a masked region was "
-            f"active (it is now {current!r}); leaving that replacement in place instead of "
-            "restoring the original. Restore torch.Tensor.copy_ yourself once that code is done.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    elif _state.saved_entry is _ABSENT:
-        delattr(torch.Tensor, "copy_")
-    else:
-        setattr(torch.Tensor, "copy_", _state.saved_entry)  # noqa: B010 - the exact restore
-
-
-def enter(owner: object, interceptor: CopyInterceptor, *, timeout: float | None = None) -> None:
-    """Start a region in this thread: take the global lock, install the swap, push `interceptor`.
-
-    Args:
-        owner: The object that will call `leave` (checked there, so regions exit in order).
-        interceptor: What performs every ``copy_`` of this thread until the region ends.
-        timeout: Seconds to wait for the global lock; `None` waits forever.
-
-    Raises:
-        TimeoutError: The lock was not free within `timeout`; nothing changed.
+    With `wait`, first wait until no other thread has a region open; `timeout` bounds that
+    wait (`TimeoutError`).
     """
-    acquired = _LOCK.acquire() if timeout is None else _LOCK.acquire(timeout=timeout)
-    if not acquired:
-        raise TimeoutError(
-            f"patchctx: another thread held the masked-copy lock for more than {timeout!r} s; "
-            "nothing was changed"
-        )
-    installed_here = False
     try:
-        if _state.depth == 0:
-            _install()
-            installed_here = True
-        _stack.set((*_stack.get(), (owner, interceptor)))
-        _state.depth += 1
+        _lock.acquire()
+        if wait:
+            me = threading.get_ident()
+            if not _cond.wait_for(lambda: not _held or _held[0].thread == me, timeout):
+                raise TimeoutError(
+                    f"patchctx: another thread held the masked-copy lock for more than "
+                    f"{timeout!r} s; nothing was changed"
+                )
+        result = body()
+        _release_all()
+        return result
     except BaseException:
-        if installed_here:
-            _uninstall()
-        _LOCK.release()
+        _release_all()
         raise
+    finally:
+        _release_all()  # a second release, for an exception that cut the first
 
 
-def leave(owner: object) -> None:
-    """End this thread's innermost region, which `owner` must have started.
+def holder() -> int | None:
+    """The thread that holds the region lock, or `None` when it is free."""
+    held = list(_held)
+    return held[0].thread if held else None
+
+
+def active_interceptor() -> CopyInterceptor | None:
+    """The current thread's innermost open interceptor, or `None` outside every region."""
+    region = _current(_stack.get())
+    return None if region is None else region.interceptor
+
+
+def _settle() -> None:
+    """Make the swap match `_held` (under `_cond`): installed iff a region is open.
+
+    Reads what ``torch.Tensor`` holds rather than trusting a flag alone, so a settle cut short
+    by an asynchronous exception is completed by the next one.
+    """
+    current = torch.Tensor.__dict__.get("copy_", _ABSENT)
+    ours = current is _dispatching_copy_
+    if _held:
+        if not _swap.installed:
+            if not ours:  # what we replace, once
+                _swap.saved_entry = current
+                _swap.previous = torch.Tensor.copy_
+                setattr(torch.Tensor, "copy_", _dispatching_copy_)  # noqa: B010 - the swap
+            _swap.installed = True
+        return
+    if ours:
+        if _swap.saved_entry is _ABSENT:
+            delattr(torch.Tensor, "copy_")
+        else:
+            setattr(torch.Tensor, "copy_", _swap.saved_entry)  # noqa: B010 - exact restore
+    elif _swap.installed and current is not _swap.saved_entry:
+        warnings.warn(
+            "patchctx: torch.Tensor.copy_ was replaced by other code while a masked region "
+            f"was open (it is now {current!r}); leaving that replacement in place instead "
+            "of restoring the original. Restore torch.Tensor.copy_ yourself once that code "
+            "is done.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    _swap.installed = False
+    _swap.previous = _BUILTIN_COPY
+
+
+def _close(region: Region) -> None:
+    """Close `region` and release its hold (idempotent; any thread)."""
+
+    def close() -> None:
+        region.open = False
+        if region in _held:
+            _held.remove(region)
+        _settle()
+        _cond.notify_all()
+
+    _locked(close)
+
+
+def enter(region: Region, *, timeout: float | None = None) -> None:
+    """Open `region` in this thread: take the lock, install the swap, push the region.
+
+    On any failure the region is closed again, so the caller, which holds `region` from
+    before the call, can always `leave` it (idempotent) without knowing how far this got.
 
     Raises:
-        RuntimeError: The innermost region of this thread was not started by `owner`.
+        TimeoutError: Another thread held the lock longer than `timeout`; nothing changed.
     """
-    stack = _stack.get()
-    if not stack or stack[-1][0] is not owner:
-        raise RuntimeError(
-            f"patchctx: {owner!r} is leaving a masked region it did not start last in this "
-            "thread; regions must be exited in the reverse order of entry"
-        )
+
+    def hold() -> None:
+        _held.append(region)
+        _settle()
+
+    pushed = False
     try:
-        _stack.set(stack[:-1])
+        _locked(hold, wait=True, timeout=timeout)
+        _stack.set((*_stack.get(), region))
+        pushed = True
+    except BaseException:
+        _close(region)
+        raise
     finally:
-        try:
-            _state.depth -= 1
-            if _state.depth == 0:
-                _uninstall()
-        finally:
-            _LOCK.release()
+        if not pushed:
+            _close(region)  # a second close, for an exception that cut the first
+
+
+def innermost(owner: object) -> Region:
+    """The region `owner` opened last in this context, or else in any thread.
+
+    Raises:
+        RuntimeError: `owner` has no open region, or a region opened after its own is still
+            open in this thread (regions close in the reverse order of opening).
+    """
+    region = _current(_stack.get())
+    if region is not None:
+        if region.owner is not owner:
+            raise RuntimeError(
+                f"patchctx: {owner!r} is leaving a masked region it did not open last in this "
+                "thread; regions must be left in the reverse order of entry"
+            )
+        return region
+    # Left from another thread (or another context): close the owner's innermost region.
+    for candidate in reversed(list(_held)):
+        if candidate.owner is owner:
+            return candidate
+    raise RuntimeError(f"patchctx: {owner!r} has no open masked region to leave")
+
+
+def leave(region: Region) -> None:
+    """Close `region`, from any thread (idempotent: callers call it twice on exit paths)."""
+    _close(region)
+    stack = _stack.get()
+    if region in stack:
+        _stack.set(tuple(r for r in stack if r is not region and r.open))
+
+
+def suspend() -> tuple[Region, ...]:
+    """From now on this thread's open regions do not apply; returns them for `resume`."""
+    regions = _stack.get()
+    _stack.set(())
+    return regions
+
+
+def resume(regions: tuple[Region, ...]) -> None:
+    """Undo `suspend` (idempotent)."""
+    _stack.set(regions)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from patchctx._strategies import indexable
+from patchctx._bits import indexable
 
 __all__ = ["UndoLog", "storage_flat"]
 
@@ -51,7 +51,8 @@ class UndoLog:
 
     def save_positions(self, tensor: torch.Tensor, positions: torch.Tensor) -> None:
         """Remember the values at `positions` (storage offsets) of `tensor`'s storage."""
-        positions = positions.to(device=tensor.device, dtype=torch.long)
+        # Always a tensor of our own: callers reuse their position buffers.
+        positions = positions.to(device=tensor.device, dtype=torch.long, copy=True)
         old = indexable(storage_flat(tensor)).index_select(0, positions)
         self._entries.append(_Positions(tensor, positions, old))
         self.nbytes += old.nbytes + positions.nbytes
@@ -64,16 +65,32 @@ class UndoLog:
         )
         self.nbytes += old.nbytes
 
-    def restore(self) -> None:
-        """Put every saved value back, newest first, with writes that bypass all interception."""
+    def mark(self) -> int:
+        """A point to `restore` or `forget` back to."""
+        return len(self._entries)
+
+    def forget(self, mark: int = 0) -> None:
+        """Drop the entries after `mark` without restoring them (their writes stand)."""
+        for entry in self._entries[mark:]:
+            self.nbytes -= entry.old.nbytes + (
+                entry.positions.nbytes if isinstance(entry, _Positions) else 0
+            )
+        del self._entries[mark:]
+
+    def restore(self, mark: int = 0) -> None:
+        """Put back every value saved after `mark`, newest first, bypassing all interception.
+
+        Each entry is dropped once restored, so a restore interrupted half way can be resumed
+        by calling it again.
+        """
         from patchctx._swap import plain_copy
 
-        for entry in reversed(self._entries):
+        while len(self._entries) > mark:
+            entry = self._entries[-1]
             if isinstance(entry, _Positions):
                 flat = indexable(storage_flat(entry.tensor))
                 flat.index_copy_(0, entry.positions, entry.old)
             else:
                 target = torch.as_strided(entry.tensor, entry.size, entry.stride, entry.offset)
                 plain_copy(target, entry.old)
-        self._entries.clear()
-        self.nbytes = 0
+            self.forget(len(self._entries) - 1)

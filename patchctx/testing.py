@@ -23,6 +23,7 @@ import torch
 
 from patchctx._errors import LoaderContractError, PatchError
 from patchctx._masked_copy import masked_copy
+from patchctx._staged import StagedTensor
 from patchctx._strategies import CopyStrategy
 
 __all__ = ["DEFAULT_DTYPES", "ConformanceCase", "check_strategy", "conformance_cases"]
@@ -142,9 +143,10 @@ def _case_stage_layout(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
         assert staged.device == patch.values.device, "staged tensor must be on values.device"
         assert staged.is_contiguous(), "staged tensor must be contiguous (row-major)"
         if patch.values.numel():
-            assert (
-                staged.untyped_storage().data_ptr() != patch.values.untyped_storage().data_ptr()
-            ), "staged tensor must not alias the caller's values"
+            data = staged._data if isinstance(staged, StagedTensor) else staged
+            assert data.untyped_storage().data_ptr() != patch.values.untyped_storage().data_ptr(), (
+                "staged tensor must not alias the caller's values"
+            )
 
     return check
 
@@ -198,8 +200,13 @@ def _case_masked_copy_region(dtype: torch.dtype) -> Callable[[CopyStrategy], Non
             returned = destination.copy_(staged)
         assert returned is destination, "copy_ inside the region must return the destination"
         _assert_same_bits(destination, expected, "copy_ inside masked_copy")
-        plain = torch.empty_like(destination).copy_(staged)
-        _assert_same_bits(plain, staged, "plain copy_ after the region")
+        outside = _random(patch.shape, dtype, generator)
+        expected_outside = _reference(outside, patch, dtype)
+        outside.copy_(staged)
+        if isinstance(staged, StagedTensor):  # patchctx's staged data: masked everywhere
+            _assert_same_bits(outside, expected_outside, "copy_ of staged data outside a region")
+        else:  # a plain tensor: plain copy_ outside the region
+            _assert_same_bits(outside, staged, "plain copy_ after the region")
 
     return check
 

@@ -86,8 +86,8 @@ def test_audit_undoes_the_loaders_own_writes_and_reports_refusals() -> None:
         "masked",
         "masked",
     ]
-    assert "cannot be masked in place" in report.rows[1].reason
-    assert "replaced the storage" in report.rows[2].reason
+    assert "reads or accumulates" in report.rows[1].reason
+    assert "replaced, reshaped or added" in report.rows[2].reason
 
 
 def test_a_loader_that_raises_is_unsupported() -> None:

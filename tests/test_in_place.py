@@ -23,7 +23,7 @@ from tests.support.models import (
     state,
 )
 from tests.support.reference import reference_after
-from tests.test_guard import MASKED, PATCH, Layer, Write, expected_after
+from tests.support.zoo import ZOO, Entry, check, sparse
 
 
 def storages(model: nn.Module) -> dict[str, tuple[nn.Parameter | torch.Tensor, int, int]]:
@@ -80,11 +80,13 @@ def test_no_load_path_reallocates_a_storage(atomic: bool) -> None:
     assert_same_state({n: v.view(expected[n].shape) for n, v in captured.items()}, expected)
 
 
-@pytest.mark.parametrize("write", [pytest.param(w, id=i) for i, w in MASKED])
-def test_masked_write_paths_write_into_the_existing_storage(write: Write) -> None:
-    model = Layer(write)
-    before = storages(model)
-    expected = expected_after(model)
-    load_checkpoint_weight_patches(model, [PATCH])
-    assert_same_storages(before, model)
-    assert torch.equal(model.weight.detach(), expected)
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e.id) for e in ZOO if e.outcome == "masked"])
+def test_masked_write_paths_write_into_the_existing_storage(entry: Entry) -> None:
+    # `check` asserts, after every call, that each tensor kept its storage (pointer and size)
+    # and holds the dense truth.
+    patches = [sparse([1, 8, 23], [1.5, -2.0, 3.25], torch.float32)]
+    for routes in (False, True):
+        verdict = check(
+            entry.write, torch.float32, patches, strategy=None, atomic=False, routes=routes
+        )
+        assert verdict.outcomes == ["masked"]

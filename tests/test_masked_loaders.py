@@ -19,7 +19,6 @@ from patchctx import (
     BoolMask,
     CopyStrategy,
     IntSentinel,
-    LoaderContractError,
     NaNMask,
     masked_copy,
 )
@@ -84,17 +83,12 @@ def test_contiguous_intermediate_nan_mask_follows_it(data: st.DataObject) -> Non
     check_against_reference(model, NaNMask(), patch)
 
 
-def test_contiguous_intermediate_bool_mask_refuses_and_writes_nothing() -> None:
+@given(data=st.data())
+def test_contiguous_intermediate_bool_mask_follows_it_too(data: st.DataObject) -> None:
     model = ToyModel({"c": ContiguousLinear(5, 7)})
-    loaded(model)
-    before = state(model)
-    staged = BoolMask().stage((5, 7), torch.float32, torch.tensor([3]), torch.tensor([1.0]))
-    with (
-        pytest.raises(LoaderContractError, match="BoolMask follows views only"),
-        masked_copy(strategy=BoolMask()),
-    ):
-        model.load_weights([("c.proj.weight", staged)])
-    assert_same_state(state(model), before)
+    spec = model.checkpoint_specs()["c.proj.weight"]
+    patch = data.draw(sparse_patch("c.proj.weight", spec, allow_nan=True))
+    check_against_reference(model, BoolMask(), patch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@ from torch import nn
 
 from patchctx import (
     CheckpointWeightPatch,
+    LoaderContractError,
     RouteCache,
     SingleCall,
     load_checkpoint_weight_patches,
@@ -284,7 +285,16 @@ class Layer(nn.Module):
         return {"weight"}
 
 
-@pytest.mark.parametrize("loader", ["contiguous", "cast", "cat", "temporary", "touch-after"])
+def test_a_loader_that_changes_a_weight_after_the_masked_copy_is_refused() -> None:
+    model = Layer("touch-after")
+    before = model.weight.detach().clone()
+    patch = CheckpointWeightPatch("w", (4, 6), torch.float32, torch.ones(2), torch.tensor([1, 9]))
+    with pytest.raises(LoaderContractError, match=r"changes 'weight' with aten\.mul_"):
+        load_checkpoint_weight_patches(model, [patch], routes=RouteCache())
+    assert torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("loader", ["contiguous", "cast", "cat", "temporary"])
 def test_loaders_that_are_not_pure_views_are_never_cached_and_stay_correct(loader: str) -> None:
     model = Layer(loader)
     routes = RouteCache()

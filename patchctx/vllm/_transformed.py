@@ -25,9 +25,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from patchctx import _swap
 from patchctx._errors import LoaderContractError
-from patchctx._session import LoadSession
+from patchctx._staged import StagedTensor
 
 __all__ = ["refusing_transformed", "transformed_weights"]
 
@@ -184,12 +183,9 @@ def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
 
 def _patch_names(loaded_weight: object) -> str | None:
     """The checkpoint name(s) whose staged data `loaded_weight` carries, in a patch load."""
-    session = _swap.active_interceptor()
-    if not isinstance(session, LoadSession) or not isinstance(loaded_weight, torch.Tensor):
+    if not isinstance(loaded_weight, StagedTensor):
         return None
-    with session.internal():
-        origin = session.origin(loaded_weight)
-    return None if origin is None else ", ".join(sorted(origin.names))
+    return ", ".join(sorted(loaded_weight._prov.names))
 
 
 def _refusal(name: str, reason: str) -> Any:

@@ -1,0 +1,125 @@
+"""The guard: a dispatch mode on the loader's thread that sees the loader's *plain* operations.
+
+Operations on staged data are handled by the data itself (`patchctx._staged`), in any thread.
+What is left is what the loader does with plain tensors in its own thread: writes into model
+tensors (constant fills, its own bookkeeping, dense patches) and reads of weights it has
+already written. The guard reports each to the `WriteLedger` *before* the operation runs, so a
+refused write never happens. ``out=`` writes into a model tensor are computed aside first, so a
+result of the wrong shape is refused instead of resizing (reallocating) the weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from patchctx._errors import LoaderContractError
+from patchctx._staged import StagedTensor, _tensors, written_arguments
+from patchctx._writes import WriteLedger
+
+__all__ = ["Guard"]
+
+aten = torch.ops.aten
+
+# In-place operations that change a tensor's shape, strides or storage rather than its values.
+_RESHAPING = frozenset(
+    {
+        aten.set_,
+        aten.resize_,
+        aten.resize_as_,
+        aten.as_strided_,
+        aten.t_,
+        aten.transpose_,
+        aten.squeeze_,
+        aten.unsqueeze_,
+        aten.swapdims_,
+        aten.swapaxes_,
+        aten.detach_,
+        aten._resize_output_,
+    }
+)
+_CONSTANT = frozenset({aten.fill_.Scalar, aten.zero_.default})
+# In-place operations that do not read the values they overwrite.
+_PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
+
+
+class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The dispatch mode of one loader call, on the thread that called the loader."""
+
+    def __init__(self, ledger: WriteLedger) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ledger = ledger
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        tensors = _tensors((args, kwargs))
+        if any(isinstance(t, StagedTensor) for t in tensors):
+            return func(*args, **kwargs)  # the staged data handles it
+        written = written_arguments(func)
+        targets: list[torch.Tensor] = []
+        for position, name in written:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            targets.extend(_tensors(value))
+        ledger = self.ledger
+        if ledger.masked and not func.is_view:
+            pure_write = func.overloadpacket in _PURE_WRITES
+            for tensor in tensors:
+                if not pure_write or all(tensor is not t for t in targets):
+                    ledger.read(tensor)
+        model_targets = [t for t in targets if ledger.index.owner(t) is not None]
+        if not model_targets:
+            return func(*args, **kwargs)
+        for target in model_targets:
+            owner = ledger.index.owner(target)
+            assert owner is not None
+            if func.overloadpacket in _RESHAPING:
+                raise LoaderContractError(
+                    f"the loader calls {func} on {owner.name!r}, changing its shape, strides or "
+                    "storage; patch loads write in place; nothing was written"
+                )
+        if torch.Tag.out in func.tags:
+            return self._out(func, args, kwargs, model_targets)
+        for target in model_targets:
+            ledger.plain_write(target, str(func), constant=func in _CONSTANT)
+        return func(*args, **kwargs)
+
+    def _out(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        targets: list[torch.Tensor],
+    ) -> Any:
+        """``op(..., out=weight)``: computed aside, refused if it would resize the weight."""
+        if len(targets) != 1:
+            raise LoaderContractError(
+                f"the loader writes several model tensors at once with {func}; nothing was written"
+            )
+        target = targets[0]
+        fresh = torch.empty(0, dtype=target.dtype, device=target.device)
+        new_args = list(args)
+        new_kwargs = dict(kwargs)
+        for position, name in written_arguments(func):
+            if position < len(new_args):
+                new_args[position] = fresh
+            else:
+                new_kwargs[name] = fresh
+        result = func(*new_args, **new_kwargs)
+        if fresh.shape != target.shape:
+            owner = self.ledger.index.owner(target)
+            raise LoaderContractError(
+                f"the loader writes a {tuple(fresh.shape)} result with {func} into "
+                f"{owner.name if owner else 'a weight'!r} of shape {tuple(target.shape)}: it "
+                "would be resized (reallocated); nothing was written"
+            )
+        self.ledger.plain_write(target, str(func), constant=False)
+        target.copy_(fresh)
+        return target if isinstance(result, torch.Tensor) else result

@@ -1,0 +1,119 @@
+"""Route recording: which names of one loader call are provably replayable, and along what.
+
+A name is replayable only when replaying it does exactly what the loader did: every write of
+its staged data was a ``copy_`` of a one-to-one view of the staged tensor into a model tensor,
+made in the loader's thread; the call wrote nothing else that replay would skip (the loader's
+own writes are allowed only as constant fills outside the name's bytes); nothing read a weight
+back after the name's data reached it (a tied copy); no other name wrote the same bytes; and
+nothing read its values out of torch or changed the staged tensor itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from patchctx._routes import Geometry, Route, Segment
+
+if TYPE_CHECKING:
+    from patchctx._staged import StagedTensor
+    from patchctx._writes import Span
+
+__all__ = ["Recorder"]
+
+
+@dataclass
+class Recorder:
+    """Segments and disqualifications of the sparse names of one loader call."""
+
+    segments: dict[str, list[Segment]] = field(default_factory=dict)
+    spans: dict[str, list[Span]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def expect(self, name: str) -> None:
+        """`name` is a sparse name of this call (so "writes nothing" is a finding too)."""
+        self.segments.setdefault(name, [])
+
+    def unprovable(self, names: Iterable[str], reason: str) -> None:
+        for name in names:
+            self.reasons.setdefault(name, reason)
+
+    def segment(
+        self,
+        source: StagedTensor,
+        destination: torch.Tensor,
+        owner_name: str,
+        key: int,
+        owner: torch.Tensor,
+        span: Span,
+    ) -> None:
+        """A ``copy_`` of staged data into a model tensor: a segment if provably affine."""
+        prov = source._prov
+        root = prov.root
+        names = prov.names
+        if root is None or len(names) != 1:
+            self.unprovable(names, "the loader copied a computed copy, not a view")
+            return
+        if root.tampered:
+            self.unprovable(names, "the loader modified the staged tensor")
+            return
+        data = source._data
+        source_geometry = Geometry.of(data)
+        target_geometry = Geometry.of(destination)
+        low, high = source_geometry.span()
+        if (
+            data.dtype != root.data.dtype
+            or source.shape != destination.shape
+            or destination.dtype != owner.dtype
+            or not source_geometry.injective()
+            or not target_geometry.injective()
+            or low < 0
+            or high >= root.data.numel()
+        ):
+            self.unprovable(names, "the copy is not a one-to-one view of the staged data")
+            return
+        name = next(iter(names))
+        self.segments.setdefault(name, []).append(
+            Segment(
+                source_geometry,
+                target_geometry,
+                owner_name,
+                key,
+                destination.dtype,
+                Geometry.of(owner),
+            )
+        )
+        self.spans.setdefault(name, []).append(span)
+
+    def routes(
+        self,
+        shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        *,
+        other_writes: list[str],
+        constant_spans: list[Span],
+        reported: set[str],
+    ) -> dict[str, Route]:
+        """The routes this call proves (after it succeeded)."""
+        if other_writes:
+            self.unprovable(
+                self.segments,
+                f"the loader also wrote {', '.join(sorted(set(other_writes)))}, which replay "
+                "would skip",
+            )
+        for name, spans in self.spans.items():
+            if any(s.overlaps(c) for s in spans for c in constant_spans):
+                self.unprovable([name], "the loader fills part of its bytes with a constant")
+            for other, other_spans in self.spans.items():
+                if other != name and any(s.overlaps(o) for s in spans for o in other_spans):
+                    self.unprovable([name, other], "two names write the same bytes")
+        routes = {}
+        for name, segments in self.segments.items():
+            if name in self.reasons or name not in shapes:
+                continue
+            targets = {segment.tensor_name for segment in segments}
+            names = frozenset(n for n in reported if n in targets or n == name)
+            routes[name] = Route(name, *shapes[name], tuple(segments), names)
+        return routes

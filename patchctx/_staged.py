@@ -1,0 +1,806 @@
+"""Staged data: a tensor subclass whose provenance travels with the data, in every thread.
+
+A sparse patch reaches the model's ``load_weights`` as a `StagedTensor`: a checkpoint-shaped
+wrapper around two plain tensors, the values (``_data``) and a boolean mask of the positions the
+patch changes (``_update``, see `KEEP`). Unchanged positions mean "keep what the model holds".
+
+Every ATen operation that touches a staged tensor, in any thread, lands in
+`StagedTensor.__torch_dispatch__`, which either carries the mask through it exactly or refuses
+it with `LoaderContractError` before anything is written:
+
+- views (``narrow``, ``t``, ``view``, ``detach``, ``.data``, ``nn.Parameter(w)``...) are applied
+  to values and mask alike; a view that reinterprets bytes (``view(torch.int32)``) regroups the
+  mask, and refuses when an element would mix changed and unchanged bytes;
+- layout copies and casts (``clone``, ``contiguous``, ``to``, ``cat``, ``stack``, indexing) copy
+  the mask along; pointwise computations give a position the "changed" mark only when every
+  staged input is changed there (and refuse when staged inputs disagree);
+- any other computation is allowed only when its staged inputs are entirely changed or entirely
+  unchanged, since its results mix positions;
+- a write of staged data into a plain tensor is the masked merge (positions marked "keep" keep
+  the destination), done for ``copy_``, indexed assignment, ``index_copy_``, ``masked_scatter_``,
+  ``scatter_``, ``fill_`` and the ``out=`` form of pointwise operations; every other in-place
+  operation with staged inputs is refused. When the staged data belongs to a load, its ledger
+  (`Ledger`) must first admit the destination (a model tensor that existed before the call);
+- reading values out of torch (``item()``, ``tolist()``, ``numpy()``, pickling, storage access)
+  is allowed only for changed positions.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from patchctx._errors import LoaderContractError
+from patchctx._swap import bypass, end_bypass, is_bypassed
+
+__all__ = [
+    "Ledger",
+    "Provenance",
+    "Root",
+    "StagedTensor",
+    "stage",
+    "stage_dense",
+    "written_arguments",
+]
+
+aten = torch.ops.aten
+
+
+class Ledger(Protocol):
+    """What a load session does with the writes of its staged data (see `patchctx._writes`)."""
+
+    def admit(
+        self, destination: torch.Tensor, names: frozenset[str], how: str, *, dense: bool
+    ) -> bool:
+        """Raise `LoaderContractError` unless staged data of `names` may be written there.
+
+        Returns whether the destination is a model tensor (whose writes are logged).
+        """
+        ...
+
+    def log_masked(
+        self,
+        destination: torch.Tensor,
+        update: torch.Tensor | None,
+        source: StagedTensor | None,
+        names: frozenset[str],
+        *,
+        dense: bool = False,
+    ) -> None:
+        """Called right before a write of `names` into `destination`.
+
+        `update` says which positions change (`None`: all of them); `source` is the staged
+        tensor copied as a whole by ``copy_`` (a candidate route segment), or `None` for any
+        other kind of write; `dense` marks a dense patch's data.
+        """
+        ...
+
+    def unprovable(self, names: frozenset[str], reason: str) -> None:
+        """Routes of `names` cannot be proven equal to the loader path, for `reason`."""
+        ...
+
+    @property
+    def born(self) -> weakref.WeakSet[StagedTensor]:
+        """Every staged tensor of the load (to find the ones the loader kept)."""
+        ...
+
+
+@dataclass(eq=False, slots=True)
+class Root:
+    """The staged tensor a load handed to the loader: the origin of every view of it."""
+
+    name: str
+    data: torch.Tensor  # contiguous, checkpoint-shaped, storage offset 0
+    tampered: bool = False  # the loader wrote into the staged data itself
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where a staged tensor's data comes from and whom its writes are reported to.
+
+    Attributes:
+        names: The checkpoint names whose staged data it carries.
+        ledger: The load session of that data (`None`: staged outside a load, for
+            `masked_copy`, whose merges need no admission).
+        root: Set when the values are a view of one root's storage in its dtype, so a
+            ``copy_`` of it is an affine map from checkpoint positions (a route segment).
+    """
+
+    names: frozenset[str]
+    ledger: Ledger | None
+    root: Root | None = None
+    # The mask aliases the data the way the values do (False after a reinterpreting view,
+    # whose mask is regrouped into a tensor of its own): in-place writes are exact only then.
+    mask_is_view: bool = field(default=True)
+    # A dense patch (every position CHANGED), wrapped only so that its writes are logged in
+    # whatever thread they happen (``atomic``): it may also go into temporaries.
+    dense: bool = False
+
+    def derived(self, *, mask_is_view: bool = True) -> Provenance:
+        return Provenance(self.names, self.ledger, None, mask_is_view, self.dense)
+
+
+def _refuse(message: str) -> NoReturn:
+    raise LoaderContractError(message + "; nothing was written")
+
+
+def _label(names: frozenset[str]) -> str:
+    return ", ".join(map(repr, sorted(names)))
+
+
+def _written(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    return tuple(
+        (position, argument.name)
+        for position, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+_WRITTEN: dict[torch._ops.OpOverload, tuple[tuple[int, str], ...]] = {}
+
+
+def written_arguments(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument the operation writes, from its schema."""
+    found = _WRITTEN.get(func)
+    if found is None:
+        found = _WRITTEN[func] = _written(func)
+    return found
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _argument(args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str) -> Any:
+    return args[position] if position < len(args) else kwargs.get(name)
+
+
+# Operations that rearrange or cast elements without combining them: the mask goes along,
+# through the same operation applied to it. Their data arguments are `self` (position 0), or the
+# tensor list of cat/stack.
+_LAYOUT = frozenset(
+    {
+        aten._to_copy,
+        aten.cat,
+        aten.stack,
+        aten.hstack,
+        aten.vstack,
+        aten.index_select,
+        aten.index,
+        aten.gather,
+        aten.repeat,
+        aten.repeat_interleave,
+        aten.flip,
+        aten.roll,
+        aten.narrow_copy,
+        aten.slice_copy,
+        aten.select_copy,
+        aten.t_copy,
+        aten.transpose_copy,
+        aten.permute_copy,
+        aten.expand_copy,
+        aten.view_copy,
+        aten.unsqueeze_copy,
+        aten.squeeze_copy,
+        aten.alias_copy,
+        aten.detach_copy,
+        aten.unfold_copy,
+        aten._unsafe_view,
+        aten.masked_select,
+        aten.take,
+        aten.tril,
+        aten.triu,
+    }
+)
+_LISTS = frozenset({aten.cat, aten.stack, aten.hstack, aten.vstack})
+# Factories shaped like their input: values that are known (True) or undefined (False).
+_LIKE = {
+    aten.zeros_like: True,
+    aten.ones_like: True,
+    aten.full_like: True,
+    aten.rand_like: True,
+    aten.randn_like: True,
+    aten.randint_like: True,
+    aten.empty_like: False,
+    aten.new_empty: False,
+    aten.new_empty_strided: False,
+    aten.new_zeros: True,
+    aten.new_ones: True,
+    aten.new_full: True,
+}
+# Writes that move elements from a data argument into `self` without reading `self`'s old
+# values at the positions they write: (positions of the data arguments).
+_MOVES: dict[Any, tuple[int, ...]] = {
+    aten.copy_: (1,),
+    aten.index_put_: (2,),
+    aten._index_put_impl_: (2,),
+    aten.index_copy_: (3,),
+    aten.masked_scatter_: (2,),
+    aten.scatter_: (3,),
+    aten.fill_: (1,),
+    aten.index_fill_: (3,),
+    aten.masked_fill_: (2,),
+}
+
+
+# What a position of staged data holds, in its mask (uint8): the model's value must be kept
+# there (the patch does not change it; the staged value means nothing), the patch's new value,
+# or a value that does not depend on the patch at all (a constant the loader made).
+KEEP, CHANGED, CONST = 0, 1, 2
+
+
+def _data(value: Any) -> Any:
+    return value._data if isinstance(value, StagedTensor) else value
+
+
+def _mask(value: Any) -> Any:
+    return value._update if isinstance(value, StagedTensor) else value
+
+
+def _known(value: torch.Tensor) -> torch.Tensor:
+    """The mask of `value`: its own, or CONST everywhere for plain data."""
+    if isinstance(value, StagedTensor):
+        return value._update
+    return _codes(value, CONST)
+
+
+def _codes(like: torch.Tensor, code: int) -> torch.Tensor:
+    """A mask shaped and strided like `like`, holding `code` everywhere."""
+    mask = torch.empty_strided(like.shape, like.stride(), dtype=torch.uint8, device=like.device)
+    return mask.fill_(code)
+
+
+def _moved_mask(value: Any, device: torch.device | None = None) -> Any:
+    """The mask standing in for a data argument of a move: known unless staged."""
+    if not isinstance(value, torch.Tensor):
+        return CONST  # a Python number
+    mask = _known(value)
+    return mask if device is None else mask.to(device)
+
+
+def _accumulates(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    if func.overloadpacket not in (aten.index_put_, aten._index_put_impl_):
+        return bool(func.overloadpacket is aten.scatter_ and "reduce" in kwargs)
+    value = _argument(args, kwargs, 3, "accumulate")
+    return bool(value)
+
+
+class StagedTensor(torch.Tensor):
+    """A checkpoint-shaped tensor of a sparse patch: values plus the mask of changed positions.
+
+    Not public: the loader sees an ordinary-looking tensor. `patchctx`'s strategies return one
+    from ``stage`` and the high-level call hands them to ``load_weights``.
+    """
+
+    _data: torch.Tensor
+    _update: torch.Tensor
+    _prov: Provenance
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, update: torch.Tensor, prov: Provenance) -> StagedTensor:
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            layout=data.layout,
+            requires_grad=False,
+        )
+        wrapper._data = data
+        wrapper._update = update
+        wrapper._prov = prov
+        if prov.ledger is not None:
+            prov.ledger.born.add(wrapper)
+        return wrapper
+
+    def __init__(self, data: torch.Tensor, update: torch.Tensor, prov: Provenance) -> None:
+        pass
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
+        changed = int((self._update == CHANGED).sum().item())
+        return (
+            f"StagedTensor({_label(self._prov.names)}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, changed={changed}/{self.numel()})"
+        )
+
+    # -- reading values out of torch --------------------------------------------------------
+
+    def _require_all_changed(self, what: str) -> None:
+        if bool((self._update == KEEP).any()):
+            raise LoaderContractError(
+                f"{what} of staged data of {_label(self._prov.names)}: it holds positions the "
+                "patch does not change, whose values patchctx does not know; only positions a "
+                "patch changes can leave torch"
+            )
+        if self._prov.ledger is not None:
+            self._prov.ledger.unprovable(self._prov.names, f"the loader read values with {what}")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StagedTensor:
+        result = self.clone()
+        memo[id(self)] = result
+        return result  # type: ignore[return-value]
+
+    def tolist(self) -> Any:
+        self._require_all_changed(".tolist()")
+        return self._data.tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        self._require_all_changed(".numpy()")
+        return self._data.detach().clone().numpy(force=force)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise LoaderContractError(
+            f"pickling staged data of {_label(self._prov.names)} (pickle, torch.save, "
+            "multiprocessing): it would turn the 'keep' marks into plain numbers"
+        )
+
+    def _no_storage(self, *args: object, **kwargs: object) -> NoReturn:
+        raise LoaderContractError(
+            f"raw memory access to staged data of {_label(self._prov.names)} (storage, "
+            "data_ptr, DLPack): the bytes alone do not say which positions the patch changes"
+        )
+
+    untyped_storage = _no_storage
+    storage = _no_storage
+    _typed_storage = _no_storage
+    data_ptr = _no_storage
+    __dlpack__ = _no_storage
+
+    # -- every operation ---------------------------------------------------------------------
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        was_inside = is_bypassed()
+        try:  # our own copies of values and masks are never a region's business
+            bypass()
+            result = _dispatch(func, args, kwargs or {})
+            end_bypass(was_inside)
+            return result
+        finally:
+            end_bypass(was_inside)  # a second reset, for an exception that cut the first
+
+
+def _provenance(staged: list[StagedTensor]) -> Provenance:
+    """The combined provenance of several staged inputs (one load at most)."""
+    first = staged[0]._prov
+    if len(staged) == 1:
+        return first
+    ledgers = {id(s._prov.ledger): s._prov.ledger for s in staged if s._prov.ledger is not None}
+    if len(ledgers) > 1:
+        _refuse("an operation combines staged data of two different loads")
+    names = frozenset().union(*(s._prov.names for s in staged))
+    dense = all(s._prov.dense for s in staged)
+    return Provenance(names, next(iter(ledgers.values()), None), None, True, dense)
+
+
+def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    staged = [t for t in _tensors((args, kwargs)) if isinstance(t, StagedTensor)]
+    written = written_arguments(func)
+    if written:
+        targets: list[torch.Tensor] = []
+        for position, name in written:
+            targets.extend(_tensors(_argument(args, kwargs, position, name)))
+        if any(isinstance(t, StagedTensor) for t in targets):
+            return _write_into_staged(func, args, kwargs, targets, staged)
+        return _write_into_plain(func, args, kwargs, targets, staged)
+    packet = func.overloadpacket
+    if packet is aten._local_scalar_dense:
+        staged[0]._require_all_changed(".item()")
+        return func(staged[0]._data)
+    if func.is_view:
+        return _view(func, args, kwargs, staged)
+    if packet in _LIKE:
+        return _like(func, args, kwargs, staged, known=_LIKE[packet])
+    if packet in _LAYOUT:
+        return _layout(func, args, kwargs, staged)
+    if torch.Tag.pointwise in func.tags:
+        return _pointwise(func, args, kwargs, staged)
+    return _opaque(func, args, kwargs, staged)
+
+
+def _wrap(result: Any, update: Callable[[torch.Tensor], torch.Tensor], prov: Provenance) -> Any:
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, StagedTensor):
+            return StagedTensor(value, update(value), prov)
+        return value
+
+    if isinstance(result, (list, tuple)):
+        return type(result)(one(value) for value in result)
+    return one(result)
+
+
+def _unwrap(args: Any, kwargs: Any, into: Callable[[Any], Any]) -> tuple[Any, Any]:
+    return tree_map(into, args), tree_map(into, kwargs)
+
+
+def _view(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    staged: list[StagedTensor],
+) -> Any:
+    source = staged[0]
+    if func is aten.view.dtype:
+        return _reinterpret(source, _argument(args, kwargs, 1, "dtype"))
+    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    mask_args, mask_kwargs = _unwrap(args, kwargs, _mask)
+    data = func(*data_args, **data_kwargs)
+    masks = func(*mask_args, **mask_kwargs)
+    prov = source._prov
+    if isinstance(data, (list, tuple)):
+        return type(data)(StagedTensor(d, m, prov) for d, m in zip(data, masks, strict=True))
+    return StagedTensor(data, masks, prov)
+
+
+def _reinterpret(source: StagedTensor, dtype: torch.dtype) -> StagedTensor:
+    """``view(dtype)``: the same bytes read as another dtype; the mask is regrouped by bytes."""
+    old, new = source.dtype.itemsize, dtype.itemsize
+    data = source._data.view(dtype)
+    update = source._update
+    if new < old:  # each element becomes old // new elements
+        update = update.unsqueeze(-1).expand(*update.shape, old // new).reshape(data.shape)
+    elif new > old:  # new // old elements become one: all of them kept, or none
+        grouped = update.reshape(*update.shape[:-1], -1, new // old)
+        first = grouped.select(-1, 0)
+        if bool((grouped != first.unsqueeze(-1)).any()):
+            _refuse(
+                f"the loader reads staged data of {_label(source._prov.names)} as {dtype}, "
+                "joining changed and unchanged elements into one; a masked write cannot keep "
+                "part of an element"
+            )
+        update = first.contiguous()
+    else:
+        return StagedTensor(data, update, source._prov)
+    names = source._prov.names
+    if source._prov.ledger is not None:
+        source._prov.ledger.unprovable(names, f"the loader reinterpreted it as {dtype}")
+    return StagedTensor(data, update, source._prov.derived(mask_is_view=False))
+
+
+def _like(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    staged: list[StagedTensor],
+    *,
+    known: bool,
+) -> Any:
+    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    result = func(*data_args, **data_kwargs)
+    return _wrap(
+        result, lambda value: _codes(value, CONST if known else KEEP), staged[0]._prov.derived()
+    )
+
+
+def _layout(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    staged: list[StagedTensor],
+) -> Any:
+    prov = _provenance(staged).derived()
+    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    result = func(*data_args, **data_kwargs)
+    if func.overloadpacket is aten._to_copy:
+        device = data_kwargs.get("device")
+        mask = staged[0]._update
+        update = mask if device is None else mask.to(device=device)
+        return StagedTensor(result, update.clone(), prov)
+    mask_args = list(args)
+    if func.overloadpacket in _LISTS:
+        mask_args[0] = [_known(t) for t in args[0]]
+    else:
+        mask_args[0] = _known(args[0])
+    mask_kwargs = tree_map(_mask, kwargs)
+    masks = func(*[_data(a) if i else a for i, a in enumerate(mask_args)], **mask_kwargs)
+    if isinstance(result, (list, tuple)):
+        return type(result)(StagedTensor(d, m, prov) for d, m in zip(result, masks, strict=True))
+    return StagedTensor(result, masks, prov)
+
+
+def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> torch.Tensor:
+    """The mask of a pointwise result, refused where the inputs disagree.
+
+    KEEP where an input keeps, else CHANGED where one changes, else CONST; refused where
+    one input keeps and another changes.
+    """
+    masks = [s._update.expand(shape) for s in staged]
+    if len(masks) == 1:
+        return masks[0]
+    keep = torch.zeros(shape, dtype=torch.bool, device=masks[0].device)
+    changed = torch.zeros_like(keep)
+    for mask in masks:
+        keep |= mask == KEEP
+        changed |= mask == CHANGED
+    if bool((keep & changed).any()):
+        _refuse(
+            f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
+            " where one input is changed by the patch and another is not; the result there "
+            "depends on values patchctx does not know"
+        )
+    result = torch.full(shape, CONST, dtype=torch.uint8, device=keep.device)
+    return result.masked_fill_(changed, CHANGED).masked_fill_(keep, KEEP)
+
+
+def _pointwise(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    staged: list[StagedTensor],
+) -> Any:
+    prov = _provenance(staged).derived()
+    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    result = func(*data_args, **data_kwargs)
+
+    def update(value: torch.Tensor) -> torch.Tensor:
+        return _codes(value, KEEP).copy_(_combined(staged, value.shape, str(func)))
+
+    return _wrap(result, update, prov)
+
+
+def _uniform(staged: list[StagedTensor]) -> int | None:
+    """The one code a result mixing every position of the inputs gets, or None if mixed."""
+    keep = changed = False
+    for tensor in staged:
+        keep = keep or bool((tensor._update == KEEP).any())
+        changed = changed or bool((tensor._update == CHANGED).any())
+    if keep and changed:
+        return None
+    return KEEP if keep else CHANGED if changed else CONST
+
+
+def _opaque(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    staged: list[StagedTensor],
+) -> Any:
+    """A computation that may combine positions: exact only on uniform inputs."""
+    state = _uniform(staged)
+    prov = _provenance(staged)
+    if state is None:
+        _refuse(
+            f"the loader computes {func} over staged data of {_label(prov.names)} that mixes "
+            "changed and unchanged positions; its result depends on values patchctx does not "
+            "know. Send this tensor as a dense patch"
+        )
+    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    result = func(*data_args, **data_kwargs)
+    if prov.ledger is not None:
+        prov.ledger.unprovable(prov.names, f"the loader computed {func} from it")
+    if not isinstance(result, (torch.Tensor, list, tuple)):
+        if state == KEEP:
+            _refuse(f"{func} reads staged data of {_label(prov.names)} the patch does not change")
+        return result
+    return _wrap(result, lambda value: _codes(value, state), prov.derived())
+
+
+# ------------------------------------------------------------------------------------- writes
+
+
+def _write_into_staged(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    targets: list[torch.Tensor],
+    staged: list[StagedTensor],
+) -> Any:
+    """An in-place operation on staged data itself: values and mask change together."""
+    target = targets[0]
+    assert isinstance(target, StagedTensor)
+    prov = target._prov
+    if len(targets) != 1 or target is not args[0] or not prov.mask_is_view:
+        _refuse(f"the loader writes into staged data of {_label(prov.names)} with {func}")
+    if prov.root is not None:
+        prov.root.tampered = True
+    if prov.ledger is not None:
+        prov.ledger.unprovable(prov.names, f"the loader modified it with {func}")
+    packet = func.overloadpacket
+    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    if packet in _MOVES and not _accumulates(func, args, kwargs):
+        moved = _MOVES[packet]
+        mask_args = [target._update] + [
+            _moved_mask(a) if i in moved else _data(a) for i, a in enumerate(args) if i
+        ]
+        func(*data_args, **data_kwargs)
+        func(*mask_args, **tree_map(_data, kwargs))
+        return target
+    if packet in (aten.zero_,):
+        func(*data_args, **data_kwargs)
+        target._update.fill_(CONST)
+        return target
+    if torch.Tag.pointwise in func.tags:
+        others = [s for s in staged if s is not target]
+        combined = _combined([target, *others], target.shape, str(func)) if others else None
+        func(*data_args, **data_kwargs)
+        if combined is not None:
+            target._update.copy_(combined)
+        return target
+    if not any(bool((s._update == KEEP).any()) for s in staged):
+        func(*data_args, **data_kwargs)  # nothing to keep: exact as it is
+        target._update.fill_(CHANGED)
+        return target
+    _refuse(f"the loader changes staged data of {_label(prov.names)} in place with {func}")
+
+
+def _write_into_plain(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    targets: list[torch.Tensor],
+    staged: list[StagedTensor],
+) -> Any:
+    """Staged data written into plain tensors: the masked merge, or a refusal before writing."""
+    prov = _provenance(staged)
+    names = prov.names
+    packet = func.overloadpacket
+    if len(targets) != 1:
+        _refuse(f"the loader writes staged data of {_label(names)} with {func}")
+    target = targets[0]
+    in_place = bool(args) and args[0] is target
+    if packet is aten.copy_ and in_place:
+        source = args[1]
+        if not isinstance(source, StagedTensor):
+            _refuse(f"the loader copies into a plain tensor with staged arguments ({func})")
+        _admit(prov, target, names, "copy_")
+        _merge(target, source._data, source._update, source, names, prov)
+        return target
+    if packet in _MOVES and in_place and not _accumulates(func, args, kwargs):
+        if any(
+            isinstance(a, StagedTensor) for i, a in enumerate(args) if i and i not in _MOVES[packet]
+        ):
+            _refuse(f"the loader indexes with staged data of {_label(names)} ({func})")
+        _admit(prov, target, names, str(func))
+        moved = _MOVES[packet]
+        scratch = target.clone()
+        data_args, data_kwargs = _unwrap(args, kwargs, _data)
+        func(scratch, *data_args[1:], **data_kwargs)
+        update = torch.zeros(target.shape, dtype=torch.uint8, device=target.device)  # KEEP
+        mask_args = [
+            _moved_mask(a, target.device) if i in moved else _data(a) for i, a in enumerate(args)
+        ]
+        func(update, *mask_args[1:], **data_kwargs)
+        _merge(target, scratch, update, None, names, prov)
+        return target
+    if not in_place and not _reads(target, args, kwargs) and torch.Tag.pointwise in func.tags:
+        # The out= form of a pointwise operation: compute, then merge.
+        _admit(prov, target, names, str(func))
+        data_args, data_kwargs = _unwrap(args, kwargs, _data)
+        fresh = torch.empty(0, dtype=target.dtype, device=target.device)
+        for position, name in written_arguments(func):
+            if position < len(data_args):
+                data_args = (*data_args[:position], fresh, *data_args[position + 1 :])
+            else:
+                data_kwargs = {**data_kwargs, name: fresh}
+        result = func(*data_args, **data_kwargs)
+        if result.shape != target.shape:
+            _refuse(
+                f"the loader writes {tuple(result.shape)} values of {_label(names)} with {func} "
+                f"into a tensor of shape {tuple(target.shape)} (it would be resized)"
+            )
+        _merge(target, result, _combined(staged, result.shape, str(func)), None, names, prov)
+        return target
+    if not any(bool((s._update == KEEP).any()) for s in staged):
+        # Nothing to keep: the staged inputs are plain data in all but name (a patch covering
+        # every element), and the operation is exact as it is.
+        _admit(prov, target, names, str(func))
+        if prov.ledger is not None:
+            prov.ledger.log_masked(target, None, None, names, dense=prov.dense)
+        data_args, data_kwargs = _unwrap(args, kwargs, _data)
+        return func(*data_args, **data_kwargs)
+    _refuse(
+        f"the loader writes staged data of {_label(names)} into a tensor with {func}, which "
+        "reads or accumulates what the tensor held: the positions the patch does not change "
+        "would not keep their values (only copy_, indexed assignment, index_copy_, "
+        "masked_scatter_, scatter_, fill_ and out= pointwise writes can be masked)"
+    )
+
+
+def _reads(target: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether an ``out=`` operation also reads its output's storage (``add(p, w, out=p)``)."""
+    try:
+        key = target.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return True
+    inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+    return any(
+        not isinstance(t, StagedTensor) and t.untyped_storage().data_ptr() == key for t in inputs
+    )
+
+
+def _admit(prov: Provenance, target: torch.Tensor, names: frozenset[str], how: str) -> None:
+    if prov.ledger is not None:
+        prov.ledger.admit(target, names, how, dense=prov.dense)
+
+
+def _merge(
+    target: torch.Tensor,
+    values: torch.Tensor,
+    update: torch.Tensor,
+    source: StagedTensor | None,
+    names: frozenset[str],
+    prov: Provenance,
+) -> None:
+    """Write `values` into `target` where `update` does not say KEEP, in place.
+
+    Cast, moved and broadcast as ``copy_`` does.
+    """
+    try:
+        update = update.expand(target.shape)
+        update = torch.ones_like(update, dtype=torch.bool) if prov.dense else update != KEEP
+    except RuntimeError:
+        _refuse(
+            f"the loader copies staged data of {_label(names)} ({tuple(update.shape)}) into a "
+            f"tensor of shape {tuple(target.shape)}, which it does not broadcast to"
+        )
+    if update.device != target.device:
+        update = update.to(target.device)
+    if values.device != target.device or values.dtype != target.dtype:
+        values = values.to(device=target.device, dtype=target.dtype)
+    if prov.ledger is not None:
+        prov.ledger.log_masked(target, update, source, names, dense=prov.dense)
+    if prov.dense:
+        target.copy_(values)
+    else:
+        torch.where(update, values, target, out=target)
+
+
+# ------------------------------------------------------------------------------------ staging
+
+
+def stage(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    fill: float | int | bool = 0,
+    name: str = "",
+    ledger: Ledger | None = None,
+) -> StagedTensor:
+    """The staged tensor of a sparse patch: `values` at flat `indices`, "keep" elsewhere.
+
+    Numbers are not checked here (range, duplicates): validate patches first. `fill` is what
+    the values hold at unchanged positions; no write ever reads it.
+    """
+    from patchctx._bits import scatter_flat
+
+    numel = math.prod(int(d) for d in shape)
+    device = values.device
+    flat = torch.full((numel,), fill, dtype=dtype, device=device)
+    update = torch.zeros((numel,), dtype=torch.uint8, device=device)  # KEEP
+    if values.numel():
+        positions = indices.to(device=device, dtype=torch.long)
+        scatter_flat(flat, positions, values.to(dtype=dtype))
+        update.index_fill_(0, positions, CHANGED)
+    data = flat.view(tuple(int(d) for d in shape))
+    root = Root(name, data)
+    return StagedTensor(data, update.view(data.shape), Provenance(frozenset({name}), ledger, root))
+
+
+def stage_dense(data: torch.Tensor, *, name: str, ledger: Ledger) -> StagedTensor:
+    """A dense patch's tensor, wrapped so that every write of it is logged (any thread)."""
+    changed = torch.full((), CHANGED, dtype=torch.uint8, device=data.device).expand(data.shape)
+    prov = Provenance(frozenset({name}), ledger, None, True, True)
+    return StagedTensor(data, changed, prov)

@@ -1,0 +1,287 @@
+"""The write policy of one loader call: which writes reach the model, logged, undoable, checked.
+
+Two kinds of write reach a model tensor during a loader call:
+
+- **masked writes** of staged data, performed by `patchctx._staged` in whatever thread the
+  loader uses. The `WriteLedger` first *admits* the destination (a parameter or buffer that
+  existed before the call, not protected, not already written by the loader's own plain writes
+  at those bytes), then logs the old values of the positions about to change (O(changed)) and
+  offers the write to the route recorder;
+- **plain writes** (no staged data), seen by the guard in the loader's thread
+  (`patchctx._guard`): logged with their old values, refused before they happen when they would
+  reach a protected tensor, reshape or reallocate a model tensor, or change positions a masked
+  write already produced (the kept positions would stop being the model's values).
+
+All spans are byte ranges of a storage, so views of one storage in different dtypes compare.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from patchctx._errors import LoaderContractError
+from patchctx._recording import Recorder
+from patchctx._routes import Geometry
+from patchctx._staged import StagedTensor
+from patchctx._undo import UndoLog
+
+__all__ = ["ModelIndex", "Span", "WriteLedger", "span_of", "storage_key"]
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The data pointer of `tensor`'s storage, or `None` (meta, empty, no storage)."""
+    if isinstance(tensor, StagedTensor):
+        return None
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # meta, sparse layouts, functional wrappers
+        return None
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """The bytes ``[low, high]`` of one storage that a view touches."""
+
+    storage: int
+    low: int
+    high: int
+
+    def overlaps(self, other: Span) -> bool:
+        return self.storage == other.storage and self.low <= other.high and other.low <= self.high
+
+
+def span_of(tensor: torch.Tensor, key: int) -> Span:
+    low, high = Geometry.of(tensor).span()
+    size = tensor.element_size()
+    return Span(key, low * size, (high + 1) * size - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    name: str
+    tensor: torch.Tensor
+
+
+class ModelIndex:
+    """The model's parameters and buffers by storage, and the protected ones."""
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], protect: Mapping[str, str] | None = None
+    ) -> None:
+        self.tensors = dict(tensors)
+        self._by_storage: dict[int, Owner] = {}
+        for name, tensor in self.tensors.items():
+            key = storage_key(tensor)
+            if key is not None and key not in self._by_storage:
+                self._by_storage[key] = Owner(name, tensor)
+        self._protected: dict[int, str] = {}
+        for name, reason in (protect or {}).items():
+            protected = self.tensors.get(name)
+            key = None if protected is None else storage_key(protected)
+            if key is not None:
+                self._protected[key] = f"{name!r} ({reason})"
+
+    def owner(self, tensor: torch.Tensor) -> Owner | None:
+        key = storage_key(tensor)
+        return None if key is None else self._by_storage.get(key)
+
+    def protection(self, tensor: torch.Tensor) -> str | None:
+        """Why `tensor`'s storage must not be written, or `None`."""
+        if not self._protected:
+            return None
+        key = storage_key(tensor)
+        return None if key is None else self._protected.get(key)
+
+    def refuse_protected(self, tensor: torch.Tensor, what: str) -> None:
+        reason = self.protection(tensor)
+        if reason is not None:
+            raise LoaderContractError(
+                f"{what} would write into the protected tensor {reason}; nothing was written to it"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Plain:
+    span: Span
+    owner: str
+    how: str
+    constant: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Masked:
+    span: Span
+    owner: str
+    names: frozenset[str]
+
+
+def _label(names: frozenset[str]) -> str:
+    return ", ".join(map(repr, sorted(names)))
+
+
+class WriteLedger:
+    """Admits, logs and checks every write of one loader call (any thread; see module doc)."""
+
+    def __init__(
+        self,
+        index: ModelIndex,
+        undo: UndoLog,
+        recorder: Recorder,
+        *,
+        log_plain: bool,
+        loading: frozenset[str] = frozenset(),
+    ) -> None:
+        self.index, self.undo, self.recorder = index, undo, recorder
+        self.loading = loading  # the checkpoint names of this call, for messages
+        self.log_plain = log_plain  # save old values of plain writes (sparse calls, atomic)
+        self.thread = threading.get_ident()
+        self.open = True
+        self.plain: list[_Plain] = []
+        self.masked: list[_Masked] = []
+        self.born: weakref.WeakSet[StagedTensor] = weakref.WeakSet()
+        self._lock = threading.RLock()
+
+    # -- masked writes (patchctx._staged.Ledger) -------------------------------------------
+
+    def admit(
+        self, destination: torch.Tensor, names: frozenset[str], how: str, *, dense: bool
+    ) -> bool:
+        with self._lock:
+            if not self.open:
+                raise LoaderContractError(
+                    f"staged data of {_label(names)} is written with {how} after its load "
+                    "finished (the loader kept it, or another thread wrote it late): it holds "
+                    "'keep' marks, not weights; nothing was written"
+                )
+            owner = self.index.owner(destination)
+            if owner is None and dense:
+                return False  # dense data is exact anywhere: a temporary of the loader's
+            if owner is None:
+                raise LoaderContractError(
+                    f"the loader writes staged data of {_label(names)} with {how} into a plain "
+                    f"tensor ({tuple(destination.shape)} {destination.dtype}) that is not a "
+                    "parameter or buffer of the model: the positions the patch does not change "
+                    "would hold no value there. Copy into the model's own tensors, or make the "
+                    "temporary from the staged tensor (w.clone(), torch.empty_like(w)); "
+                    "nothing was written"
+                )
+            self.index.refuse_protected(destination, f"the patch to {_label(names)}")
+            if dense:
+                return True
+            span = span_of(destination, storage_key(destination) or 0)
+            for earlier in self.plain:
+                if earlier.span.overlaps(span):
+                    raise LoaderContractError(
+                        f"the loader wrote into {earlier.owner!r} with {earlier.how} before "
+                        f"writing staged data of {_label(names)} over the same bytes: the "
+                        "positions the patch does not change would keep the loader's values "
+                        "instead of the model's. Send this tensor as a dense patch; nothing "
+                        "was written"
+                    )
+            return True
+
+    def log_masked(
+        self,
+        destination: torch.Tensor,
+        update: torch.Tensor | None,
+        source: StagedTensor | None,
+        names: frozenset[str],
+        *,
+        dense: bool = False,
+    ) -> None:
+        with self._lock:
+            owner = self.index.owner(destination)
+            if owner is None:
+                return  # dense data into a temporary of the loader's
+            key = storage_key(destination)
+            assert key is not None
+            span = span_of(destination, key)
+            if dense:
+                self.plain.append(
+                    _Plain(span, owner.name, f"the dense patch to {_label(names)}", False)
+                )
+                if self.log_plain:
+                    self.undo.save_view(destination)
+                return
+            self.masked.append(_Masked(span, owner.name, names))
+            if update is None:  # every position
+                self.undo.save_view(destination)
+            else:
+                where = update.nonzero()
+                strides = torch.tensor(destination.stride(), device=destination.device)
+                positions = (where * strides).sum(1) + int(destination.storage_offset())
+                self.undo.save_positions(destination, positions)
+            if threading.get_ident() != self.thread:
+                self.recorder.unprovable(names, "the loader wrote it from another thread")
+            elif source is None:
+                self.recorder.unprovable(names, "the loader wrote it with an indexed write")
+            else:
+                self.recorder.segment(source, destination, owner.name, key, owner.tensor, span)
+
+    def unprovable(self, names: frozenset[str], reason: str) -> None:
+        with self._lock:
+            self.recorder.unprovable(names, reason)
+
+    # -- plain writes and reads (the guard, in the loader's thread) -------------------------
+
+    def plain_write(self, target: torch.Tensor, how: str, *, constant: bool) -> None:
+        """Before the loader's own write into `target` (a model tensor): check and log it."""
+        owner = self.index.owner(target)
+        if owner is None:
+            return
+        self.index.refuse_protected(
+            target, f"the loader (loading {_label(self.loading)}, with {how})"
+        )
+        key = storage_key(target)
+        assert key is not None
+        span = span_of(target, key)
+        with self._lock:
+            for earlier in self.masked:
+                if earlier.span.overlaps(span):
+                    if not constant:
+                        raise LoaderContractError(
+                            f"the loader changes {owner.name!r} with {how} after writing staged "
+                            f"data of {_label(earlier.names)} into the same bytes: the positions "
+                            "the patch does not change would be changed again. Send this tensor "
+                            "as a dense patch; nothing was written"
+                        )
+                    self.recorder.unprovable(
+                        earlier.names, f"the loader overwrites part of it with {how}"
+                    )
+            self.plain.append(_Plain(span, owner.name, how, constant))
+            if self.log_plain:
+                self.undo.save_view(target)
+
+    def read(self, tensor: torch.Tensor) -> None:
+        """The loader reads `tensor`: a weight it has written from staged data feeds another."""
+        if not self.masked:
+            return
+        key = storage_key(tensor)
+        if key is None:
+            return
+        span = span_of(tensor, key)
+        with self._lock:
+            for earlier in self.masked:
+                if earlier.span.overlaps(span):
+                    self.recorder.unprovable(
+                        earlier.names,
+                        "the loader reads the weight back after writing it (a tied or derived "
+                        "copy that replay would not update)",
+                    )
+
+    def close(self) -> None:
+        with self._lock:
+            self.open = False
+
+    def other_writes(self) -> list[_Plain]:
+        """The loader's own writes that replay would skip (not constant fills)."""
+        return [write for write in self.plain if not write.constant]
+
+    def constant_spans(self) -> list[Span]:
+        return [write.span for write in self.plain if write.constant]

@@ -1,0 +1,706 @@
+"""The loader zoo: ordinary-looking loaders, each a way of writing a checkpoint tensor into a model.
+
+Every entry is a tiny ``write(layer, w)`` that puts the checkpoint tensor ``w`` ([4, 6]) into
+the layer's tensors, the way some real loader does (vLLM's, a hand-written one, a careless
+one). The oracle (`check`) holds for each, whatever the dtype, strategy, ``atomic`` or routes:
+a patch load gives **bit for bit what a dense load of the patched checkpoint through the same
+loader gives**, or raises a `PatchError` and leaves the model **exactly as before** (values,
+shapes, strides, dtypes, storages, and the same set of tensors).
+
+Each entry also says what happens for float32: ``"masked"`` (the dense truth) or
+``"refused"``. The docs' write-path table lists exactly these.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import functools
+import io
+import pickle
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from patchctx import (
+    CheckpointWeightPatch,
+    CopyStrategy,
+    PatchError,
+    RouteCache,
+    load_checkpoint_weight_patches,
+    masked_copy,
+)
+from tests.support.models import same_bits
+
+Write = Callable[["ZooLayer", torch.Tensor], object]
+Outcome = Literal["masked", "refused"]
+SHAPE = (4, 6)
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values every dtype holds exactly enough: small integers for ints, normals for floats."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(-100, 100, shape, generator=generator).to(dtype)
+
+
+class ZooLayer(nn.Module):
+    """A [4, 6] weight with neighbours: a tied head, a packed [2, 6], a scale buffer, a scalar."""
+
+    def __init__(self, write: Write, dtype: torch.dtype, seed: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_random(SHAPE, dtype, seed), requires_grad=False)
+        self.head = nn.Parameter(_random(SHAPE, dtype, seed + 1), requires_grad=False)
+        self.other = nn.Parameter(_random((2, 6), dtype, seed + 2), requires_grad=False)
+        self.one = nn.Parameter(_random((1,), dtype, seed + 3), requires_grad=False)
+        self.scale: torch.Tensor
+        self.register_buffer("scale", torch.ones(4))
+        self.write = write
+        self.cache: list[torch.Tensor] = []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.write(self, tensor)
+        return {"weight"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    write: Write
+    outcome: Outcome
+    does: str  # what the loader does, for the docs
+
+
+ZOO: list[Entry] = []
+
+
+def entry(id: str, outcome: Outcome, does: str) -> Callable[[Write], Write]:
+    def register(write: Write) -> Write:
+        ZOO.append(Entry(id, write, outcome, does))
+        return write
+
+    return register
+
+
+def _rows(w: torch.Tensor) -> torch.Tensor:
+    return torch.arange(w.shape[0])
+
+
+def _in_thread(function: Callable[[], object]) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            function()
+        except BaseException as error:  # re-raised in the loader's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+# -- copy_ and its spellings --------------------------------------------------------------
+
+entry("copy_", "masked", "`p.data.copy_(w)`")(lambda m, w: m.weight.data.copy_(w))
+entry("copy_-non_blocking", "masked", "`p.data.copy_(w, non_blocking=True)`")(
+    lambda m, w: m.weight.data.copy_(w, non_blocking=True)
+)
+entry("Tensor.copy_-unbound", "masked", "`torch.Tensor.copy_(p.data, w)`")(
+    lambda m, w: torch.Tensor.copy_(m.weight.data, w)
+)
+entry("C-level-copy_", "masked", "`torch._C.TensorBase.copy_(p.data, w)`")(
+    lambda m, w: torch._C.TensorBase.copy_(m.weight.data, w)
+)
+entry("copy_-on-parameter", "masked", "`p.copy_(w)` on the `Parameter` itself")(
+    lambda m, w: m.weight.copy_(w)
+)
+entry("copy_-twice", "masked", "`p.data.copy_(w)` twice")(
+    lambda m, w: (m.weight.data.copy_(w), m.weight.data.copy_(w))
+)
+
+
+@entry("setitem-basic-slice", "masked", "`p.data[1:] = w[1:]` then `p.data[0:1] = w[0:1]`")
+def _setitem_slices(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data[1:] = w[1:]
+    m.weight.data[0:1] = w[0:1]
+
+
+@entry("setitem-ellipsis", "masked", "`p.data[...] = w`")
+def _setitem_ellipsis(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data[...] = w
+
+
+@entry("setitem-advanced-index", "masked", "`p.data[rows] = w` (`index_put_`)")
+def _setitem_rows(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data[_rows(w)] = w
+
+
+@entry("setitem-on-parameter", "masked", "`p[:] = w`")
+def _setitem_param(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight[:] = w
+
+
+@entry("setitem-bool-mask", "masked", "`p.data[m] = w[m]` with a boolean mask")
+def _setitem_bool(m: ZooLayer, w: torch.Tensor) -> None:
+    mask = torch.zeros(w.shape, dtype=torch.bool)
+    mask[::2] = True
+    m.weight.data[mask] = w[mask]
+    m.weight.data[~mask] = w[~mask]
+
+
+@entry("gather-then-advanced-setitem", "masked", "`p.data.view(-1)[i] = w.reshape(-1)[i]`")
+def _gather_setitem(m: ZooLayer, w: torch.Tensor) -> None:
+    flat = torch.arange(w.numel())
+    m.weight.data.view(-1)[flat] = w.reshape(-1)[flat]
+
+
+@entry("setitem-strided-columns", "masked", "`p.data[:, ::2] = w[:, ::2]`, then the odd ones")
+def _setitem_columns(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data[:, ::2].copy_(w[:, ::2])
+    m.weight.data[:, 1::2].copy_(w[:, 1::2])
+
+
+# -- views, aliases, layout copies and casts ---------------------------------------------
+
+entry("copy-of-detach", "masked", "`p.data.copy_(w.detach())`")(
+    lambda m, w: m.weight.data.copy_(w.detach())
+)
+entry("copy-of-.data", "masked", "`p.data.copy_(w.data)`")(lambda m, w: m.weight.data.copy_(w.data))
+entry("copy-of-Parameter(w)", "masked", "`p.data.copy_(nn.Parameter(w))`")(
+    lambda m, w: m.weight.data.copy_(nn.Parameter(w, requires_grad=False))
+)
+entry("copy-of-a-cast", "masked", "`p.data.copy_(w.to(torch.float64))`")(
+    lambda m, w: m.weight.data.copy_(w.to(torch.float64))
+)
+entry("copy-of-a-lossy-cast", "masked", "`p.data.copy_(w.half())`")(
+    lambda m, w: m.weight.data.copy_(w.half())
+)
+entry("copy-of-cast-then-detach", "masked", "`p.data.copy_(w.to(torch.float64).detach())`")(
+    lambda m, w: m.weight.data.copy_(w.to(torch.float64).detach())
+)
+entry("copy-of-cat-then-.data", "masked", "`p.data.copy_(torch.cat([w[:2], w[2:]]).data)`")(
+    lambda m, w: m.weight.data.copy_(torch.cat([w[:2], w[2:]]).data)
+)
+entry("copy-via-empty_like", "masked", "`t = torch.empty_like(w); t.copy_(w); p.copy_(t)`")(
+    lambda m, w: m.weight.data.copy_(torch.empty_like(w).copy_(w))
+)
+entry("copy-via-zeros_like", "masked", "`t = torch.zeros_like(w); t.copy_(w); p.copy_(t)`")(
+    lambda m, w: m.weight.data.copy_(torch.zeros_like(w).copy_(w))
+)
+entry("copy-of-clone", "masked", "`p.data.copy_(w.clone())`")(
+    lambda m, w: m.weight.data.copy_(w.clone())
+)
+entry("copy-of-contiguous-transpose", "masked", "`p.data.copy_(w.t().contiguous().t())`")(
+    lambda m, w: m.weight.data.copy_(w.t().contiguous().t())
+)
+entry("copy-of-cat", "masked", "`p.data.copy_(torch.cat([w[:2], w[2:]]))`")(
+    lambda m, w: m.weight.data.copy_(torch.cat([w[:2], w[2:]]))
+)
+entry("copy-of-stack-select", "masked", "`p.data.copy_(torch.stack([w])[0])`")(
+    lambda m, w: m.weight.data.copy_(torch.stack([w])[0])
+)
+entry("copy-of-reshape-roundtrip", "masked", "`p.data.copy_(w.reshape(-1).view(4, 6))`")(
+    lambda m, w: m.weight.data.copy_(w.reshape(-1).view(4, 6))
+)
+entry("copy-of-flip-twice", "masked", "`p.data.copy_(w.flip(0).flip(0))`")(
+    lambda m, w: m.weight.data.copy_(w.flip(0).flip(0))
+)
+entry("copy-of-index_select", "masked", "`p.data.copy_(w.index_select(0, rows))`")(
+    lambda m, w: m.weight.data.copy_(w.index_select(0, _rows(w)))
+)
+entry("copy-of-unsqueeze-squeeze", "masked", "`p.data.copy_(w.unsqueeze(0).squeeze(0))`")(
+    lambda m, w: m.weight.data.copy_(w.unsqueeze(0).squeeze(0))
+)
+entry("copy-of-permute-contiguous", "masked", "`p.data.copy_(w.permute(1, 0).contiguous().T)`")(
+    lambda m, w: m.weight.data.copy_(w.permute(1, 0).contiguous().T)
+)
+entry("copy-of-broadcast-row", "masked", "`p.data.copy_(w[0])` (a row broadcast to all rows)")(
+    lambda m, w: m.weight.data.copy_(w[0])
+)
+entry("copy-of-expand", "masked", "`p.data.copy_(w[1:2].expand(4, 6))`")(
+    lambda m, w: m.weight.data.copy_(w[1:2].expand(4, 6))
+)
+
+
+@entry("narrow-into-packed-halves", "masked", "two `narrow`s of `w` into two slices of `p`")
+def _narrow_halves(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.narrow(0, 0, 2).copy_(w.narrow(0, 0, 2))
+    m.weight.data.narrow(0, 2, 2).copy_(w.narrow(0, 2, 2))
+
+
+entry("transposed-into-transposed", "masked", "`p.data.t().copy_(w.t())`")(
+    lambda m, w: m.weight.data.t().copy_(w.t())
+)
+
+
+@entry("split-and-copy-each", "masked", "`for a, b in zip(p.split(1), w.split(1)): a.copy_(b)`")
+def _split(m: ZooLayer, w: torch.Tensor) -> None:
+    for a, b in zip(m.weight.data.split(1), w.split(1), strict=True):  # type: ignore[no-untyped-call]
+        a.copy_(b)
+
+
+entry("unbind-and-copy-each", "masked", "the rows of `w.unbind()` into `p.data[i]`")(
+    lambda m, w: [m.weight.data[i].copy_(row) for i, row in enumerate(w.unbind())]
+)
+
+
+# -- byte-reinterpreting views --------------------------------------------------------------
+
+entry("view-as-int-of-same-width", "masked", "`p.data.view(int).copy_(w.view(int))`, same width")(
+    lambda m, w: m.weight.data.view(_int_of(w)).copy_(w.view(_int_of(w)))
+)
+entry("view-as-bytes", "masked", "`p.data.view(torch.uint8).copy_(w.view(torch.uint8))`")(
+    lambda m, w: m.weight.data.view(torch.uint8).copy_(w.view(torch.uint8))
+)
+entry(
+    "view-as-wider-int",
+    "refused",
+    "`p.data.view(torch.int64).copy_(w.view(torch.int64))`: elements of mixed bytes",
+)(lambda m, w: m.weight.data.view(torch.int64).copy_(w.view(torch.int64)))
+entry("untyped_storage-copy", "refused", "`p.untyped_storage().copy_(w.untyped_storage())`")(
+    lambda m, w: m.weight.data.untyped_storage().copy_(w.untyped_storage())
+)
+
+
+def _int_of(tensor: torch.Tensor) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+
+
+# -- computations ------------------------------------------------------------------------
+
+entry("copy-of-arithmetic", "masked", "`p.data.copy_(w * 2)`")(
+    lambda m, w: m.weight.data.copy_(w * 2)
+)
+entry("copy-of-nan_to_num", "masked", "`p.data.copy_(torch.nan_to_num(w))`")(
+    lambda m, w: m.weight.data.copy_(torch.nan_to_num(w))
+)
+entry("copy-of-where-isnan", "masked", "`p.data.copy_(torch.where(torch.isnan(w), 0, w))`")(
+    lambda m, w: m.weight.data.copy_(torch.where(torch.isnan(w), torch.zeros_like(w), w))
+)
+entry("copy-of-w-plus-w", "masked", "`p.data.copy_(w + w)` (two staged inputs that agree)")(
+    lambda m, w: m.weight.data.copy_(w + w)
+)
+entry("copy-of-w-times-shifted-w", "refused", "`p.data.copy_(w * w.roll(1))`: inputs disagree")(
+    lambda m, w: m.weight.data.copy_(w * w.roll(1))
+)
+entry("copy-of-abs-neg", "masked", "`p.data.copy_(-w.abs())`")(
+    lambda m, w: m.weight.data.copy_(-w.abs())
+)
+entry("copy-of-matmul", "refused", "`p.data.copy_(w @ I)`: combines positions")(
+    lambda m, w: m.weight.data.copy_(w @ torch.eye(6, dtype=w.dtype))
+)
+entry("copy-of-sum", "refused", "`p.data.copy_(w.sum(0, keepdim=True).expand(4, 6))`")(
+    lambda m, w: m.weight.data.copy_(w.sum(0, keepdim=True).expand(4, 6))
+)
+entry("copy-of-softmax", "refused", "`p.data.copy_(w.softmax(-1))`")(
+    lambda m, w: m.weight.data.copy_(w.softmax(-1))
+)
+entry("copy-of-sort", "refused", "`p.data.copy_(w.sort(-1).values)`")(
+    lambda m, w: m.weight.data.copy_(w.sort(-1).values)
+)
+entry("staged-filled-in-place", "masked", "`p.data.copy_(w.fill_(0))`")(
+    lambda m, w: m.weight.data.copy_(w.fill_(0))
+)
+entry("staged-zeroed-in-place", "masked", "`p.data.copy_(w.zero_())`")(
+    lambda m, w: m.weight.data.copy_(w.zero_())
+)
+entry("staged-overwritten-by-copy_", "masked", "`p.data.copy_(w.copy_(torch.zeros_like(w)))`")(
+    lambda m, w: m.weight.data.copy_(w.copy_(torch.zeros_like(w)))
+)
+entry("staged-scaled-in-place", "masked", "`w.mul_(2)`, then `p.data.copy_(w)`")(
+    lambda m, w: m.weight.data.copy_(w.mul_(2))
+)
+entry("staged-clamped-in-place", "masked", "`w.clamp_(-1, 1)`, then `p.data.copy_(w)`")(
+    lambda m, w: m.weight.data.copy_(w.clamp_(-1, 1))
+)
+
+
+@entry("staged-row-overwritten", "masked", "`w[0] = 0` (one staged row made known), then copy")
+def _row_overwritten(m: ZooLayer, w: torch.Tensor) -> None:
+    w[0] = 0
+    m.weight.data.copy_(w)
+
+
+# -- other in-place writes of staged data into a weight ----------------------------------
+
+entry("index_copy_", "masked", "`p.data.index_copy_(0, rows, w)`")(
+    lambda m, w: m.weight.data.index_copy_(0, _rows(w), w)
+)
+entry("masked_scatter_", "masked", "`p.data.masked_scatter_(ones, w)`")(
+    lambda m, w: m.weight.data.masked_scatter_(torch.ones(w.shape, dtype=torch.bool), w)
+)
+entry("scatter_", "masked", "`p.data.scatter_(0, index, w)`")(
+    lambda m, w: m.weight.data.scatter_(0, _rows(w).unsqueeze(1).expand(w.shape), w)
+)
+entry("torch.add-out", "masked", "`torch.add(w, 0, out=p.data)`")(
+    lambda m, w: torch.add(w, 0, out=m.weight.data)
+)
+entry("torch.mul-out", "masked", "`torch.mul(w, 3, out=p.data)`")(
+    lambda m, w: torch.mul(w, 3, out=m.weight.data)
+)
+entry("where-out-reading-the-weight", "refused", "`torch.where(c, p, w, out=p)`")(
+    lambda m, w: torch.where(torch.isnan(w), m.weight.data, w, out=m.weight.data)
+)
+entry("add_", "refused", "`p.data.add_(w)`")(lambda m, w: m.weight.data.add_(w))
+entry("inplace-operator", "refused", "`p.data += w`")(lambda m, w: m.weight.data.__iadd__(w))
+entry("mul_0-then-add_", "refused", "`p.data.mul_(0).add_(w)`")(
+    lambda m, w: m.weight.data.mul_(0).add_(w)
+)
+entry("index_add_", "refused", "`p.data.index_add_(0, rows, w)`")(
+    lambda m, w: m.weight.data.index_add_(0, _rows(w), w)
+)
+entry("index_put-accumulate", "refused", "`p.data.index_put_((rows,), w, accumulate=True)`")(
+    lambda m, w: m.weight.data.index_put_((_rows(w),), w, accumulate=True)
+)
+entry("lerp_", "refused", "`p.data.lerp_(w, 0.5)`")(lambda m, w: m.weight.data.lerp_(w, 0.5))
+entry("torch.add-out-reading-the-weight", "refused", "`torch.add(p, w, out=p)`")(
+    lambda m, w: torch.add(m.weight.data, w, out=m.weight.data)
+)
+
+# -- reading values out of torch ---------------------------------------------------------
+
+entry("fill-from-item-of-a-changed-element", "masked", "`one.fill_(w.view(-1)[1].item())`")(
+    lambda m, w: (m.weight.data.copy_(w), m.one.data.fill_(w.reshape(-1)[1].item()))
+)
+entry(
+    "fill-from-item-of-an-unchanged-element",
+    "refused",
+    "`one.fill_(w.view(-1)[0].item())` (vLLM's `default_weight_loader` for a scalar)",
+)(lambda m, w: m.one.data.fill_(w.reshape(-1)[0].item()))
+entry("fill_-from-a-0-d-staged-tensor", "masked", "`one.fill_(w.view(-1)[1])`")(
+    lambda m, w: (m.weight.data.copy_(w), m.one.data.fill_(w.reshape(-1)[1]))
+)
+entry("copy-of-tolist", "refused", "`p.data.copy_(torch.tensor(w.tolist()))`")(
+    lambda m, w: m.weight.data.copy_(torch.tensor(w.tolist(), dtype=w.dtype))
+)
+entry("copy-of-numpy", "refused", "`p.data.copy_(torch.from_numpy(w.numpy()))`")(
+    lambda m, w: m.weight.data.copy_(torch.from_numpy(w.numpy()))
+)
+entry("copy-of-pickle-roundtrip", "refused", "`p.data.copy_(pickle.loads(pickle.dumps(w)))`")(
+    lambda m, w: m.weight.data.copy_(pickle.loads(pickle.dumps(w)))
+)
+
+
+@entry("copy-of-torch.save-load", "refused", "`torch.save(w, buffer)`, then `torch.load`")
+def _save_load(m: ZooLayer, w: torch.Tensor) -> None:
+    buffer = io.BytesIO()
+    torch.save(w, buffer)
+    buffer.seek(0)
+    m.weight.data.copy_(torch.load(buffer))
+
+
+entry("copy-of-frombuffer", "refused", "`torch.frombuffer(w.numpy().tobytes(), ...)`")(
+    lambda m, w: m.weight.data.copy_(
+        torch.frombuffer(bytearray(w.numpy().tobytes()), dtype=w.dtype).view(w.shape)
+    )
+)
+entry("copy-of-deepcopy", "masked", "`p.data.copy_(copy.deepcopy(w))`")(
+    lambda m, w: m.weight.data.copy_(copy.deepcopy(w))
+)
+
+# -- the loader's own writes ---------------------------------------------------------------
+
+
+@entry("zero-then-copy", "refused", "`p.data.zero_()`, then `p.data.copy_(w)`")
+def _zero_then_copy(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.zero_()
+    m.weight.data.copy_(w)
+
+
+@entry("copy-then-scale", "refused", "`p.data.copy_(w)`, then `p.data.mul_(2)`")
+def _copy_then_scale(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.weight.data.mul_(2)
+
+
+@entry("copy-then-zero-padding", "masked", "`p.data[:3].copy_(w[:3])`, then `p.data[3:].fill_(0)`")
+def _copy_then_pad(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data[:3].copy_(w[:3])
+    m.weight.data[3:].fill_(0)
+
+
+@entry("zero-padding-then-copy", "masked", "`p.data[3:].fill_(0)`, then `p.data[:3].copy_(w[:3])`")
+def _pad_then_copy(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data[3:].fill_(0)
+    m.weight.data[:3].copy_(w[:3])
+
+
+@entry("tied-head-copied-from-weight", "masked", "`p.copy_(w)`, then `head.copy_(p)`")
+def _tied_head(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.head.data.copy_(m.weight.data)
+
+
+@entry("neighbour-derived-from-weight", "masked", "`p.copy_(w)`, then `other.copy_(p[:2] * 2)`")
+def _derived_neighbour(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.other.data.copy_(m.weight.data[:2] * 2)
+
+
+@entry("buffer-maintained-by-the-loader", "masked", "`p.copy_(w)`, then `scale.mul_(2)`")
+def _scale_buffer(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.scale.mul_(2)
+
+
+# -- structure: new, replaced, rebound, reshaped tensors ------------------------------------
+
+entry("param.data-rebind", "refused", "`p.data = w.clone()`")(
+    lambda m, w: setattr(m.weight, "data", w.clone())
+)
+
+
+@entry("param.data-rebind-to-a-slice", "refused", "`p.data = p.data[:1]`")
+def _rebind_slice(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.weight.data = m.weight.data[:1]
+
+
+entry("module-attribute-replaced", "refused", "`module.weight = nn.Parameter(w.clone())`")(
+    lambda m, w: setattr(m, "weight", nn.Parameter(w.clone(), requires_grad=False))
+)
+entry("new-parameter", "refused", "`module.extra = nn.Parameter(w)`")(
+    lambda m, w: setattr(m, "extra", nn.Parameter(w, requires_grad=False))
+)
+entry("new-buffer", "refused", "`module.register_buffer('extra', w.clone())`")(
+    lambda m, w: m.register_buffer("extra", w.clone())
+)
+
+
+@entry("new-submodule", "refused", "`module.sub = nn.Linear(6, 4)`, then copy into it")
+def _new_submodule(m: ZooLayer, w: torch.Tensor) -> None:
+    sub = nn.Linear(6, 4, dtype=w.dtype)
+    m.sub = sub
+    sub.weight.data.copy_(w)
+
+
+entry("as_strided_", "refused", "`p.as_strided_((24,), (1,))`")(
+    lambda m, w: (m.weight.data.copy_(w), m.weight.as_strided_((24,), (1,)))
+)
+entry("t_", "refused", "`p.t_()` after the copy")(lambda m, w: (m.weight.copy_(w), m.weight.t_()))
+entry("set_", "refused", "`p.data.set_(w.clone().untyped_storage())`")(
+    lambda m, w: m.weight.data.set_(w.clone().untyped_storage())
+)
+entry("zeros-out-resizing", "refused", "`torch.zeros(8, 6, out=p.data)`")(
+    lambda m, w: torch.zeros(8, 6, dtype=w.dtype, out=m.weight.data)
+)
+
+# -- temporaries and stashes ---------------------------------------------------------------
+
+entry("copy-into-a-plain-temporary", "refused", "`t = torch.zeros(4, 6); t.copy_(w); p.copy_(t)`")(
+    lambda m, w: m.weight.data.copy_(torch.zeros(w.shape, dtype=w.dtype).copy_(w))
+)
+
+
+@entry("stash-a-clone", "refused", "`p.copy_(w)`, then `self.cache.append(w.clone())`")
+def _stash_clone(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.cache.append(w.clone())
+
+
+@entry("stash-a-view", "refused", "`p.copy_(w)`, then `self.cache.append(w[1:])`")
+def _stash_view(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.cache.append(w[1:])
+
+
+# -- threads, regions, generators ----------------------------------------------------------
+
+entry("copy-in-a-thread", "masked", "`threading.Thread(target=lambda: p.data.copy_(w))`")(
+    lambda m, w: _in_thread(lambda: m.weight.data.copy_(w))
+)
+
+
+@entry("copy-in-a-thread-pool", "masked", "rows copied by a `ThreadPoolExecutor`")
+def _pool(m: ZooLayer, w: torch.Tensor) -> None:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: m.weight.data[i].copy_(w[i]), range(4)))
+
+
+@entry("zero-then-copy-in-a-thread", "refused", "`p.data.zero_()`, then a thread copies `w`")
+def _zero_then_thread(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.zero_()
+    _in_thread(lambda: m.weight.data.copy_(w))
+
+
+@entry("setitem-in-a-thread", "masked", "`p.data[rows] = w` in another thread")
+def _setitem_thread(m: ZooLayer, w: torch.Tensor) -> None:
+    _in_thread(lambda: m.weight.data.__setitem__(_rows(w), w))
+
+
+@entry("copy-inside-a-masked_copy-region", "masked", "`with masked_copy(): p.data.copy_(w)`")
+def _in_region(m: ZooLayer, w: torch.Tensor) -> None:
+    with masked_copy():
+        m.weight.data.copy_(w)
+
+
+@entry("copy-from-a-generator", "masked", "a generator yields views of `w`, each copied")
+def _generator(m: ZooLayer, w: torch.Tensor) -> None:
+    def rows() -> Iterator[tuple[int, torch.Tensor]]:
+        yield from enumerate(w)
+
+    for i, row in rows():
+        m.weight.data[i].copy_(row)
+
+
+def _rounded(w: torch.Tensor) -> torch.Tensor:
+    return w.float().round().to(w.dtype)
+
+
+entry("copy-of-round-trip-through-float", "masked", "`p.data.copy_(w.float().round().to(dt))`")(
+    lambda m, w: m.weight.data.copy_(_rounded(w))
+)
+
+# ----------------------------------------------------------------------------------- oracle
+
+
+def full_state(model: nn.Module) -> dict[str, Any]:
+    """Everything the contract says stays the same on refusal: names, layouts, storages, bits."""
+    result: dict[str, Any] = {"modules": sorted(name for name, _ in model.named_modules())}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        result[name] = (
+            tensor.detach().clone(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.storage_offset(),
+            tensor.dtype,
+            tensor.untyped_storage().data_ptr(),
+            tensor.untyped_storage().nbytes(),
+            type(tensor),
+        )
+    return result
+
+
+def same_state(
+    a: dict[str, Any], b: dict[str, Any], *, storages: bool = True, values: bool = True
+) -> list[str]:
+    """The entries of two `full_state`s that differ (values compared bit for bit)."""
+    if a.keys() != b.keys():
+        return [f"tensors: {sorted(a.keys() ^ b.keys())}"]
+    different = []
+    for name in a:
+        if name == "modules":
+            if a[name] != b[name]:
+                different.append("modules")
+            continue
+        (va, *ma), (vb, *mb) = a[name], b[name]
+        if not storages:
+            ma, mb = ma[:4], mb[:4]
+        if ma != mb or (values and not same_bits(va, vb)):
+            different.append(name)
+    return different
+
+
+def patched(checkpoint: torch.Tensor, patch: CheckpointWeightPatch) -> torch.Tensor:
+    result = checkpoint.clone()
+    assert patch.indices is not None
+    result.view(-1)[patch.indices] = patch.values.to(result.dtype)
+    return result
+
+
+def dense_load(model: ZooLayer, checkpoint: torch.Tensor) -> BaseException | None:
+    with torch.no_grad():
+        try:
+            model.load_weights([("w", checkpoint.clone())])
+        except Exception as error:
+            return error
+    model.cache.clear()
+    return None
+
+
+def _attempt(call: Callable[[], object]) -> Exception | None:
+    try:
+        call()
+    except Exception as error:
+        return error
+    return None
+
+
+@dataclass
+class Verdict:
+    outcomes: list[str]  # "masked" / "refused" / "failed" per patch, in order
+    messages: list[str]
+
+
+def check(
+    write: Write,
+    dtype: torch.dtype,
+    patches: list[CheckpointWeightPatch],
+    *,
+    strategy: CopyStrategy | None,
+    atomic: bool,
+    routes: bool,
+    seed: int = 0,
+) -> Verdict:
+    """Apply `patches` one call at a time and hold each call to the oracle (see module doc)."""
+    base = ZooLayer(write, dtype, seed)
+    checkpoint = _random(SHAPE, dtype, seed + 10)
+    fresh = full_state(base)
+    if dense_load(base, checkpoint) is not None:
+        return Verdict(["loader-fails-densely"], [])
+    if same_state(full_state(base), fresh, values=False):
+        # The loader changes the model's structure (rebinds, reshapes, adds tensors): a patch
+        # load must refuse it, with nothing changed.
+        model = ZooLayer(write, dtype, seed)
+        before = full_state(model)
+        error = _attempt(
+            lambda: load_checkpoint_weight_patches(
+                model, patches[:1], strategy=strategy, atomic=atomic
+            )
+        )
+        model.cache.clear()
+        assert isinstance(error, PatchError), f"a structure-changing loader gave {error!r}"
+        changed = same_state(full_state(model), before)
+        assert not changed, f"refused ({error}) but changed {changed}"
+        return Verdict(["refused"], [str(error)])
+    truth, model = copy.deepcopy(base), copy.deepcopy(base)
+    cache = RouteCache() if routes else None
+    verdict = Verdict([], [])
+    for patch in patches:
+        checkpoint = patched(checkpoint, patch)
+        before = full_state(model)
+        failed = dense_load(truth, checkpoint)
+        error = _attempt(
+            functools.partial(
+                load_checkpoint_weight_patches,
+                model,
+                [patch],
+                strategy=strategy,
+                atomic=atomic,
+                routes=cache,
+            )
+        )
+        model.cache.clear()
+        if error is not None:
+            if not isinstance(error, PatchError):
+                assert failed is not None, f"the patch load raised {error!r}; the dense did not"
+            changed = same_state(full_state(model), before)
+            assert not changed, f"refused ({error!r}) but changed {changed}"
+            verdict.outcomes.append("refused" if isinstance(error, PatchError) else "failed")
+            verdict.messages.append(str(error))
+            return verdict
+        assert failed is None, f"the dense load raised {failed!r}; the patch load did not"
+        differ = same_state(full_state(model), full_state(truth), storages=False)
+        assert not differ, f"not the dense truth: {differ}"
+        after = full_state(model)
+        assert all(after[n][5] == before[n][5] for n in before if n != "modules"), "reallocated"
+        verdict.outcomes.append("masked")
+    return verdict
+
+
+def sparse(indices: list[int], values: list[float], dtype: torch.dtype) -> CheckpointWeightPatch:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if not dtype.is_floating_point:
+        tensor = tensor.round()
+    return CheckpointWeightPatch(
+        "w", SHAPE, dtype, tensor.to(dtype), torch.tensor(indices, dtype=torch.long)
+    )

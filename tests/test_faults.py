@@ -1,0 +1,222 @@
+"""Asynchronous exceptions at every line, and regions that cross threads and contexts.
+
+A ``KeyboardInterrupt`` from a signal can arrive between any two lines. A trace function
+raises one at the N-th line executed in patchctx's own code, for every N of a whole region or a
+whole load, one run per N (not at random). After each run the lock is free, ``copy_`` is the
+original, no dispatch mode is left on the thread, and the model is bit for bit as before (or,
+when the interrupt came after the load was complete, as after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import linecache
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import patchctx
+from patchctx import NaNMask, RouteCache, _swap, load_checkpoint_weight_patches, masked_copy
+from tests.support.zoo import ZooLayer, full_state, same_state, sparse
+
+ORIGINAL = torch.Tensor.copy_
+PACKAGE = str(Path(patchctx.__file__).parent)
+
+
+class Injected(KeyboardInterrupt):
+    pass
+
+
+def run_with_interrupt_at(line: int | None, body: Callable[[], object]) -> tuple[int, bool]:
+    """Run `body`, raising `Injected` at the `line`-th line event in patchctx's code.
+
+    Returns the number of line events seen and whether the interrupt was raised.
+    """
+    seen = 0
+    raised = False
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal seen, raised
+        if event == "line" and not _irreducible(frame):
+            seen += 1
+            if seen == line:
+                raised = True
+                raise Injected
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename.startswith(PACKAGE):
+            return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        body()
+    except Injected:
+        pass
+    finally:
+        sys.settrace(None)
+    return seen, raised
+
+
+_EXIT = (patchctx.MaskedCopy.__exit__.__code__, _swap.innermost.__code__)
+
+
+def _irreducible(frame: FrameType) -> bool:
+    """Line events no signal can be delivered at, or none of our code can answer:
+
+    - the first line of ``MaskedCopy.__exit__``, the lookup of the region to close
+      (``innermost`` and what it calls): an exception there comes before
+      the region's close runs even once, as if the ``with`` statement had not called
+      ``__exit__``. patchctx's own code never opens a region with ``with`` (the decorators,
+      the load), so it is covered at every line;
+    - a bare ``try:`` line: it runs no instruction a signal is checked at, and CPython 3.11
+      raises an exception from a trace function there outside the enclosing handlers (an
+      artefact of tracing: an outer ``finally`` would not even run).
+    """
+    first_line = frame.f_code is _EXIT[0] and frame.f_lineno == _EXIT[0].co_firstlineno + 1
+    if (
+        first_line
+        or frame.f_code is _EXIT[1]
+        or (frame.f_back is not None and frame.f_back.f_code is _EXIT[1])
+    ):
+        return True
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() == "try:"
+
+
+def assert_consistent() -> None:
+    assert _swap.holder() is None, "the region lock is held"
+    assert torch.Tensor.copy_ is ORIGINAL, "copy_ is still swapped"
+    assert _swap.active_interceptor() is None, "a region is still active on this thread"
+    assert not _swap.is_bypassed(), "this thread's copy_ calls still bypass every region"
+    assert _get_current_dispatch_mode() is None, "a dispatch mode is left on the thread"
+
+
+def region_body() -> None:
+    destination = torch.zeros(4)
+    staged = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
+    with masked_copy(strategy=NaNMask()):
+        destination.copy_(staged)
+
+
+@masked_copy(strategy=NaNMask())
+def decorated_body(destination: torch.Tensor, staged: torch.Tensor) -> None:
+    destination.copy_(staged)
+
+
+def decorated_region_body() -> None:
+    destination = torch.zeros(4)
+    decorated_body(destination, torch.tensor([1.0, float("nan"), 3.0, float("nan")]))
+    assert destination.tolist() == [1.0, 0.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize("body", [region_body, decorated_region_body], ids=["with", "decorator"])
+def test_an_interrupt_at_any_line_of_a_region_leaves_lock_swap_and_stack_consistent(
+    body: Callable[[], None],
+) -> None:
+    total, _ = run_with_interrupt_at(None, body)
+    assert total > 20
+    for line in range(1, total + 1):
+        run_with_interrupt_at(line, body)
+        assert_consistent()
+        body()  # and the next region works
+        assert_consistent()
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("routes", [False, True])
+def test_an_interrupt_at_any_line_of_a_load_leaves_the_model_as_before_or_as_after(
+    atomic: bool, routes: bool
+) -> None:
+    def copy(m: ZooLayer, w: torch.Tensor) -> None:
+        m.weight.data[:2].copy_(w[:2])
+        m.weight.data[2:].copy_(w[2:])
+
+    patches = [sparse([1, 8, 23], [1.5, -2.0, 3.25], torch.float32)]
+    second = [sparse([2, 9], [7.0, 8.0], torch.float32)]
+    cache = RouteCache() if routes else None
+    model = ZooLayer(copy, torch.float32)
+    load_checkpoint_weight_patches(model, patches, routes=cache)  # records the route
+    before = full_state(model)
+    after_model = ZooLayer(copy, torch.float32)
+    load_checkpoint_weight_patches(after_model, patches)
+    load_checkpoint_weight_patches(after_model, second)
+    after = full_state(after_model)
+
+    def body() -> None:
+        load_checkpoint_weight_patches(model, second, routes=cache, atomic=atomic)
+
+    total, _ = run_with_interrupt_at(None, body)
+    assert not same_state(full_state(model), after, storages=False)
+    assert total > 50
+    for line in range(1, total + 1):
+        model = ZooLayer(copy, torch.float32)
+        load_checkpoint_weight_patches(model, patches)
+        cache = RouteCache() if routes else None
+        if cache is not None:
+            load_checkpoint_weight_patches(model, patches, routes=cache)
+        run_with_interrupt_at(line, body)
+        assert_consistent()
+        state = full_state(model)
+        as_before = same_state(state, before, storages=False)
+        as_after = same_state(state, after, storages=False)
+        assert as_before == [] or as_after == [], f"line {line}: half written: {as_before}"
+
+
+def test_a_region_left_from_another_thread_frees_the_lock() -> None:
+    region = masked_copy()
+    region.__enter__()
+    done = threading.Event()
+
+    def leave() -> None:
+        region.__exit__(None, None, None)
+        done.set()
+
+    thread = threading.Thread(target=leave)
+    thread.start()
+    thread.join()
+    assert done.is_set()
+    assert_consistent()
+    entered = []
+
+    def enter() -> None:
+        with masked_copy(timeout=2):
+            entered.append(True)
+
+    other = threading.Thread(target=enter)
+    other.start()
+    other.join()
+    assert entered == [True]
+
+
+def test_a_context_copied_into_another_thread_does_not_carry_the_region() -> None:
+    nan = torch.full((3,), float("nan"))
+    results: list[bool] = []
+    with masked_copy(strategy=NaNMask()):
+        context = contextvars.copy_context()
+
+        def copy_in_other_thread() -> None:
+            destination = torch.zeros(3)
+            context.run(destination.copy_, nan)
+            results.append(bool(torch.isnan(destination).all()))
+
+        thread = threading.Thread(target=copy_in_other_thread)
+        thread.start()
+        thread.join()
+
+        async def to_thread() -> bool:
+            destination = torch.zeros(3)
+            await asyncio.to_thread(destination.copy_, nan)
+            return bool(torch.isnan(destination).all())
+
+        results.append(asyncio.run(to_thread()))
+    assert results == [True, True], "other threads copy plainly, even with the region's context"
+    assert_consistent()

@@ -1,14 +1,13 @@
 """The documentation site: it builds strictly and offline, its links resolve, it covers the API.
 
-The site is built once per session into a temporary folder (about a second), in a subprocess
-whose every network access is refused, so a plugin, theme or inventory that reaches for the
-network fails the build here before it fails in CI.
+The site is built once per session into a temporary folder (the `site` fixture of
+`tests/support/site.py`), in a subprocess whose every network access is refused, so a plugin,
+theme or inventory that reaches for the network fails the build here before it fails in CI.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,64 +22,11 @@ import pytest
 from typing_extensions import ParamSpec
 
 from tests.support.public_api import public_names
-
-ROOT = Path(__file__).resolve().parent.parent
-
-# Refuses (and records) every socket use, DNS included, for the rest of the process.
-NETWORK_GUARD = r"""
-import sys
-
-attempts = []
-
-def refuse_network(event, args):
-    if event in {"socket.connect", "socket.getaddrinfo", "socket.gethostbyname",
-                 "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.sendto"}:
-        attempts.append(f"{event}{args!r}")
-        raise OSError(f"network access during the docs build: {event}{args!r}")
-
-sys.addaudithook(refuse_network)
-"""
-
-# mkdocs build --strict behind the guard; exit status 3 if anything tried the network.
-OFFLINE_BUILD = (
-    NETWORK_GUARD
-    + r"""
-from mkdocs.__main__ import cli
-
-sys.argv = ["mkdocs", "build", "--strict", "--config-file", sys.argv[1],
-            "--site-dir", sys.argv[2]]
-code = 0
-try:
-    cli()
-except SystemExit as exit:
-    code = exit.code
-if attempts:
-    sys.stderr.write("network access attempted:\n" + "\n".join(attempts) + "\n")
-    code = 3
-sys.exit(code)
-"""
-)
+from tests.support.site import NETWORK_GUARD
 
 API_PAGES = ("api/",)  # site paths of the API reference (a page or a folder of pages)
 
-
-@pytest.fixture(scope="session")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("site")
-    result = subprocess.run(
-        [sys.executable, "-c", OFFLINE_BUILD, str(ROOT / "mkdocs.yml"), str(directory)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"mkdocs build --strict failed (exit {result.returncode}):\n{result.stderr}",
-            pytrace=False,
-        )
-    return directory
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass

@@ -8,6 +8,7 @@ theme or inventory that reaches for the network fails the build here before it f
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ class Page:
     path: str  # relative to the site root, e.g. "api/index.html"
     ids: set[str] = field(default_factory=set)
     links: list[str] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)  # src of every <img>
     # identifiers of cross-references that autorefs could not resolve (rendered as plain text)
     unresolved: list[str] = field(default_factory=list)
 
@@ -51,6 +53,8 @@ class _Scanner(HTMLParser):
             self.page.ids.add(anchor)
         if tag == "a" and (name := values.get("name")) is not None:
             self.page.ids.add(name)
+        if tag == "img" and (image := values.get("src")) is not None:
+            self.page.images.append(image)
         for attribute in ("href", "src"):
             if (target := values.get(attribute)) is not None and tag in ("a", "link", "img"):
                 self.page.links.append(target)
@@ -103,6 +107,23 @@ def test_internal_links_and_anchors_resolve(site: Path, pages: dict[str, Page]) 
             elif fragment and (path not in pages or fragment not in pages[path].ids):
                 broken.append(f"{page.path}: {link} -> no #{fragment} in {path}")
     assert not broken, "broken internal links:\n" + "\n".join(broken)
+
+
+# A link target that is a picture: it must have become an <img>, whatever the Markdown around it.
+IMAGE = re.compile(r"\]\((?P<src>[^)\s]+\.(?:svg|png))\)")
+
+
+def test_every_image_of_a_page_renders_as_an_image(pages: dict[str, Page]) -> None:
+    # Markdown image syntax breaks silently (brackets in the alt text make it a link).
+    missing = []
+    for markdown in sorted((ROOT / "docs").rglob("*.md")):
+        relative = markdown.relative_to(ROOT / "docs").with_suffix("")
+        html = "index.html" if relative.name == "index" else f"{relative.as_posix()}/index.html"
+        for match in IMAGE.finditer(markdown.read_text(encoding="utf-8")):
+            name = match["src"].rsplit("/", 1)[-1]
+            if not any(image.endswith("/" + name) for image in pages[html].images):
+                missing.append(f"{markdown.relative_to(ROOT)}: {match['src']} is not an <img>")
+    assert not missing, "\n".join(missing)
 
 
 def test_the_link_checker_sees_pages_links_and_anchors(pages: dict[str, Page]) -> None:

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,18 @@ def test_quick_run_reports_progress_a_table_json_and_a_chart(tmp_path: Path) -> 
     assert all(row["peak_extra_mib"] is not None for row in measured)  # memory is measured
     assert report["settings"]["hidden"] == 256 and report["settings"]["repeats"] == 2
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_json_alone_prints_the_report_instead_of_the_table(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATCHCTX_BENCH_T0", str(time.time()))  # restored afterwards
+    argv = ["--quick", "--measure", "time", "--dtypes", "fp32", "--densities", "0.01", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout holds the JSON and nothing else
+    assert {row["method"] for row in report["rows"]} >= set(METHODS)
+    assert "fp32 1.000%: 2 rounds x 5 methods" in captured.err
 
 
 def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:

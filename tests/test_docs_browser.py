@@ -144,6 +144,14 @@ OVERFLOWING_CODE = """
 """
 
 
+# Images that did not load (a wrong path, an SVG the browser cannot parse).
+BROKEN_IMAGES = """
+() => Array.from(document.images)
+    .filter((image) => !image.complete || image.naturalWidth === 0)
+    .map((image) => image.getAttribute("src"))
+"""
+
+
 def test_every_page_loads_without_errors_and_its_code_fits(
     browser: Any, served: str, site: Path
 ) -> None:
@@ -152,6 +160,7 @@ def test_every_page_loads_without_errors_and_its_code_fits(
         page, visit = open_page(browser, served + path, served)
         problems += [f"{path}: {error}" for error in visit.errors]
         problems += [f"{path}: requested {url}, outside the site" for url in visit.refused]
+        problems += [f"{path}: image {src} did not load" for src in page.evaluate(BROKEN_IMAGES)]
         if not path.startswith("api/"):  # rendered signatures are mkdocstrings' to wrap
             problems += [
                 f"{path}: a code block scrolls sideways; its longest line is {line!r}"
@@ -194,7 +203,9 @@ def test_the_checks_see_errors_requests_and_wide_code(browser: Any, served: str)
     )
     page.wait_for_load_state("networkidle")
     overflowing = page.evaluate(OVERFLOWING_CODE)
+    broken = page.evaluate(BROKEN_IMAGES)
     page.close()
+    assert broken == ["https://example.invalid/x.png"]
     assert overflowing == ["x" * 200]
     assert any("logged" in error for error in visit.errors)
     assert any("undefined_name" in error for error in visit.errors)

@@ -1,5 +1,5 @@
 """The built site in a real browser: every page loads without an error, search finds things,
-code fits the content column, and the home page is kept as a screenshot.
+code and tables fit the content column, and the home page is kept as a screenshot.
 
 The browser is the Chromium of the Debian package ``chromium-headless-shell``, driven through
 Playwright (from PyPI, in the docs group); Playwright's own browser download is never used.
@@ -144,6 +144,14 @@ OVERFLOWING_CODE = """
 """
 
 
+# Tables wider than the column (the theme wraps each in a box that scrolls sideways).
+OVERFLOWING_TABLES = """
+() => Array.from(document.querySelectorAll(".md-content .md-typeset__scrollwrap"))
+    .filter((box) => box.scrollWidth > box.clientWidth + 1)
+    .map((box) => box.querySelector("tr").innerText.replace(/\\s+/g, " "))
+"""
+
+
 # Images that did not load (a wrong path, an SVG the browser cannot parse).
 BROKEN_IMAGES = """
 () => Array.from(document.images)
@@ -165,6 +173,10 @@ def test_every_page_loads_without_errors_and_its_code_fits(
             problems += [
                 f"{path}: a code block scrolls sideways; its longest line is {line!r}"
                 for line in page.evaluate(OVERFLOWING_CODE)
+            ]
+            problems += [
+                f"{path}: a table scrolls sideways; its header is {header!r}"
+                for header in page.evaluate(OVERFLOWING_TABLES)
             ]
         page.close()
     assert len(site_pages(site)) >= 10
@@ -198,15 +210,21 @@ def test_the_checks_see_errors_requests_and_wide_code(browser: Any, served: str)
     page.set_content(
         '<div class="md-content"><pre><code style="display:block; overflow:auto; width:50px">'
         + "x" * 200
-        + '</code></pre></div><img src="https://example.invalid/x.png">'
+        + '</code></pre><div class="md-typeset__scrollwrap" style="overflow:auto; width:50px">'
+        + "<table><tr><th>"
+        + "y" * 100
+        + "</th></tr></table></div></div>"
+        + '<img src="https://example.invalid/x.png">'
         + "<script>console.error('logged'); undefined_name;</script>"
     )
     page.wait_for_load_state("networkidle")
     overflowing = page.evaluate(OVERFLOWING_CODE)
     broken = page.evaluate(BROKEN_IMAGES)
+    tables = page.evaluate(OVERFLOWING_TABLES)
     page.close()
     assert broken == ["https://example.invalid/x.png"]
     assert overflowing == ["x" * 200]
+    assert tables == ["y" * 100]
     assert any("logged" in error for error in visit.errors)
     assert any("undefined_name" in error for error in visit.errors)
     assert visit.refused == ["https://example.invalid/x.png"]

@@ -6,10 +6,12 @@ there lists exactly the catalogue the guard tests run, with the same outcomes.
 
 The table names its catalogue in the comment line above it, e.g.
 ``<!-- write-path catalogue: tests/test_guard.py MASKED=masked REFUSED=refused -->``: a test
-module and, for each of its catalogue attributes, the outcome every entry of it has. An
-attribute may be a mapping (its keys are the entries), or a sequence of ``pytest.param``s (their
-ids), of tuples (their first item) or of strings; so the catalogue may grow or change shape, and
-only that line changes with it.
+module and, for each of its catalogue attributes, the outcome every entry of it has, or
+``.field`` when each entry carries its own (``ZOO=.outcome``: the entry's ``outcome`` attribute,
+or key for a mapping's values; a str or a str-valued Enum). An attribute may be a mapping (its
+keys name the entries), or a sequence of ``pytest.param``s (their ids), of objects with an
+``id`` or ``name`` (dataclasses, named tuples), of tuples (their first item) or of strings; so
+the catalogue may grow or change shape, and only that line changes with it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ast
 import importlib
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,7 @@ from tests.support.examples import ROOT
 
 GUARANTEES = ROOT / "docs" / "guarantees.md"
 CATALOGUE_MARKER = re.compile(
-    r"^<!-- write-path catalogue: (?P<module>tests/[\w/]+\.py)(?P<parts>( \w+=[\w-]+)+) -->$"
+    r"^<!-- write-path catalogue: (?P<module>tests/[\w/]+\.py)(?P<parts>( \w+=\.?[\w-]+)+) -->$"
 )
 
 # Test file -> the page that must name every one of its tests (None: any page of the docs).
@@ -63,21 +66,44 @@ def _table_after(text: str, number: int) -> list[list[str]]:
     return [row for row in rows if not all(set(cell) <= {"-", " ", ":"} for cell in row)]
 
 
-def entry_ids(catalogue: object) -> list[str]:
-    """The entry names of one catalogue attribute (see the module docstring)."""
+def _entry_id(entry: object) -> str:
+    if isinstance(entry, str):
+        return entry
+    for field in ("id", "name"):  # pytest.param(..., id=...), a dataclass or named tuple
+        if isinstance(value := getattr(entry, field, None), str):
+            return value
+    if isinstance(entry, tuple) and entry and isinstance(entry[0], str):
+        return entry[0]
+    raise AssertionError(f"cannot name the catalogue entry {entry!r}")
+
+
+def _entry_outcome(entry: object, field: str) -> str:
+    value = entry[field] if isinstance(entry, Mapping) else getattr(entry, field, None)
+    if isinstance(value, str):
+        return value
+    if isinstance(getattr(value, "value", None), str):  # an Enum member
+        return str(value.value)  # type: ignore[union-attr]
+    raise AssertionError(f"the catalogue entry {entry!r} has no str {field!r}")
+
+
+def entry_outcomes(catalogue: object, outcome: str) -> list[tuple[str, str]]:
+    """(name, outcome) of every entry of one catalogue attribute (see the module docstring).
+
+    `outcome` is the outcome of every entry, or ``.field``: each entry's own ``field``
+    (an attribute, or a key of a mapping's values).
+    """
     if isinstance(catalogue, Mapping):
-        return [str(key) for key in catalogue]
-    ids = []
-    for entry in catalogue:  # type: ignore[attr-defined]
-        if isinstance(entry, str):
-            ids.append(entry)
-        elif isinstance(getattr(entry, "id", None), str):  # pytest.param(..., id=...)
-            ids.append(entry.id)
-        elif isinstance(entry, tuple) and entry and isinstance(entry[0], str):
-            ids.append(entry[0])
-        else:
-            raise AssertionError(f"cannot name the catalogue entry {entry!r}")
-    return ids
+        entries: list[tuple[str, object]] = [(str(k), v) for k, v in catalogue.items()]
+    else:
+        entries = [(_entry_id(entry), entry) for entry in catalogue]  # type: ignore[attr-defined]
+    if not outcome.startswith("."):
+        return [(name, outcome) for name, _ in entries]
+    return [(name, _entry_outcome(entry, outcome[1:])) for name, entry in entries]
+
+
+def entry_ids(catalogue: object) -> list[str]:
+    """The entry names of one catalogue attribute."""
+    return [name for name, _ in entry_outcomes(catalogue, "any")]
 
 
 def catalogue_in_the_tests() -> dict[str, str]:
@@ -87,9 +113,9 @@ def catalogue_in_the_tests() -> dict[str, str]:
     found: dict[str, str] = {}
     for part in match["parts"].split():
         attribute, outcome = part.split("=")
-        for entry in entry_ids(getattr(module, attribute)):
+        for entry, result in entry_outcomes(getattr(module, attribute), outcome):
             assert entry not in found, f"{entry!r} is in the catalogue twice"
-            found[entry] = outcome
+            found[entry] = result
     return found
 
 
@@ -130,11 +156,23 @@ def test_the_table_reader_sees_the_table() -> None:
     assert len(set(catalogue.values())) >= 2  # more than one outcome is compared
 
 
+@dataclass(frozen=True)
+class _Loader:
+    name: str
+    outcome: str
+
+
 def test_catalogue_entries_are_named_whatever_their_shape() -> None:
     assert entry_ids({"a": 1, "b": 2}) == ["a", "b"]
-    assert entry_ids([("a", 1), pytest.param(2, id="b"), "c"]) == ["a", "b", "c"]
+    assert entry_ids([("a", 1), pytest.param(2, id="b"), "c", _Loader("d", "x")]) == list("abcd")
     with pytest.raises(AssertionError, match="cannot name"):
         entry_ids([3])
+    # each entry's own outcome
+    zoo = [_Loader("a", "masked"), _Loader("b", "refused")]
+    assert entry_outcomes(zoo, ".outcome") == [("a", "masked"), ("b", "refused")]
+    assert entry_outcomes({"c": {"outcome": "masked"}}, ".outcome") == [("c", "masked")]
+    assert entry_outcomes(zoo, "replayed") == [("a", "replayed"), ("b", "replayed")]
+    assert CATALOGUE_MARKER.match("<!-- write-path catalogue: tests/x.py ZOO=.outcome -->")
 
 
 def _test_functions(path: Path) -> list[str]:

@@ -710,15 +710,17 @@ def main(argv: list[str] | None = None) -> int:
         print(report)
     elif not args.quiet:
         print(table(rows, meta))
+    child = os.environ.get(_RUN) is not None  # one of the two runs of --measure both
     if args.json not in (None, "-"):
         Path(args.json).write_text(report + "\n")
-        progress(f"wrote {args.json}")
+        if not child:  # a child's JSON is its parent's business
+            progress(f"wrote {args.json}")
     if args.plot is not None:
         from benchmarks.charts import bench_png
 
         bench_png({"settings": meta, "rows": [asdict(r) for r in rows]}, args.plot)
         progress(f"wrote {args.plot}")
-    if os.environ.get(_RUN) is None:
+    if not child:
         progress("done")
     return 0 if all(r.identical is not False for r in rows) else 1
 

@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -247,6 +248,8 @@ class Row:
     bytes_per_changed_element: float | None
     changed_elements: int
     identical: bool | None = None
+    min_ms: float | None = None
+    max_ms: float | None = None
 
 
 def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
@@ -268,6 +271,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
     generator = torch.Generator().manual_seed(args.seed)
     first_use_s, _ = meter(partial(_first_use, device))
     for dtype_name in args.dtypes:
+        progress(f"{dtype_name}: building the model (hidden {args.hidden}, TP {args.tp})")
         rows += _bench_dtype(args, dtype_name, baseline, meter, generator)
     meta = {
         "baseline": baseline_kind,
@@ -323,10 +327,14 @@ def _bench_dtype(
             _mib(record_mem),
             None,
             _nnz(warm),
+            min_ms=record_s * 1e3,
+            max_ms=record_s * 1e3,
         )
     )
 
+    progress(f"{dtype_name}: routes recorded in {record_s * 1e3:.0f} ms")
     for scenario in _scenarios(args, base.shapes, dtype, generator, device):
+        progress(f"{dtype_name} {scenario.label}: {args.repeats} rounds x {len(METHODS)} methods")
         timings: dict[str, list[float]] = {m: [] for m in METHODS}
         memory: dict[str, list[int]] = {m: [] for m in METHODS}
         changed = 0
@@ -383,6 +391,8 @@ def _bench_dtype(
                     None if peak is None else peak / changed,
                     changed,
                     same,
+                    min_ms=min(timings[method]) * 1e3,
+                    max_ms=max(timings[method]) * 1e3,
                 )
             )
     return rows
@@ -472,70 +482,218 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- output
 
+_T0 = "PATCHCTX_BENCH_T0"  # the wall-clock start of the whole run, shared with the child runs
+_RUN = "PATCHCTX_BENCH_RUN"  # which child run this is ("times", "memory"), for progress lines
+
+
+def progress(message: str) -> None:
+    """One line on stderr: the time since the run started, which run, what it is doing."""
+    start = float(os.environ.get(_T0, _STARTED))
+    run_label = os.environ.get(_RUN)
+    prefix = f"[{time.time() - start:6.1f} s]" + (f" {run_label}:" if run_label else "")
+    print(f"{prefix} {message}", file=sys.stderr, flush=True)
+
+
+_STARTED = time.time()
+
+# How the table names each method, and what the legend says of it.
+METHOD_LEGEND = {
+    "baseline": "vLLM's load_checkpoint_weight_patches (or its algorithm written out, "
+    "see the header): stages every patch as a full NaN-filled tensor",
+    "patchctx": "load_checkpoint_weight_patches without routes: the same O(N) loader path",
+    "patchctx+routes": "with a RouteCache, routes already recorded: O(nnz) replay",
+    "lower-bound": "a bare index_copy_ of positions and values computed beforehand",
+    "dense-reload": "the full patched tensors loaded through the loader, plain copies",
+    "record routes": "the first round of patchctx+routes, which records the routes",
+}
+_SHORT = {"route recording (1st round)": "record routes"}
+
+
+def _cell(value: float | None, spec: str, suffix: str = "") -> str:
+    return "" if value is None else f"{value:{spec}}{suffix}"
+
 
 def table(rows: list[Row], meta: dict[str, Any]) -> str:
+    """The compact table: one block per (dtype, patches), times as min / median / max."""
+    header = (
+        f"{'dtype':<5} {'patches':<13} {'density':>7}  {'method':<15} "
+        f"{'min ms':>8} {'median':>8} {'max':>8} {'vs base':>7} {'MiB':>6} {'B/chg':>7} same"
+    )
     lines = [
         f"patchctx benchmark: hidden {meta['hidden']}, TP {meta['tp']} rank {meta['rank']}, "
         f"{meta['device']}, torch {meta['torch']}, {meta['threads']} threads, "
-        f"median of {meta['repeats']} rounds (one patch to each of 4 checkpoint tensors)",
-        f"baseline = {meta['baseline']}; memory = {meta['memory']}",
-        f"one-time first use of patchctx's guard in this process (not in the rows): "
-        f"{meta['first_use_seconds']:.2f} s",
+        f"{meta['repeats']} rounds",
+        f"baseline: {meta['baseline']}",
         "",
-        f"{'dtype':<5} {'patches':<13} {'density':>8} {'method':<29} {'median ms':>10} "
-        f"{'vs base':>8} {'peak MiB':>9} {'B/changed':>10} {'identical':>9}",
+        header,
+        "-" * len(header),
     ]
+    previous = None
     for row in rows:
-        ratio = "" if row.ratio_to_baseline is None else f"{row.ratio_to_baseline:.1f}x"
-        peak = "" if row.peak_extra_mib is None else f"{row.peak_extra_mib:.1f}"
-        per = (
-            "" if row.bytes_per_changed_element is None else f"{row.bytes_per_changed_element:.1f}"
-        )
+        group = (row.dtype, row.scenario)
+        if previous is not None and group != previous:
+            lines.append("")
+        first = group != previous
+        previous = group
         same = "" if row.identical is None else ("yes" if row.identical else "NO")
         lines.append(
-            f"{row.dtype:<5} {row.scenario:<13} {row.density:>8.3%} {row.method:<29} "
-            f"{row.median_ms:>10.2f} {ratio:>8} {peak:>9} {per:>10} {same:>9}"
+            f"{row.dtype if first else '':<5} {_patches(row) if first else '':<13} "
+            f"{_cell(row.density, '.3%') if first else '':>7}  "
+            f"{_SHORT.get(row.method, row.method):<15} "
+            f"{_cell(row.min_ms, '.2f'):>8} {row.median_ms:>8.2f} {_cell(row.max_ms, '.2f'):>8} "
+            f"{_cell(row.ratio_to_baseline, '.1f', 'x'):>7} {_cell(row.peak_extra_mib, '.1f'):>6} "
+            f"{_cell(row.bytes_per_changed_element, '.1f'):>7} {same}".rstrip()
         )
+    lines += ["", legend(meta)]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="patchctx side-by-side benchmark")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the QKV slice")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument(
-        "--densities", type=lambda s: [float(x) for x in s.split(",")], default=[0.001, 0.01, 0.1]
+def _patches(row: Row) -> str:
+    """The table's `patches` cell: random patches are named by their density column."""
+    return "random" if row.scenario.endswith("%") else row.scenario
+
+
+def legend(meta: dict[str, Any]) -> str:
+    """What every column and every method of the table means."""
+    columns = [
+        ("dtype", "checkpoint and parameter dtype"),
+        ("patches", "what one round applies: a random density, or one Adam step (realistic)"),
+        ("density", "fraction of all checkpoint elements a round changes"),
+        ("method", "how the patches are applied (below)"),
+        (
+            "min ms, median, max",
+            f"wall time of one round (one patch to each of the 4 checkpoint tensors) "
+            f"over {meta['repeats']} rounds, methods interleaved",
+        ),
+        ("vs base", "the baseline's median divided by the method's: above 1.0x is faster"),
+        ("MiB", f"peak extra memory of a round: {meta['memory']}"),
+        ("B/chg", "that peak in bytes per changed element"),
+        ("same", "weights bit-identical to the baseline's after the last round"),
+    ]
+    lines = ["columns:", *_entries(columns), "methods:", *_entries(METHOD_LEGEND.items())]
+    lines += textwrap.wrap(
+        "not in the rows: the one-time first use of patchctx's guard in this process, "
+        f"{meta['first_use_seconds']:.2f} s",
+        _WIDTH,
     )
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
+    return "\n".join(lines)
+
+
+_WIDTH = 100  # of the legend
+
+
+def _entries(entries: Iterable[tuple[str, str]]) -> list[str]:
+    """`name  text` lines, the texts aligned and wrapped under themselves."""
+    entries = list(entries)
+    width = max(len(name) for name, _ in entries) + 4
+    lines = []
+    for name, text in entries:
+        lines += textwrap.wrap(
+            text,
+            _WIDTH,
+            initial_indent=f"  {name:<{width - 2}}",
+            subsequent_indent=" " * width,
+        )
+    return lines
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def _names(text: str) -> list[str]:
+    return text.split(",")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (``--help`` shows every default)."""
+    cli = argparse.ArgumentParser(
+        prog="./dev bench",
+        description="patchctx side-by-side benchmark: sparse patches to one decoder layer's "
+        "weights at one tensor-parallel rank, applied by vLLM's algorithm, by patchctx with "
+        "and without routes, by a bare index_copy_ and by a dense reload. Progress goes to "
+        "stderr, the table (or the JSON) to stdout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cli.add_argument("--hidden", type=int, default=4096, help="hidden size of the model")
+    cli.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the QKV slice")
+    cli.add_argument("--rank", type=int, default=0, help="the tensor-parallel rank measured")
+    cli.add_argument(
+        "--densities",
+        type=_floats,
+        default="0.001,0.01,0.1",
+        help="fractions of each checkpoint tensor a random patch changes (comma-separated)",
+    )
+    cli.add_argument(
+        "--dtypes",
+        type=_names,
+        default="bf16,fp32",
+        help=f"dtypes to measure (comma-separated, from {', '.join(DTYPES)})",
+    )
+    cli.add_argument("--repeats", type=int, default=5, help="measured rounds per row")
+    cli.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of a few seconds: hidden 256 and 2 rounds (overrides --hidden and "
+        "--repeats)",
+    )
+    cli.add_argument(
         "--patches",
         choices=["random", "realistic"],
         default="random",
         help="random: uniform random positions at each --densities; realistic: one Adam step on "
         "fp32 master weights at each --lrs, cast to the dtype and diffed (diff_state_dicts)",
     )
-    parser.add_argument(
-        "--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-6, 1e-7]
+    cli.add_argument(
+        "--lrs", type=_floats, default="1e-6,1e-7", help="learning rates of --patches realistic"
     )
-    parser.add_argument("--warmup", type=int, default=10, help="Adam steps before the measured one")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--baseline", choices=["auto", "vllm", "written"], default="auto")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="also write the rows and settings as JSON")
-    parser.add_argument(
+    cli.add_argument(
+        "--warmup", type=int, default=10, help="Adam steps before the measured one (realistic)"
+    )
+    cli.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
+    cli.add_argument(
+        "--baseline",
+        choices=["auto", "vllm", "written"],
+        default="auto",
+        help="vllm: vLLM's own function; written: its algorithm written out "
+        "(benchmarks/baseline.py); auto: vLLM's when it is importable",
+    )
+    cli.add_argument("--seed", type=int, default=0, help="seed of the weights and patches")
+    cli.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write the rows and settings as JSON to PATH; without PATH, print the JSON "
+        "instead of the table",
+    )
+    cli.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PATH",
+        help="also draw the times and the memory per changed element as a PNG chart "
+        "(needs matplotlib, which ./dev installs)",
+    )
+    cli.add_argument(
         "--measure",
         choices=["both", "time", "memory"],
         default="both",
-        help="on CPU, time and memory come from two runs of this script (see --help of the "
-        "module): 'both' starts them and merges their rows; 'time' or 'memory' is one of them",
+        help="on CPU, time and memory come from two runs of this script (see the module's "
+        "docstring): 'both' starts them and merges their rows; 'time' or 'memory' is one of them",
     )
-    parser.add_argument("--quiet", action="store_true", help="print no table (JSON only)")
-    args = parser.parse_args(argv)
+    cli.add_argument("--quiet", action="store_true", help="print no table")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = parser()
+    args = cli.parse_args(argv)
     for name in args.dtypes:
         if name not in DTYPES:
-            parser.error(f"--dtypes: unknown {name!r} (choose from {', '.join(DTYPES)})")
+            cli.error(f"--dtypes: unknown {name!r} (choose from {', '.join(DTYPES)})")
+    if args.quick:
+        args.hidden, args.repeats = 256, 2
+    os.environ.setdefault(_T0, str(_STARTED))
     forwarded = sys.argv[1:] if argv is None else list(argv)
     if args.device == "cpu" and args.measure == "both":
         rows, meta = _time_and_memory(forwarded)
@@ -547,14 +705,23 @@ def main(argv: list[str] | None = None) -> int:
             os.execv(sys.executable, [sys.executable, "-m", "benchmarks.patch_bench", *forwarded])
         rows, meta = run(args)
         meta["measured"] = args.measure
-    if not args.quiet:
+    report = json.dumps({"settings": meta, "rows": [asdict(r) for r in rows]}, indent=2)
+    if args.json == "-":
+        print(report)
+    elif not args.quiet:
         print(table(rows, meta))
-    if args.json:
-        args.json.write_text(
-            json.dumps({"settings": meta, "rows": [asdict(r) for r in rows]}, indent=2)
-        )
-        if not args.quiet:
-            print(f"\nwrote {args.json}")
+    child = os.environ.get(_RUN) is not None  # one of the two runs of --measure both
+    if args.json not in (None, "-"):
+        Path(args.json).write_text(report + "\n")
+        if not child:  # a child's JSON is its parent's business
+            progress(f"wrote {args.json}")
+    if args.plot is not None:
+        from benchmarks.charts import bench_png
+
+        bench_png({"settings": meta, "rows": [asdict(r) for r in rows]}, args.plot)
+        progress(f"wrote {args.plot}")
+    if not child:
+        progress("done")
     return 0 if all(r.identical is not False for r in rows) else 1
 
 
@@ -574,6 +741,12 @@ def _time_and_memory(forwarded: list[str]) -> tuple[list[Row], dict[str, Any]]:
             out = Path(folder) / f"{measure}.json"
             env = dict(os.environ)
             env.pop("MALLOC_MMAP_THRESHOLD_", None)
+            env[_RUN] = {"time": "times", "memory": "memory"}[measure]
+            progress(
+                "run 1 of 2: times, default allocator"
+                if measure == "time"
+                else "run 2 of 2: peak memory, every buffer mapped fresh"
+            )
             command = [sys.executable, "-m", "benchmarks.patch_bench", *_without_output(forwarded)]
             command += ["--measure", measure, "--quiet", "--json", str(out)]
             subprocess.run(command, env=env, check=True)
@@ -601,16 +774,20 @@ def _time_and_memory(forwarded: list[str]) -> tuple[list[Row], dict[str, Any]]:
 
 
 def _without_output(arguments: list[str]) -> list[str]:
-    """The caller's arguments minus --json/--measure/--quiet (the parent owns those)."""
+    """The caller's arguments minus --json/--plot/--measure/--quiet (the parent owns those)."""
     kept, skip = [], False
-    for argument in arguments:
+    for number, argument in enumerate(arguments):
         if skip:
             skip = False
             continue
-        if argument in ("--json", "--measure"):
+        if argument in ("--plot", "--measure"):
             skip = True
             continue
-        if argument == "--quiet" or argument.startswith(("--json=", "--measure=")):
+        if argument == "--json":  # its PATH is optional
+            following = arguments[number + 1] if number + 1 < len(arguments) else "--"
+            skip = not following.startswith("--")
+            continue
+        if argument == "--quiet" or argument.startswith(("--json=", "--plot=", "--measure=")):
             continue
         kept.append(argument)
     return kept

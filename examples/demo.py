@@ -6,7 +6,7 @@ indices) is staged once and loaded on both ranks with ``masked_copy``: each rank
 out its own slice and copies it into its part of the packed parameter, and only the changed
 elements move.
 
-Run: ``./dev bench`` (or ``python examples/demo.py``).
+Run: ``python examples/demo.py`` (``--help`` for its options).
 """
 
 from __future__ import annotations

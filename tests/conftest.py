@@ -7,6 +7,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from tests.support.site import site  # noqa: F401  (the built docs site, for every test file)
+
 settings.register_profile(
     "default",
     deadline=None,

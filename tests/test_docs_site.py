@@ -1,14 +1,14 @@
 """The documentation site: it builds strictly and offline, its links resolve, it covers the API.
 
-The site is built once per session into a temporary folder (about a second), in a subprocess
-whose every network access is refused, so a plugin, theme or inventory that reaches for the
-network fails the build here before it fails in CI.
+The site is built once per session into a temporary folder (the `site` fixture of
+`tests/support/site.py`), in a subprocess whose every network access is refused, so a plugin,
+theme or inventory that reaches for the network fails the build here before it fails in CI.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,64 +23,11 @@ import pytest
 from typing_extensions import ParamSpec
 
 from tests.support.public_api import public_names
-
-ROOT = Path(__file__).resolve().parent.parent
-
-# Refuses (and records) every socket use, DNS included, for the rest of the process.
-NETWORK_GUARD = r"""
-import sys
-
-attempts = []
-
-def refuse_network(event, args):
-    if event in {"socket.connect", "socket.getaddrinfo", "socket.gethostbyname",
-                 "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.sendto"}:
-        attempts.append(f"{event}{args!r}")
-        raise OSError(f"network access during the docs build: {event}{args!r}")
-
-sys.addaudithook(refuse_network)
-"""
-
-# mkdocs build --strict behind the guard; exit status 3 if anything tried the network.
-OFFLINE_BUILD = (
-    NETWORK_GUARD
-    + r"""
-from mkdocs.__main__ import cli
-
-sys.argv = ["mkdocs", "build", "--strict", "--config-file", sys.argv[1],
-            "--site-dir", sys.argv[2]]
-code = 0
-try:
-    cli()
-except SystemExit as exit:
-    code = exit.code
-if attempts:
-    sys.stderr.write("network access attempted:\n" + "\n".join(attempts) + "\n")
-    code = 3
-sys.exit(code)
-"""
-)
+from tests.support.site import NETWORK_GUARD
 
 API_PAGES = ("api/",)  # site paths of the API reference (a page or a folder of pages)
 
-
-@pytest.fixture(scope="session")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("site")
-    result = subprocess.run(
-        [sys.executable, "-c", OFFLINE_BUILD, str(ROOT / "mkdocs.yml"), str(directory)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"mkdocs build --strict failed (exit {result.returncode}):\n{result.stderr}",
-            pytrace=False,
-        )
-    return directory
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -90,6 +37,7 @@ class Page:
     path: str  # relative to the site root, e.g. "api/index.html"
     ids: set[str] = field(default_factory=set)
     links: list[str] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)  # src of every <img>
     # identifiers of cross-references that autorefs could not resolve (rendered as plain text)
     unresolved: list[str] = field(default_factory=list)
 
@@ -105,6 +53,8 @@ class _Scanner(HTMLParser):
             self.page.ids.add(anchor)
         if tag == "a" and (name := values.get("name")) is not None:
             self.page.ids.add(name)
+        if tag == "img" and (image := values.get("src")) is not None:
+            self.page.images.append(image)
         for attribute in ("href", "src"):
             if (target := values.get(attribute)) is not None and tag in ("a", "link", "img"):
                 self.page.links.append(target)
@@ -157,6 +107,23 @@ def test_internal_links_and_anchors_resolve(site: Path, pages: dict[str, Page]) 
             elif fragment and (path not in pages or fragment not in pages[path].ids):
                 broken.append(f"{page.path}: {link} -> no #{fragment} in {path}")
     assert not broken, "broken internal links:\n" + "\n".join(broken)
+
+
+# A link target that is a picture: it must have become an <img>, whatever the Markdown around it.
+IMAGE = re.compile(r"\]\((?P<src>[^)\s]+\.(?:svg|png))\)")
+
+
+def test_every_image_of_a_page_renders_as_an_image(pages: dict[str, Page]) -> None:
+    # Markdown image syntax breaks silently (brackets in the alt text make it a link).
+    missing = []
+    for markdown in sorted((ROOT / "docs").rglob("*.md")):
+        relative = markdown.relative_to(ROOT / "docs").with_suffix("")
+        html = "index.html" if relative.name == "index" else f"{relative.as_posix()}/index.html"
+        for match in IMAGE.finditer(markdown.read_text(encoding="utf-8")):
+            name = match["src"].rsplit("/", 1)[-1]
+            if not any(image.endswith("/" + name) for image in pages[html].images):
+                missing.append(f"{markdown.relative_to(ROOT)}: {match['src']} is not an <img>")
+    assert not missing, "\n".join(missing)
 
 
 def test_the_link_checker_sees_pages_links_and_anchors(pages: dict[str, Page]) -> None:

@@ -21,12 +21,14 @@ from types import ModuleType
 import pytest
 
 from tests.support.examples import (
+    CODE_WIDTH,
     ROOT,
     ExampleError,
     display,
     markdown_files,
     parse_fences,
     run_page,
+    wrap_output,
 )
 from tests.support.public_api import public_names
 
@@ -34,6 +36,27 @@ from tests.support.public_api import public_names
 @pytest.mark.parametrize("path", markdown_files(), ids=display)
 def test_markdown_examples_run_and_show_their_output(path: Path) -> None:
     run_page(path)
+
+
+def docs_pages() -> list[Path]:
+    return sorted((ROOT / "docs").rglob("*.md"))
+
+
+@pytest.mark.parametrize("path", docs_pages(), ids=display)
+def test_docs_code_fits_the_content_column(path: Path) -> None:
+    # What the site shows in a code block scrolls sideways past CODE_WIDTH characters
+    # (tests/test_docs_browser.py checks the rendered pages themselves).
+    too_wide = [
+        f"{display(path)}:{fence.first_line + offset}: {len(line)} characters: {line.strip()}"
+        for fence in parse_fences(path)
+        for offset, line in enumerate(fence.lines)
+        if len(line) > CODE_WIDTH
+    ]
+    assert not too_wide, (
+        f"code lines wider than {CODE_WIDTH} characters (reflow the code; ruff format does it "
+        "for Python, docs/ruff.toml sets the width; UPDATE_EXAMPLES=1 wraps # > output):\n"
+        + "\n".join(too_wide)
+    )
 
 
 # ------------------------------------------------------------------------------ the harness
@@ -52,6 +75,31 @@ def test_harness_blocks_share_a_namespace_and_output_is_checked(tmp_path: Path) 
         "```python\nfor i in range(x):\n    print(i, x)\n    # > 0 2\n    # > 1 2\n```\n",
     )
     run_page(page, update=False)
+
+
+def test_harness_joins_output_lines_continued_with_a_backslash(tmp_path: Path) -> None:
+    page = write(
+        tmp_path,
+        "```python\nprint('a long line, ' * 3)\n# > a long line, a \\\n# > long line, a long "
+        "line,\n```\n",
+    )
+    run_page(page, update=False)
+
+
+def test_harness_update_mode_wraps_output_wider_than_the_column(tmp_path: Path) -> None:
+    page = write(tmp_path, "```python\nif True:\n    print('word ' * 40)\n```\n")
+    run_page(page, update=True)
+    lines = page.read_text().splitlines()
+    assert max(len(line) for line in lines) <= CODE_WIDTH
+    assert sum(line.endswith("\\") for line in lines) >= 2
+    run_page(page, update=False)
+
+
+def test_wrapped_output_joins_back_to_the_line() -> None:
+    for text in ["x" * 200, "a b " * 50, "short", "ab " + "c" * 100]:
+        pieces = wrap_output(text, 30)
+        assert all(len(piece) <= 30 for piece in pieces)
+        assert "".join(piece.removesuffix("\\") for piece in pieces[:-1]) + pieces[-1] == text
 
 
 def test_harness_refuses_unshown_output(tmp_path: Path) -> None:

@@ -14,6 +14,15 @@ The conventions (CONTRIBUTING.md, "Examples in the docs"):
   Every ``print`` must be followed by its ``# >`` lines and every ``# >`` group must be
   printed, line for line (trailing spaces ignored). Anything written to stdout another way
   fails the page.
+- A printed line too long for the docs' code column (`CODE_WIDTH` characters, the width of a
+  code block on the site) is shown as several ``# >`` lines, each but the last ending with a
+  backslash; the check joins them back (the backslash and nothing else is removed), and update
+  mode writes them so::
+
+      print(error)
+      # > the loader writes staged data of 'w' into 'weight' with \
+      # > aten.index_copy_.default, which cannot be masked in place
+
 - ```` ```python test="skip" ```` marks a block that is shown but not run (use it sparingly:
   code that needs hardware or packages the test environment lacks).
 - ``UPDATE_EXAMPLES=1 python -m pytest tests/test_examples.py`` rewrites the ``# >`` lines from
@@ -42,6 +51,11 @@ OPTION = re.compile(r"""(?P<key>[A-Za-z][\w-]*)(?:=(?P<quote>["'])(?P<value>.*?)
 # "# >" is how ruff format (which formats the examples in Markdown) writes pytest-examples' "#>";
 # both are read.
 OUTPUT = re.compile(r"^[ \t]*# ?>(?: (?P<text>.*))?$")
+
+# Characters of code that fit the content column of the site: 80 at every desktop width with
+# mkdocs-material's default fonts (measured in Chromium by tests/test_docs_browser.py).
+CODE_WIDTH = 80
+CONTINUED = "\\"  # ends a # > line that the next one continues
 
 RUNNABLE = frozenset({"python", "py"})
 # Languages that would show Python without running it: write a python block with # > instead.
@@ -197,16 +211,45 @@ class _Block:
 def _shown_output(fence: Fence) -> dict[int, list[str]]:
     shown: dict[int, list[str]] = {}
     anchor = None
+    continued = False
     for offset, line in enumerate(fence.lines):
         match = OUTPUT.match(line)
         if match is None:
+            if continued:
+                raise ExampleError(
+                    f"{fence.where}: a # > line ends with {CONTINUED} but no # > line follows"
+                )
             if line.strip():
                 anchor = fence.first_line + offset
             continue
         if anchor is None:
             raise ExampleError(f"{fence.where}: # > output before any statement")
-        shown.setdefault(anchor, []).append((match["text"] or "").rstrip())
+        text = (match["text"] or "").rstrip()
+        lines = shown.setdefault(anchor, [])
+        if continued:
+            lines[-1] += text
+        else:
+            lines.append(text)
+        continued = text.endswith(CONTINUED)
+        if continued:
+            lines[-1] = lines[-1].removesuffix(CONTINUED)
     return shown
+
+
+def wrap_output(text: str, width: int) -> list[str]:
+    """`text` in pieces of at most `width` characters, all but the last ending in a backslash.
+
+    A piece ends after a space where there is one to break at, so that joining the pieces
+    without their backslashes gives `text` back.
+    """
+    pieces = []
+    while len(text) > width:
+        cut = text.rfind(" ", 0, width - len(CONTINUED)) + 1
+        if cut <= 0:  # nowhere to break: cut inside the word
+            cut = width - len(CONTINUED)
+        pieces.append(text[:cut] + CONTINUED)
+        text = text[cut:]
+    return [*pieces, text]
 
 
 def _compile(fence: Fence) -> tuple[ast.Module, types.CodeType]:
@@ -305,7 +348,9 @@ def _rewrite(path: Path, blocks: list[_Block]) -> None:
             if OUTPUT.match(line):
                 drop.add(fence.first_line + offset)
         for end, (col, printed_lines) in block.printed.items():
-            inserts[end] = [fence.indent + x for x in _as_comments(printed_lines, col).split("\n")]
+            width = CODE_WIDTH - col - len("# > ")
+            wrapped = [piece for x in printed_lines for piece in wrap_output(x, width)]
+            inserts[end] = [fence.indent + x for x in _as_comments(wrapped, col).split("\n")]
     out = []
     for number, line in enumerate(lines, start=1):
         if number not in drop:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from numbers import Real
 from typing import TypeAlias, cast
 
 import torch
 
+from patchctx._arguments import density
 from patchctx._errors import InvalidPatchError, PatchProblem
-from patchctx._patch import CheckpointWeightPatch
+from patchctx._patch import CheckpointWeightPatch, PatchLike
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 
 __all__ = ["diff_state_dicts", "patch_nbytes"]
@@ -108,25 +108,18 @@ def _check_names(names: object, problems: list[PatchProblem]) -> list[str] | Non
 
 
 def _check_dense_above(dense_above: object, problems: list[PatchProblem]) -> float | None:
-    if dense_above is None:
+    try:
+        return density(dense_above, "dense_above")
+    except InvalidPatchError as error:
+        problems.extend(error.problems)
         return None
-    if (
-        isinstance(dense_above, bool)
-        or not isinstance(dense_above, Real)
-        or not 0 < float(dense_above) <= 1
-    ):
-        problems.append(
-            _problem(f"dense_above must be a density in (0, 1] or None, got {dense_above!r}")
-        )
-        return None
-    return float(dense_above)
 
 
 def _check_strategy(strategy: object, problems: list[PatchProblem]) -> CopyStrategy:
     try:
         return as_strategy(strategy, Auto(), "diff_state_dicts")
-    except TypeError as error:
-        problems.append(_problem(str(error), type_error=True))
+    except InvalidPatchError as error:
+        problems.extend(error.problems)
         return Auto()
 
 
@@ -223,7 +216,7 @@ def _plan(
             )
     dtype_ok = _check_dtype(dtype, problems)
     listed = _check_names(names, problems)
-    density = _check_dense_above(dense_above, problems)
+    dense_above_fraction = _check_dense_above(dense_above, problems)
     chosen_strategy = _check_strategy(strategy, problems)
     tensors: list[tuple[str, torch.dtype]] = []
     if isinstance(old, Mapping) and isinstance(new, Mapping):
@@ -261,7 +254,7 @@ def _plan(
                     tensors.append((name, receiver))
     if problems:
         raise InvalidPatchError.from_problems(problems)
-    return _Plan(tensors, chosen_strategy, density)
+    return _Plan(tensors, chosen_strategy, dense_above_fraction)
 
 
 # ----------------------------------------------------------------------------------- diffing
@@ -456,14 +449,14 @@ def diff_state_dicts(
     return patches
 
 
-def patch_nbytes(patches: Iterable[CheckpointWeightPatch]) -> int:
+def patch_nbytes(patches: Iterable[PatchLike]) -> int:
     """The wire size of a patch set: the bytes of every patch's values and indices.
 
     Counts the tensors as they are (their own dtypes), not names or shapes. Divide by the
     bytes of the full tensors to log the compression of an update.
 
     Args:
-        patches: `CheckpointWeightPatch` objects, or anything with `values` and `indices`.
+        patches: `CheckpointWeightPatch` objects, or any `PatchLike` (vLLM's included).
 
     Returns:
         The total number of bytes.

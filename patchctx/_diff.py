@@ -165,6 +165,48 @@ def _chosen_names(
     return chosen
 
 
+def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Where `tensor`'s elements live (device, storage address); `None` when it holds none."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # meta and other storage-less tensors
+        return None
+    if not storage.nbytes() or tensor.numel() == 0:
+        return None
+    return tensor.device, storage.data_ptr()
+
+
+def _shared_storage_problems(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], names: list[str]
+) -> list[PatchProblem]:
+    """`old` tensors that share storage with `new` ones: what was sent is not known.
+
+    The natural first try, ``sent = model.state_dict()`` without a clone, keeps views of the
+    live weights: every optimizer step changes `sent` too, and the diff would come out empty.
+    """
+    owners: dict[tuple[torch.device, int], str] = {}
+    for name in names:
+        key = _storage(new[name])
+        if key is not None:
+            owners.setdefault(key, name)
+    problems = []
+    for name in names:
+        key = _storage(old[name])
+        other = None if key is None else owners.get(key)
+        if other is not None:
+            shared = f"new[{other!r}]"
+            problems.append(
+                _problem(
+                    f"{name!r}: old[{name!r}] shares its storage with {shared}, so it changes "
+                    "with the weights and cannot say what was sent (the diff would be empty). "
+                    "Keep a copy of what you send: "
+                    "sent = {k: v.detach().clone() for k, v in model.state_dict().items()}",
+                    name,
+                )
+            )
+    return problems
+
+
 def _receiver_dtype(
     name: str,
     old: torch.Tensor,
@@ -252,6 +294,7 @@ def _plan(
                     problems.append(_problem(receiver, name))
                 else:
                     tensors.append((name, receiver))
+        problems.extend(_shared_storage_problems(old, new, [name for name, _ in tensors]))
     if problems:
         raise InvalidPatchError.from_problems(problems)
     return _Plan(tensors, chosen_strategy, dense_above_fraction)
@@ -279,15 +322,17 @@ def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.reshape(-1).view(dtype)
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` view the same elements of the same storage the same way."""
-    return a is b or (
-        a.dtype == b.dtype
-        and a.device == b.device
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.storage_offset() == b.storage_offset()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _view_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
+    """Equal for two tensors that view the same elements of one storage the same way."""
+    storage = _storage(tensor)
+    if storage is None:
+        return None
+    return (
+        *storage,
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
     )
 
 
@@ -373,6 +418,15 @@ def diff_state_dicts(
       payload or sign differs is a change (casts to a narrower dtype may canonicalise
       payloads first, as the receiver's own cast does).
 
+    `old` must be a copy of what was sent, not the live weights: ``model.state_dict()`` returns
+    views of the parameters, which change with every optimizer step, so keep
+    ``{k: v.detach().clone() for k, v in model.state_dict().items()}``. A tensor of `old` that
+    shares its storage with one of `new` is refused, rather than diffed to nothing. Tied
+    tensors (names whose tensors in `new` view the same elements, like ``lm_head.weight`` and
+    ``model.embed_tokens.weight`` when the embeddings are tied) are sent once, under the first
+    of their names in diff order; a receiver that holds them tied loads them once, and
+    `load_checkpoint_weight_patches` takes the other name through ``aliases=``.
+
     Unchanged tensors produce no patch. A changed tensor becomes a sparse patch (flat
     row-major indices, sorted and unique; int32 when the tensor has fewer than 2**31 elements,
     int64 otherwise; values in the receiver dtype) when that payload is strictly smaller than
@@ -414,8 +468,9 @@ def diff_state_dicts(
 
     Raises:
         InvalidPatchError: Listing every problem before any work: names missing from one side,
-            shapes that differ, dtypes that differ with no `dtype=` to settle them, and bad
-            arguments (an `InvalidPatchTypeError` when one is of the wrong type).
+            shapes that differ, dtypes that differ with no `dtype=` to settle them, `old`
+            tensors that share storage with `new` ones, and bad arguments (an
+            `InvalidPatchTypeError` when one is of the wrong type).
 
     Examples:
         >>> import torch
@@ -437,10 +492,14 @@ def diff_state_dicts(
     """
     plan = _plan(old, new, dtype, names, dense_above, strategy)
     patches = []
+    diffed: set[tuple[object, ...]] = set()
     for name, receiver in plan.tensors:
         before, after = old[name], new[name]
-        if _same_view(before, after):
-            continue  # the very same elements: unchanged in any dtype, no work, no sync
+        key = _view_key(after)
+        if key is not None and key in diffed:
+            continue  # tied to a name diffed before (lm_head and embed_tokens): sent once
+        if key is not None:
+            diffed.add(key)
         patch = _diff_tensor(
             name, before.detach(), after.detach(), receiver, plan.strategy, plan.dense_above
         )

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from patchctx import _swap
+from patchctx._arguments import known_names
 from patchctx._errors import LoaderContractError
 from patchctx._routes import Geometry, Route, Segment
 from patchctx._strategies import Auto, CopyStrategy, IntSentinel, NaNMask
@@ -132,6 +133,7 @@ class PersistentIndex:
             if key is not None and key not in self._by_storage:
                 self._by_storage[key] = _Owner(name, tensor)
         self._protected: dict[int, str] = {}
+        known_names(protect or {}, self.tensors, "protect=")  # a typo must not disarm it
         for name, reason in (protect or {}).items():
             protected = self.tensors.get(name)
             key = None if protected is None else _storage_key(protected)

@@ -95,6 +95,12 @@ BAD_ARGUMENTS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         "write NaNMask() instead",
     ),
     (
+        "audit(protect={'v': 'x'})",
+        lambda: audit(Model(), [("w", (4,), torch.float32)], protect={"v": "x"}),
+        ValueError,
+        "'v', which is not a parameter or buffer",
+    ),
+    (
         "diff_state_dicts(strategy=BoolMask)",
         lambda: diff_state_dicts({}, {}, strategy=BoolMask),  # type: ignore[arg-type]
         TypeError,

@@ -306,7 +306,7 @@ def _bench_dtype(
         for name, shape in base.shapes.items()
     }
     base.load_weights(checkpoint.items())
-    models: dict[str, nn.Module] = {method: copy.deepcopy(base) for method in METHODS}
+    models: dict[str, PackedSlice] = {method: copy.deepcopy(base) for method in METHODS}
     routes = RouteCache()
     tensors = {m: named_tensors(model) for m, model in models.items()}
 
@@ -419,7 +419,7 @@ def _dense_reload(model: nn.Module, checkpoint: dict[str, torch.Tensor]) -> obje
 
 
 def _apply_others(
-    models: dict[str, nn.Module],
+    models: dict[str, PackedSlice],
     patches: list[CheckpointWeightPatch],
     checkpoint: dict[str, torch.Tensor],
     baseline: Callable[[nn.Module, list[CheckpointWeightPatch]], object],

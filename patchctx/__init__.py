@@ -6,7 +6,7 @@ keeps mapping them to runtime coordinates (tensor-parallel slices, packed parame
 """
 
 from patchctx._audit import AuditReport, AuditRow, audit
-from patchctx._chunking import ByteBudget, ChunkingPolicy, PerTensor, SingleCall
+from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState, PerTensor, SingleCall
 from patchctx._diff import diff_state_dicts, patch_nbytes
 from patchctx._errors import (
     InvalidPatchError,
@@ -17,8 +17,9 @@ from patchctx._errors import (
 )
 from patchctx._load import load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
+from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
-from patchctx._patch import CheckpointWeightPatch, validate_patches
+from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteCache, RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 
@@ -31,7 +32,9 @@ __all__ = [
     "Auto",
     "BoolMask",
     "ByteBudget",
+    "CheckedPatch",
     "CheckpointWeightPatch",
+    "ChunkState",
     "ChunkingPolicy",
     "Coalesce",
     "CopyStrategy",
@@ -44,11 +47,13 @@ __all__ = [
     "NaNMask",
     "OrderingPolicy",
     "PatchError",
+    "PatchLike",
     "PatchProblem",
     "PerTensor",
     "RouteCache",
     "RouteStats",
     "SingleCall",
+    "SupportsLoadWeights",
     "__version__",
     "audit",
     "diff_state_dicts",

@@ -5,9 +5,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from patchctx._errors import InvalidPatchError
+from patchctx._arguments import positive_int
+from patchctx._patch import CheckedPatch
 
-__all__ = ["ByteBudget", "ChunkingPolicy", "PerTensor", "SingleCall"]
+__all__ = ["ByteBudget", "ChunkState", "ChunkingPolicy", "PerTensor", "SingleCall"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkState:
+    """What a chunking policy is told: the loader call being gathered, and the next patch.
+
+    One object, so that it can grow (new fields) without breaking the policies written
+    against it.
+
+    Attributes:
+        nbytes: Staged bytes already in the current chunk: the full checkpoint tensors
+            (``numel * element_size``), sparse patches included.
+        count: Patches already in the current chunk (at least 1).
+        next: The validated patch about to be added.
+        next_nbytes: Staged bytes of `next` (``next.staged_nbytes``).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import Auto, ByteBudget, CheckpointWeightPatch, ChunkState
+        >>> from patchctx._patch import check_patches
+        >>> patch = CheckpointWeightPatch("w", (8,), torch.float32, torch.zeros(8))
+        >>> (checked,) = check_patches([patch], strategy=Auto())
+        >>> state = ChunkState(nbytes=48, count=3, next=checked, next_nbytes=32)
+        >>> ByteBudget(64).split_before(state)
+        True
+    """
+
+    nbytes: int
+    count: int
+    next: CheckedPatch
+    next_nbytes: int
 
 
 @runtime_checkable
@@ -22,24 +54,16 @@ class ChunkingPolicy(Protocol):
     Examples:
         A policy of your own: at most two tensors per loader call.
 
-        >>> import torch
-        >>> from patchctx import ChunkingPolicy
+        >>> from patchctx import ChunkingPolicy, ChunkState
         >>> class AtMostTwo:
-        ...     def split_before(self, chunk_nbytes, chunk_len, next_nbytes):
-        ...         return chunk_len >= 2
+        ...     def split_before(self, chunk: ChunkState) -> bool:
+        ...         return chunk.count >= 2
         >>> isinstance(AtMostTwo(), ChunkingPolicy)
         True
     """
 
-    def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
-        """Whether to start a new loader call before adding the next tensor.
-
-        Args:
-            chunk_nbytes: Staged bytes already in the current (non-empty) chunk.
-            chunk_len: Tensors already in the current chunk (at least 1).
-            next_nbytes: Staged bytes of the tensor about to be added: the full checkpoint
-                tensor (``numel * element_size``), sparse patches included.
-        """
+    def split_before(self, chunk: ChunkState, /) -> bool:
+        """Whether to start a new loader call before adding ``chunk.next``."""
         ...
 
 
@@ -54,22 +78,22 @@ class ByteBudget:
 
     Examples:
         >>> from patchctx import ByteBudget
-        >>> ByteBudget(64).split_before(chunk_nbytes=48, chunk_len=3, next_nbytes=32)
-        True
+        >>> ByteBudget(64)
+        ByteBudget(max_bytes=64)
+        >>> try:
+        ...     ByteBudget("64")
+        ... except TypeError as error:
+        ...     print(error)
+        ByteBudget(max_bytes=...) takes an int, got '64'
     """
 
     max_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int):
-            raise InvalidPatchError(
-                f"ByteBudget(max_bytes=...) takes an int, got {self.max_bytes!r}"
-            )
-        if self.max_bytes <= 0:
-            raise InvalidPatchError(f"ByteBudget(max_bytes={self.max_bytes!r}): must be positive")
+        positive_int(self.max_bytes, "ByteBudget(max_bytes=...)")
 
-    def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
-        return chunk_nbytes + next_nbytes > self.max_bytes
+    def split_before(self, chunk: ChunkState, /) -> bool:
+        return chunk.nbytes + chunk.next_nbytes > self.max_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +102,11 @@ class PerTensor:
 
     Examples:
         >>> from patchctx import PerTensor
-        >>> PerTensor().split_before(chunk_nbytes=4, chunk_len=1, next_nbytes=4)
-        True
+        >>> PerTensor()
+        PerTensor()
     """
 
-    def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
+    def split_before(self, chunk: ChunkState, /) -> bool:
         return True
 
 
@@ -92,9 +116,9 @@ class SingleCall:
 
     Examples:
         >>> from patchctx import SingleCall
-        >>> SingleCall().split_before(chunk_nbytes=1 << 40, chunk_len=1000, next_nbytes=1 << 30)
-        False
+        >>> SingleCall()
+        SingleCall()
     """
 
-    def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
+    def split_before(self, chunk: ChunkState, /) -> bool:
         return False

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from numbers import Real
 from typing import TypeAlias, cast
 
 import torch
 
+from patchctx._arguments import density
 from patchctx._errors import InvalidPatchError, PatchProblem
-from patchctx._patch import CheckpointWeightPatch
+from patchctx._patch import CheckpointWeightPatch, PatchLike
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 
 __all__ = ["diff_state_dicts", "patch_nbytes"]
@@ -108,25 +108,18 @@ def _check_names(names: object, problems: list[PatchProblem]) -> list[str] | Non
 
 
 def _check_dense_above(dense_above: object, problems: list[PatchProblem]) -> float | None:
-    if dense_above is None:
+    try:
+        return density(dense_above, "dense_above")
+    except InvalidPatchError as error:
+        problems.extend(error.problems)
         return None
-    if (
-        isinstance(dense_above, bool)
-        or not isinstance(dense_above, Real)
-        or not 0 < float(dense_above) <= 1
-    ):
-        problems.append(
-            _problem(f"dense_above must be a density in (0, 1] or None, got {dense_above!r}")
-        )
-        return None
-    return float(dense_above)
 
 
 def _check_strategy(strategy: object, problems: list[PatchProblem]) -> CopyStrategy:
     try:
         return as_strategy(strategy, Auto(), "diff_state_dicts")
-    except TypeError as error:
-        problems.append(_problem(str(error), type_error=True))
+    except InvalidPatchError as error:
+        problems.extend(error.problems)
         return Auto()
 
 
@@ -170,6 +163,48 @@ def _chosen_names(
         else:
             chosen.append(name)
     return chosen
+
+
+def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Where `tensor`'s elements live (device, storage address); `None` when it holds none."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # meta and other storage-less tensors
+        return None
+    if not storage.nbytes() or tensor.numel() == 0:
+        return None
+    return tensor.device, storage.data_ptr()
+
+
+def _shared_storage_problems(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], names: list[str]
+) -> list[PatchProblem]:
+    """`old` tensors that share storage with `new` ones: what was sent is not known.
+
+    The natural first try, ``sent = model.state_dict()`` without a clone, keeps views of the
+    live weights: every optimizer step changes `sent` too, and the diff would come out empty.
+    """
+    owners: dict[tuple[torch.device, int], str] = {}
+    for name in names:
+        key = _storage(new[name])
+        if key is not None:
+            owners.setdefault(key, name)
+    problems = []
+    for name in names:
+        key = _storage(old[name])
+        other = None if key is None else owners.get(key)
+        if other is not None:
+            shared = f"new[{other!r}]"
+            problems.append(
+                _problem(
+                    f"{name!r}: old[{name!r}] shares its storage with {shared}, so it changes "
+                    "with the weights and cannot say what was sent (the diff would be empty). "
+                    "Keep a copy of what you send: "
+                    "sent = {k: v.detach().clone() for k, v in model.state_dict().items()}",
+                    name,
+                )
+            )
+    return problems
 
 
 def _receiver_dtype(
@@ -223,7 +258,7 @@ def _plan(
             )
     dtype_ok = _check_dtype(dtype, problems)
     listed = _check_names(names, problems)
-    density = _check_dense_above(dense_above, problems)
+    dense_above_fraction = _check_dense_above(dense_above, problems)
     chosen_strategy = _check_strategy(strategy, problems)
     tensors: list[tuple[str, torch.dtype]] = []
     if isinstance(old, Mapping) and isinstance(new, Mapping):
@@ -259,9 +294,10 @@ def _plan(
                     problems.append(_problem(receiver, name))
                 else:
                     tensors.append((name, receiver))
+        problems.extend(_shared_storage_problems(old, new, [name for name, _ in tensors]))
     if problems:
         raise InvalidPatchError.from_problems(problems)
-    return _Plan(tensors, chosen_strategy, density)
+    return _Plan(tensors, chosen_strategy, dense_above_fraction)
 
 
 # ----------------------------------------------------------------------------------- diffing
@@ -286,15 +322,17 @@ def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.reshape(-1).view(dtype)
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` view the same elements of the same storage the same way."""
-    return a is b or (
-        a.dtype == b.dtype
-        and a.device == b.device
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.storage_offset() == b.storage_offset()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _view_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
+    """Equal for two tensors that view the same elements of one storage the same way."""
+    storage = _storage(tensor)
+    if storage is None:
+        return None
+    return (
+        *storage,
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
     )
 
 
@@ -380,6 +418,15 @@ def diff_state_dicts(
       payload or sign differs is a change (casts to a narrower dtype may canonicalise
       payloads first, as the receiver's own cast does).
 
+    `old` must be a copy of what was sent, not the live weights: ``model.state_dict()`` returns
+    views of the parameters, which change with every optimizer step, so keep
+    ``{k: v.detach().clone() for k, v in model.state_dict().items()}``. A tensor of `old` that
+    shares its storage with one of `new` is refused, rather than diffed to nothing. Tied
+    tensors (names whose tensors in `new` view the same elements, like ``lm_head.weight`` and
+    ``model.embed_tokens.weight`` when the embeddings are tied) are sent once, under the first
+    of their names in diff order; a receiver that holds them tied loads them once, and
+    `load_checkpoint_weight_patches` takes the other name through ``aliases=``.
+
     Unchanged tensors produce no patch. A changed tensor becomes a sparse patch (flat
     row-major indices, sorted and unique; int32 when the tensor has fewer than 2**31 elements,
     int64 otherwise; values in the receiver dtype) when that payload is strictly smaller than
@@ -421,8 +468,9 @@ def diff_state_dicts(
 
     Raises:
         InvalidPatchError: Listing every problem before any work: names missing from one side,
-            shapes that differ, dtypes that differ with no `dtype=` to settle them, and bad
-            arguments (an `InvalidPatchTypeError` when one is of the wrong type).
+            shapes that differ, dtypes that differ with no `dtype=` to settle them, `old`
+            tensors that share storage with `new` ones, and bad arguments (an
+            `InvalidPatchTypeError` when one is of the wrong type).
 
     Examples:
         >>> import torch
@@ -444,10 +492,14 @@ def diff_state_dicts(
     """
     plan = _plan(old, new, dtype, names, dense_above, strategy)
     patches = []
+    diffed: set[tuple[object, ...]] = set()
     for name, receiver in plan.tensors:
         before, after = old[name], new[name]
-        if _same_view(before, after):
-            continue  # the very same elements: unchanged in any dtype, no work, no sync
+        key = _view_key(after)
+        if key is not None and key in diffed:
+            continue  # tied to a name diffed before (lm_head and embed_tokens): sent once
+        if key is not None:
+            diffed.add(key)
         patch = _diff_tensor(
             name, before.detach(), after.detach(), receiver, plan.strategy, plan.dense_above
         )
@@ -456,14 +508,14 @@ def diff_state_dicts(
     return patches
 
 
-def patch_nbytes(patches: Iterable[CheckpointWeightPatch]) -> int:
+def patch_nbytes(patches: Iterable[PatchLike]) -> int:
     """The wire size of a patch set: the bytes of every patch's values and indices.
 
     Counts the tensors as they are (their own dtypes), not names or shapes. Divide by the
     bytes of the full tensors to log the compression of an update.
 
     Args:
-        patches: `CheckpointWeightPatch` objects, or anything with `values` and `indices`.
+        patches: `CheckpointWeightPatch` objects, or any `PatchLike` (vLLM's included).
 
     Returns:
         The total number of bytes.

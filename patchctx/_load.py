@@ -36,38 +36,16 @@ def _chunking_of(max_chunk_bytes: object, chunking: object) -> ChunkingPolicy:
     if chunking is None:
         if max_chunk_bytes is None:
             return ByteBudget()
-        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
-            raise InvalidPatchTypeError(f"max_chunk_bytes must be an int, got {max_chunk_bytes!r}")
-        if max_chunk_bytes <= 0:
-            raise InvalidPatchError(f"max_chunk_bytes must be positive, got {max_chunk_bytes!r}")
-        return ByteBudget(max_chunk_bytes)
-    if isinstance(chunking, type) or not isinstance(chunking, ChunkingPolicy):
-        raise InvalidPatchTypeError(
-            "chunking= takes a ChunkingPolicy instance (ByteBudget(n), PerTensor(), SingleCall() "
-            f"or your own); you supplied {chunking!r}"
-        )
-    return chunking
+        return ByteBudget(positive_int(max_chunk_bytes, "max_chunk_bytes"))
+    examples = "ByteBudget(n), PerTensor(), SingleCall() or your own"
+    return cast(ChunkingPolicy, instance_of(chunking, ChunkingPolicy, "chunking=", examples))
 
 
 def _ordering_of(ordering: object) -> OrderingPolicy:
     if ordering is None:
         return InputOrder()
-    if isinstance(ordering, type) or not isinstance(ordering, OrderingPolicy):
-        raise InvalidPatchTypeError(
-            "ordering= takes an OrderingPolicy instance (InputOrder(), Coalesce() or your own); "
-            f"you supplied {ordering!r}"
-        )
-    return ordering
-
-
-def _str_mapping(value: object, what: str) -> Mapping[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    ):
-        raise InvalidPatchTypeError(f"{what} (str -> str); you supplied {value!r}")
-    return value
+    examples = "InputOrder(), Coalesce() or your own"
+    return cast(OrderingPolicy, instance_of(ordering, OrderingPolicy, "ordering=", examples))
 
 
 def _resolve_aliases(items: list[CheckedPatch], aliases: Mapping[str, str]) -> list[CheckedPatch]:
@@ -130,21 +108,16 @@ def _apply_ordering(
 ) -> list[CheckedPatch]:
     if isinstance(ordering, InputOrder):
         return items
-    by_identity = {id(item.patch): item for item in items}
     result: list[CheckedPatch | None] = []
-    fresh: list[tuple[int, CheckpointWeightPatch]] = []
-    for patch in ordering.order([item.patch for item in items]):
-        known = by_identity.get(id(patch))
-        if known is not None:
-            result.append(known)
-        elif isinstance(ordering, Coalesce):
-            # Merged from validated patches: in range, sorted and unique by construction.
-            result.append(CheckedPatch(None, patch, numel_of(patch.shape), sorted_unique=True))
+    fresh: list[tuple[int, object]] = []
+    for entry in ordering.order(items):
+        if isinstance(entry, CheckedPatch):
+            result.append(entry)
         else:
-            fresh.append((len(result), patch))
+            fresh.append((len(result), entry))
             result.append(None)
     if fresh:
-        # A user-written policy made new patches: validate them as if they were input.
+        # A policy made new patches: validate them as if they were input.
         try:
             rechecked = check_patches(
                 [patch for _, patch in fresh],
@@ -173,7 +146,7 @@ class _Loader:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: SupportsLoadWeights,
         chunking: ChunkingPolicy,
         routes: RouteCache | None,
         undo: UndoLog,
@@ -182,8 +155,9 @@ class _Loader:
         atomic: bool,
     ) -> None:
         self.model, self.chunking = model, chunking
+        self.module = as_module(model)  # what the loader calls run on
         self.routes, self.undo, self.protect, self.atomic = routes, undo, protect, atomic
-        self.tensors = named_tensors(model) if routes is not None or protect else {}
+        self.tensors = model_tensors(model) if routes is not None or protect else {}
         self._index: ModelIndex | None = None  # built at the first loader call
         self.names: set[str] = set()
         self.chunk: list[CheckedPatch] = []
@@ -195,7 +169,7 @@ class _Loader:
     @property
     def index(self) -> ModelIndex:
         if self._index is None:
-            tensors = self.tensors or named_tensors(self.model)
+            tensors = self.tensors or model_tensors(self.model)
             self._index = ModelIndex(tensors, self.protect)
         return self._index
 
@@ -237,7 +211,9 @@ class _Loader:
         if self.chunk and (
             name in self.chunk_names
             or item.sparse != self.chunk[0].sparse
-            or self.chunking.split_before(self.chunk_nbytes, len(self.chunk), size)
+            or self.chunking.split_before(
+                ChunkState(self.chunk_nbytes, len(self.chunk), item, size)
+            )
         ):
             self.flush()
         self.chunk.append(item)
@@ -279,7 +255,9 @@ class _Loader:
         del chunk[:]  # only the loader holds the staged tensors from here on
         if self.routes is not None:
             self.routes.stats.loader_calls += 1
-        result = run_loader(self.model, loads, index=self.index, undo=self.undo, atomic=self.atomic)
+        result = run_loader(
+            self.module, loads, index=self.index, undo=self.undo, atomic=self.atomic
+        )
         if not self.atomic:
             self.undo.forget()  # this call stands; its old values are not needed any more
         self.names |= result.names
@@ -299,8 +277,8 @@ class _Loader:
 
 @torch.no_grad()
 def load_checkpoint_weight_patches(
-    model: torch.nn.Module,
-    patches: Iterable[CheckpointWeightPatch],
+    model: SupportsLoadWeights,
+    patches: Iterable[PatchLike],
     *,
     max_chunk_bytes: int | None = None,
     validate_unique_indices: bool = True,
@@ -327,9 +305,10 @@ def load_checkpoint_weight_patches(
     parameters. Dense chunks load with plain ``copy_``. Runs under ``torch.no_grad()``.
 
     Args:
-        model: Any object with ``load_weights(weights) -> Iterable[str] | None`` taking
-            ``(name, tensor)`` pairs in checkpoint coordinates (every vLLM model).
-        patches: `CheckpointWeightPatch` objects (or any objects with the same fields).
+        model: Every vLLM model, any ``torch.nn.Module`` with ``load_weights``, or any object
+            with ``load_weights`` and ``named_parameters`` (see `SupportsLoadWeights`).
+        patches: `CheckpointWeightPatch` objects, or any objects with the same five fields
+            (`PatchLike`: vLLM's own NamedTuple included).
         max_chunk_bytes: Shorthand for ``chunking=ByteBudget(max_chunk_bytes)``.
         validate_unique_indices: Reject duplicate indices within one patch. Two patches may
             touch the same positions; the later one wins.
@@ -349,7 +328,8 @@ def load_checkpoint_weight_patches(
             its canonical name, or dropped when the canonical name is patched in the same call
             with the same update (a different update is refused: one would be lost).
         protect: Qualified names of parameters or buffers that must not be written (with the
-            reason), e.g. weights an engine has repacked into another layout. A write into one,
+            reason), e.g. weights an engine has repacked into another layout; a name that is
+            not a parameter or buffer of the model is refused. A write into one,
             by the loader or by a route, raises `LoaderContractError` before it happens; known
             routes are checked before the first write of the call. With ``atomic=True`` a
             refusal found mid-call leaves the model as it was.
@@ -382,17 +362,16 @@ def load_checkpoint_weight_patches(
         tensor([[0., 0., 0.],
                 [0., 7., 0.]])
     """
-    if not callable(getattr(model, "load_weights", None)):
-        raise InvalidPatchTypeError(
-            f"model must have a load_weights(weights) method; {type(model).__name__} has none"
-        )
+    check_model(model, "load_checkpoint_weight_patches")
     chosen_strategy = as_strategy(strategy, Auto(), "load_checkpoint_weight_patches")
     chosen_chunking = _chunking_of(max_chunk_bytes, chunking)
     chosen_ordering = _ordering_of(ordering)
-    alias_map = _str_mapping(aliases, "aliases= maps alias names to canonical names")
-    protected = _str_mapping(protect, "protect= maps tensor names to the reason they are protected")
-    if routes is not None and not isinstance(routes, RouteCache):
-        raise InvalidPatchTypeError(f"routes= takes a RouteCache; you supplied {routes!r}")
+    alias_map = name_map(aliases, "aliases= maps alias names to canonical names")
+    protected = name_map(protect, "protect= maps tensor names to the reason they are protected")
+    if routes is not None:
+        instance_of(routes, RouteCache, "routes=", "one RouteCache() per model")
+    if protected:
+        known_names(protected, model_tensors(model), "protect=")
 
     items = check_patches(
         patches, strategy=chosen_strategy, validate_unique_indices=validate_unique_indices

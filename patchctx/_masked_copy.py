@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar, cast, overload
 
@@ -12,6 +11,7 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from patchctx import _swap
+from patchctx._arguments import seconds
 from patchctx._staged import StagedTensor
 from patchctx._strategies import CopyStrategy, NaNMask, as_strategy
 
@@ -37,16 +37,6 @@ class _StrategyInterceptor:
             # its copy_ is the masked merge already.
             return _swap.plain_copy(destination, source, non_blocking)
         return self.strategy.merge(destination, source, non_blocking=non_blocking)
-
-
-def _check_timeout(timeout: object) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"masked_copy(timeout=...) takes seconds or None; you supplied {timeout!r}")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"masked_copy(timeout=...) must be >= 0 seconds; you supplied {timeout!r}")
-    return float(timeout)
 
 
 class MaskedCopy:
@@ -76,7 +66,7 @@ class MaskedCopy:
 
     def __init__(self, strategy: CopyStrategy | None = None, *, timeout: float | None = None):
         self._strategy = as_strategy(strategy, NaNMask(), "masked_copy")
-        self._timeout = _check_timeout(timeout)
+        self._timeout = seconds(timeout, "masked_copy(timeout=...)")
 
     @property
     def strategy(self) -> CopyStrategy:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from patchctx._errors import InvalidPatchError, PatchProblem
+from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 
-__all__ = ["CheckpointWeightPatch", "validate_patches"]
+__all__ = ["CheckedPatch", "CheckpointWeightPatch", "PatchLike", "validate_patches"]
 
 
 class CheckpointWeightPatch(NamedTuple):
@@ -46,30 +46,183 @@ class CheckpointWeightPatch(NamedTuple):
     indices: torch.Tensor | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@runtime_checkable
+class PatchLike(Protocol):
+    """What patchctx reads from a patch: the five fields of `CheckpointWeightPatch`.
+
+    `CheckpointWeightPatch`, vLLM's own NamedTuple of the same name and any look-alike (a
+    dataclass, a NamedTuple of your own) satisfy it; the fields are only read. Every patch is
+    validated before the first write, so a wrongly typed field is reported there, not here.
+
+    Examples:
+        >>> import torch
+        >>> from typing import NamedTuple
+        >>> from patchctx import PatchLike, patch_nbytes
+        >>> class MyPatch(NamedTuple):  # e.g. vllm's CheckpointWeightPatch
+        ...     name: str
+        ...     shape: tuple[int, ...]
+        ...     dtype: torch.dtype
+        ...     values: torch.Tensor
+        ...     indices: torch.Tensor | None = None
+        >>> patch = MyPatch("w", (4,), torch.float32, torch.zeros(4))
+        >>> isinstance(patch, PatchLike), patch_nbytes([patch])
+        (True, 16)
+    """
+
+    @property
+    def name(self) -> str:
+        """The checkpoint (Hugging Face) name."""
+        ...
+
+    @property
+    def shape(self) -> Sequence[int]:
+        """The full checkpoint tensor's shape."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint tensor's dtype."""
+        ...
+
+    @property
+    def values(self) -> torch.Tensor:
+        """1-D: the whole tensor flattened (dense) or the values at `indices` (sparse)."""
+        ...
+
+    @property
+    def indices(self) -> torch.Tensor | None:
+        """1-D flat positions (int32 or int64), or `None` for a dense patch."""
+        ...
+
+
 class CheckedPatch:
-    """A patch that passed validation, with what validation learned about it."""
+    """A patch that passed validation, with what validation learned about it.
 
-    position: int | None  # index in the caller's sequence (None: made by an ordering policy)
-    patch: CheckpointWeightPatch
-    numel: int
-    # Sparse only: the indices are strictly increasing (sorted and unique).
-    sorted_unique: bool = False
+    Ordering policies receive these and return them (see `OrderingPolicy`); chunking policies
+    see the next one in `ChunkState`. Only validation makes them, so holding one means the
+    patch is valid for the call's strategy: constructing one yourself is refused (return a
+    `CheckpointWeightPatch` from a policy instead, and patchctx validates it).
 
-    def renamed(self, name: str) -> CheckedPatch:
-        return replace(self, patch=self.patch._replace(name=name))
+    Attributes:
+        patch: The patch, as a `CheckpointWeightPatch` (shape normalised to a tuple of ints).
+        position: Its index in the caller's sequence; `None` for a patch an ordering policy
+            made (a merge, say).
+        numel: Elements of the full checkpoint tensor.
+        sorted_unique: Sparse only: the indices are strictly increasing.
 
-    def unpositioned(self) -> CheckedPatch:
-        return replace(self, position=None)
+    Examples:
+        >>> import torch
+        >>> from patchctx import CheckedPatch, CheckpointWeightPatch, InputOrder
+        >>> from patchctx._patch import check_patches
+        >>> from patchctx import Auto
+        >>> patch = CheckpointWeightPatch("w", (2, 3), torch.bfloat16, torch.tensor([1.0]),
+        ...                               torch.tensor([4]))
+        >>> (checked,) = check_patches([patch], strategy=Auto())
+        >>> checked.name, checked.sparse, checked.staged_nbytes, checked.sorted_unique
+        ('w', True, 12, True)
+        >>> InputOrder().order([checked]) == [checked]
+        True
+        >>> try:
+        ...     CheckedPatch(patch)
+        ... except TypeError as error:
+        ...     print(type(error).__name__)
+        InvalidPatchTypeError
+    """
+
+    __slots__ = ("_numel", "_patch", "_position", "_sorted_unique")
+
+    _position: int | None
+    _patch: CheckpointWeightPatch
+    _numel: int
+    _sorted_unique: bool
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise InvalidPatchTypeError(
+            [
+                PatchProblem(
+                    None,
+                    "",
+                    "CheckedPatch is made by patchctx's validation only; a policy that builds a "
+                    "new patch returns a CheckpointWeightPatch, which is validated before any "
+                    "write",
+                    is_type_error=True,
+                )
+            ]
+        )
+
+    @classmethod
+    def _make(
+        cls,
+        position: int | None,
+        patch: CheckpointWeightPatch,
+        numel: int,
+        *,
+        sorted_unique: bool = False,
+    ) -> CheckedPatch:
+        self = object.__new__(cls)
+        object.__setattr__(self, "_position", position)
+        object.__setattr__(self, "_patch", patch)
+        object.__setattr__(self, "_numel", numel)
+        object.__setattr__(self, "_sorted_unique", sorted_unique)
+        return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"CheckedPatch is read-only; cannot set {name!r}")
+
+    def __repr__(self) -> str:
+        kind = "sparse" if self.sparse else "dense"
+        return (
+            f"CheckedPatch({self.name!r}, {kind}, shape={self._patch.shape!r}, "
+            f"dtype={self._patch.dtype}, position={self._position!r})"
+        )
+
+    @property
+    def patch(self) -> CheckpointWeightPatch:
+        """The validated patch."""
+        return self._patch
+
+    @property
+    def position(self) -> int | None:
+        """Index in the caller's sequence (`None`: made by an ordering policy)."""
+        return self._position
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full checkpoint tensor."""
+        return self._numel
+
+    @property
+    def sorted_unique(self) -> bool:
+        """Sparse only: the indices are strictly increasing (sorted and unique)."""
+        return self._sorted_unique
+
+    @property
+    def name(self) -> str:
+        """The patch's checkpoint name."""
+        return self._patch.name
 
     @property
     def sparse(self) -> bool:
-        return self.patch.indices is not None
+        """Whether the patch is sparse (has indices)."""
+        return self._patch.indices is not None
 
     @property
     def staged_nbytes(self) -> int:
         """Bytes of the full checkpoint-shaped tensor this patch stages for the loader."""
-        return self.numel * _element_size(self.patch.dtype)
+        return self._numel * _element_size(self._patch.dtype)
+
+    def renamed(self, name: str) -> CheckedPatch:
+        """The same checked patch under another name (an alias resolved)."""
+        return CheckedPatch._make(
+            self._position,
+            self._patch._replace(name=name),
+            self._numel,
+            sorted_unique=self._sorted_unique,
+        )
+
+    def unpositioned(self) -> CheckedPatch:
+        """The same checked patch, marked as made by a policy."""
+        return CheckedPatch._make(None, self._patch, self._numel, sorted_unique=self._sorted_unique)
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -245,7 +398,7 @@ def _numeric_problems(
                 problems.append(_duplicate_problem(checked[k]))
 
     result = [
-        CheckedPatch(c.position, c.patch, c.numel, sorted_unique=increasing_of.get(k, False))
+        CheckedPatch._make(c.position, c.patch, c.numel, sorted_unique=increasing_of.get(k, False))
         for k, c in enumerate(checked)
     ]
     return result, problems
@@ -304,7 +457,7 @@ def check_patches(
         patch, numel, found = _structure(position, patch, strategy)
         problems.extend(found)
         if not found:
-            structural.append(CheckedPatch(position, patch, numel))
+            structural.append(CheckedPatch._make(position, patch, numel))
     checked, numeric = _numeric_problems(structural, strategy, validate_unique_indices)
     problems.extend(numeric)
     if problems:

@@ -11,13 +11,14 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
 from patchctx import _swap
 from patchctx._bits import indexable, scatter_flat
-from patchctx._errors import InvalidPatchError, LoaderContractError
+from patchctx._arguments import instance_of, optional_int
+from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, LoaderContractError
 from patchctx._staged import StagedTensor, stage
 
 __all__ = [
@@ -141,7 +142,9 @@ def _check_stage_structure(
 ) -> int:
     problems: list[str] = []
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{strategy!r}.stage: dtype must be a torch.dtype, got {dtype!r}")
+        raise InvalidPatchTypeError(
+            f"{strategy!r}.stage: dtype must be a torch.dtype, got {dtype!r}"
+        )
     reason = strategy.unsupported_reason(dtype)
     if reason is not None:
         problems.append(reason)
@@ -330,10 +333,7 @@ class IntSentinel:
     value: int | None = None
 
     def __post_init__(self) -> None:
-        if self.value is not None and (
-            isinstance(self.value, bool) or not isinstance(self.value, int)
-        ):
-            raise TypeError(f"IntSentinel(value=...) must be an int or None, got {self.value!r}")
+        optional_int(self.value, "IntSentinel(value=...)")
 
     def sentinel(self, dtype: torch.dtype) -> int:
         """The reserved value for `dtype`."""
@@ -546,14 +546,7 @@ def as_strategy(strategy: object, default: CopyStrategy, where: str) -> CopyStra
     """Check a caller's `strategy=` argument (`None` means `default`)."""
     if strategy is None:
         return default
-    if isinstance(strategy, type):
-        raise TypeError(
-            f"{where}(strategy=...) takes a strategy instance, not a class: you supplied "
-            f"{strategy!r}; write {strategy.__name__}() instead"
-        )
-    if not isinstance(strategy, CopyStrategy):
-        raise TypeError(
-            f"{where}(strategy=...) takes a CopyStrategy (NaNMask(), BoolMask(), IntSentinel(), "
-            f"Auto() or your own); you supplied {strategy!r}"
-        )
-    return strategy
+    examples = "NaNMask(), BoolMask(), IntSentinel(), Auto() or your own"
+    return cast(
+        CopyStrategy, instance_of(strategy, CopyStrategy, f"{where}(strategy=...)", examples)
+    )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from patchctx._arguments import known_names
 from patchctx._errors import LoaderContractError
 from patchctx._recording import Recorder
 from patchctx._routes import Geometry
@@ -81,6 +82,7 @@ class ModelIndex:
             if key is not None and key not in self._by_storage:
                 self._by_storage[key] = Owner(name, tensor)
         self._protected: dict[int, str] = {}
+        known_names(protect or {}, self.tensors, "protect=")  # a typo must not disarm it
         for name, reason in (protect or {}).items():
             protected = self.tensors.get(name)
             key = None if protected is None else storage_key(protected)

@@ -1,8 +1,8 @@
 """A conformance table for copy strategies, yours included.
 
 Every built-in strategy is tested against these cases. Run them on a strategy of your own with
-`check_strategy` (it raises `AssertionError` listing every failed case), or parametrize a pytest
-test over `conformance_cases` to get one test per case:
+`check_strategy` (it raises `ConformanceError`, an `AssertionError`, listing every failed
+case), or parametrize a pytest test over `conformance_cases` to get one test per case:
 
 >>> from patchctx import BoolMask
 >>> from patchctx.testing import check_strategy
@@ -26,7 +26,13 @@ from patchctx._masked_copy import masked_copy
 from patchctx._staged import StagedTensor
 from patchctx._strategies import CopyStrategy
 
-__all__ = ["DEFAULT_DTYPES", "ConformanceCase", "check_strategy", "conformance_cases"]
+__all__ = [
+    "DEFAULT_DTYPES",
+    "ConformanceCase",
+    "ConformanceError",
+    "check_strategy",
+    "conformance_cases",
+]
 
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
@@ -57,7 +63,8 @@ class ConformanceCase:
     Attributes:
         id: A readable identifier, e.g. ``"merge-matches-dense-reference[bfloat16]"``.
         dtype: The checkpoint dtype the case stages.
-        check: Runs the case against a strategy; raises `AssertionError` on failure.
+        check: Runs the case against a strategy; raises `ConformanceError` (an
+            `AssertionError`) on failure.
 
     Examples:
         >>> import torch
@@ -74,6 +81,27 @@ class ConformanceCase:
     check: Callable[[CopyStrategy], None]
 
 
+class ConformanceError(PatchError, AssertionError):
+    """A strategy broke its contract: raised by the conformance cases and `check_strategy`.
+
+    It is an `AssertionError`, so pytest reports it as a failed check, and a `PatchError`, like
+    every error patchctx raises. The checks raise it explicitly: they do not use ``assert``
+    statements, so they keep working under ``python -O``.
+
+    Examples:
+        >>> from patchctx import PatchError
+        >>> from patchctx.testing import ConformanceError
+        >>> issubclass(ConformanceError, AssertionError), issubclass(ConformanceError, PatchError)
+        (True, True)
+    """
+
+
+def _require(condition: object, message: str) -> None:
+    """Raise `ConformanceError` with `message` unless `condition` holds (not an ``assert``)."""
+    if not condition:
+        raise ConformanceError(message)
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach().contiguous()
     if tensor.dtype == torch.bool:
@@ -85,9 +113,9 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert torch.equal(_bits(actual), _bits(expected)), f"{what}: values differ from reference"
+    _require(actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}")
+    _require(actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}")
+    _require(torch.equal(_bits(actual), _bits(expected)), f"{what}: values differ from reference")
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -123,7 +151,7 @@ def _patch(
         values = _random((count,), dtype, generator)
         if not bool(strategy.reserved_values(values, dtype)):
             return _Patch(shape, indices, values)
-    raise AssertionError(f"could not draw {count} {dtype} values that the strategy can carry")
+    raise ConformanceError(f"could not draw {count} {dtype} values that the strategy can carry")
 
 
 def _reference(destination: torch.Tensor, patch: _Patch, dtype: torch.dtype) -> torch.Tensor:
@@ -137,15 +165,16 @@ def _case_stage_layout(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
     def check(strategy: CopyStrategy) -> None:
         patch = _patch(strategy, dtype, (3, 5), seed=1, density=0.4)
         staged = strategy.stage(patch.shape, dtype, patch.indices, patch.values)
-        assert isinstance(staged, torch.Tensor), "stage must return a tensor"
-        assert staged.shape == patch.shape, f"staged shape {staged.shape} != {patch.shape}"
-        assert staged.dtype == dtype, f"staged dtype {staged.dtype} != {dtype}"
-        assert staged.device == patch.values.device, "staged tensor must be on values.device"
-        assert staged.is_contiguous(), "staged tensor must be contiguous (row-major)"
+        _require(isinstance(staged, torch.Tensor), "stage must return a tensor")
+        _require(staged.shape == patch.shape, f"staged shape {staged.shape} != {patch.shape}")
+        _require(staged.dtype == dtype, f"staged dtype {staged.dtype} != {dtype}")
+        _require(staged.device == patch.values.device, "staged tensor must be on values.device")
+        _require(staged.is_contiguous(), "staged tensor must be contiguous (row-major)")
         if patch.values.numel():
             data = staged._data if isinstance(staged, StagedTensor) else staged
-            assert data.untyped_storage().data_ptr() != patch.values.untyped_storage().data_ptr(), (
-                "staged tensor must not alias the caller's values"
+            _require(
+                data.untyped_storage().data_ptr() != patch.values.untyped_storage().data_ptr(),
+                "staged tensor must not alias the caller's values",
             )
 
     return check
@@ -160,8 +189,8 @@ def _case_merge_reference(dtype: torch.dtype, density: float) -> Callable[[CopyS
         staged = strategy.stage(patch.shape, dtype, patch.indices, patch.values)
         pointer = destination.data_ptr()
         returned = strategy.merge(destination, staged)
-        assert returned is destination, "merge must return the destination object"
-        assert destination.data_ptr() == pointer, "merge must write in place"
+        _require(returned is destination, "merge must return the destination object")
+        _require(destination.data_ptr() == pointer, "merge must write in place")
         _assert_same_bits(destination, expected, f"merge at density {density}")
 
     return check
@@ -198,7 +227,7 @@ def _case_masked_copy_region(dtype: torch.dtype) -> Callable[[CopyStrategy], Non
         staged = strategy.stage(patch.shape, dtype, patch.indices, patch.values)
         with masked_copy(strategy=strategy):
             returned = destination.copy_(staged)
-        assert returned is destination, "copy_ inside the region must return the destination"
+        _require(returned is destination, "copy_ inside the region must return the destination")
         _assert_same_bits(destination, expected, "copy_ inside masked_copy")
         outside = _random(patch.shape, dtype, generator)
         expected_outside = _reference(outside, patch, dtype)
@@ -223,7 +252,7 @@ def _case_shape_mismatch(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
         except LoaderContractError:
             pass
         else:
-            raise AssertionError("merge into a differently shaped destination must raise")
+            raise ConformanceError("merge into a differently shaped destination must raise")
         _assert_same_bits(destination, before, "destination after a refused merge")
 
     return check
@@ -256,10 +285,13 @@ def _case_reserved_flag(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
     def check(strategy: CopyStrategy) -> None:
         values = torch.zeros(0, dtype=dtype)
         flag = strategy.reserved_values(values, dtype)
-        assert isinstance(flag, torch.Tensor), "reserved_values must return a tensor"
-        assert flag.dtype == torch.bool and flag.ndim == 0, "reserved_values: a 0-d bool tensor"
-        assert not bool(flag), "an empty tensor holds no reserved value"
-        assert isinstance(strategy.describe_reserved(dtype), str)
+        _require(isinstance(flag, torch.Tensor), "reserved_values must return a tensor")
+        _require(flag.dtype == torch.bool and flag.ndim == 0, "reserved_values: a 0-d bool tensor")
+        _require(not bool(flag), "an empty tensor holds no reserved value")
+        _require(
+            isinstance(strategy.describe_reserved(dtype), str),
+            "describe_reserved must return a str",
+        )
 
     return check
 
@@ -267,12 +299,12 @@ def _case_reserved_flag(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
 def _case_unsupported(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
     def check(strategy: CopyStrategy) -> None:
         reason = strategy.unsupported_reason(dtype)
-        assert isinstance(reason, str) and reason, "unsupported_reason must explain itself"
+        _require(isinstance(reason, str) and reason, "unsupported_reason must explain itself")
         try:
             strategy.stage((2,), dtype, torch.tensor([0]), torch.zeros(1, dtype=dtype))
         except (PatchError, TypeError, ValueError):
             return
-        raise AssertionError(f"staging the unsupported dtype {dtype} must raise")
+        raise ConformanceError(f"staging the unsupported dtype {dtype} must raise")
 
     return check
 
@@ -336,7 +368,8 @@ def check_strategy(strategy: CopyStrategy, dtypes: Iterable[torch.dtype] = DEFAU
         dtypes: The checkpoint dtypes to cover.
 
     Raises:
-        AssertionError: One or more cases failed; the message lists each with its reason.
+        ConformanceError: One or more cases failed (an `AssertionError`); the message lists
+            each with its reason.
 
     Examples:
         >>> from patchctx import NaNMask
@@ -351,4 +384,4 @@ def check_strategy(strategy: CopyStrategy, dtypes: Iterable[torch.dtype] = DEFAU
             failures.append(f"{case.id}: {type(error).__name__}: {error}")
     if failures:
         listing = "\n".join(f"  - {f}" for f in failures)
-        raise AssertionError(f"{strategy!r} failed {len(failures)} conformance cases:\n{listing}")
+        raise ConformanceError(f"{strategy!r} failed {len(failures)} conformance cases:\n{listing}")

@@ -421,27 +421,58 @@ def test_invalid_arguments_are_reported(kwargs: dict[str, Any], message: str) ->
 
 
 @pytest.mark.parametrize("strategy", [Auto(), BoolMask()])
-def test_one_host_read_per_tensor_and_none_for_the_same_tensor(strategy: CopyStrategy) -> None:
-    shared = torch.ones(10)
+def test_one_host_read_per_tensor_and_none_for_a_tied_one(strategy: CopyStrategy) -> None:
     old = {
         "sparse": torch.zeros(10),
         "dense": torch.zeros(3),
         "nan": torch.zeros(10),
         "unchanged": torch.zeros(10),
-        "same": shared,
+        "tied": torch.zeros(10),
         "empty": torch.zeros(0),
     }
     new = {name: tensor.clone() for name, tensor in old.items()}
     new["sparse"][1] = 1.0
     new["dense"][:] = 2.0
     new["nan"][2] = float("nan")
-    new["same"] = shared.view(10)  # another object viewing the same elements
+    new["tied"] = new["unchanged"].view(10)  # another object viewing the same elements
     assert strategy.unsupported_reason(torch.bfloat16) is None  # its one-time probe reads
     with HostReads() as watch:
         patches = diff_state_dicts(old, new, dtype=torch.bfloat16, strategy=strategy)
     assert [p.name for p in patches] == ["sparse", "dense", "nan"]
-    # one each for "sparse", "dense", "nan", "unchanged"; none for "same" and "empty"
+    # one each for "sparse", "dense", "nan", "unchanged"; none for "tied" and "empty"
     assert watch.reads == ["tolist"] * 4
+
+
+def test_old_sharing_storage_with_new_is_refused_with_the_clone_to_use() -> None:
+    model = torch.nn.Linear(4, 4)
+    sent = model.state_dict()  # views of the live weights, not a copy
+    with torch.no_grad():
+        model.weight[0, 0] += 1.0
+    with pytest.raises(InvalidPatchError) as caught:
+        diff_state_dicts(sent, model.state_dict())
+    assert [p.name for p in caught.value.problems] == ["weight", "bias"]
+    assert "shares its storage with new['weight']" in str(caught.value)
+    assert "v.detach().clone()" in str(caught.value)
+    transposed = {"weight": model.weight.detach().t(), "bias": model.bias.detach().clone()}
+    with pytest.raises(InvalidPatchError, match="'weight': old"):  # another view of it too
+        diff_state_dicts(transposed, model.state_dict(), names=["bias", "weight"])
+    sent = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight[0, 0] += 1.0
+    [patch] = diff_state_dicts(sent, model.state_dict())
+    assert patch.name == "weight" and patch.indices is not None and patch.indices.tolist() == [0]
+
+
+def test_a_tied_tensor_is_sent_once_under_its_first_name() -> None:
+    embed = torch.zeros(6, 4)
+    new = {"embed_tokens.weight": embed, "norm.weight": torch.ones(4), "lm_head.weight": embed}
+    old = {name: tensor.clone() for name, tensor in new.items()}  # cloned: no longer tied
+    embed[2, 1] = 3.0
+    [patch] = diff_state_dicts(old, new)
+    assert patch.name == "embed_tokens.weight" and patch.indices is not None
+    assert patch.indices.tolist() == [9] and patch.values.tolist() == [3.0]
+    [patch] = diff_state_dicts(old, new, names=["lm_head.weight", "embed_tokens.weight"])
+    assert patch.name == "lm_head.weight"
 
 
 @pytest.mark.parametrize("receiver", [torch.bfloat16, torch.float32])

@@ -17,15 +17,19 @@ from patchctx import (
     Auto,
     BoolMask,
     ByteBudget,
+    CheckedPatch,
     CheckpointWeightPatch,
     ChunkingPolicy,
+    ChunkState,
     Coalesce,
     CopyStrategy,
     InputOrder,
     IntSentinel,
+    InvalidPatchError,
     NaNMask,
     OrderingPolicy,
     PerTensor,
+    RouteCache,
     SingleCall,
     load_checkpoint_weight_patches,
 )
@@ -204,13 +208,13 @@ def test_per_tensor_makes_one_call_per_patch() -> None:
 
 def test_user_defined_policies() -> None:
     class EveryTwo:
-        def split_before(self, chunk_nbytes: int, chunk_len: int, next_nbytes: int) -> bool:
-            return chunk_len >= 2
+        def split_before(self, chunk: ChunkState) -> bool:
+            return chunk.count >= 2
 
     class ByName:
         """Sorts by name (different names touch different parameters here)."""
 
-        def order(self, patches: Sequence[CheckpointWeightPatch]) -> list[CheckpointWeightPatch]:
+        def order(self, patches: Sequence[CheckedPatch]) -> list[CheckedPatch]:
             return sorted(patches, key=lambda p: p.name)
 
     model = packed_tp_model()
@@ -224,11 +228,9 @@ def test_user_defined_policies() -> None:
 
 
 def test_user_ordering_that_builds_new_patches_is_validated() -> None:
-    from patchctx import InvalidPatchError
-
     class Broken:
-        def order(self, patches: Sequence[CheckpointWeightPatch]) -> list[CheckpointWeightPatch]:
-            return [p._replace(indices=torch.tensor([10**6])) for p in patches]
+        def order(self, patches: Sequence[CheckedPatch]) -> list[CheckpointWeightPatch]:
+            return [p.patch._replace(indices=torch.tensor([10**6])) for p in patches]
 
     model = packed_tp_model()
     loaded(model)
@@ -264,8 +266,6 @@ def test_coalesce_merges_dense_then_sparse_and_sparse_runs() -> None:
 
 
 def test_coalesce_refuses_patches_that_disagree_on_the_tensor() -> None:
-    from patchctx import InvalidPatchError
-
     model = packed_tp_model()
     loaded(model)
     before = state(model)
@@ -313,8 +313,6 @@ def test_aliases_load_under_the_canonical_name_or_are_dropped() -> None:
 
 
 def test_an_alias_patched_differently_from_its_canonical_name_is_refused() -> None:
-    from patchctx import InvalidPatchError
-
     model = packed_tp_model()
     loaded(model)
     before = state(model)
@@ -355,7 +353,7 @@ def test_accepts_any_object_with_the_fields_such_as_vllms_namedtuple() -> None:
     ours = sparse("tr.proj.weight", model, [0, 7], [1.0, 2.0])
     theirs = VllmPatch(*ours)
     reference = reference_after(model, checkpoint, [ours])
-    load_checkpoint_weight_patches(model, [theirs])  # type: ignore[list-item]
+    load_checkpoint_weight_patches(model, [theirs])
     assert_same_state(state(model), state(reference))
 
 
@@ -412,3 +410,146 @@ def test_int_sentinel_with_a_custom_value() -> None:
     reference = reference_after(model, checkpoint, [patch])
     load_checkpoint_weight_patches(model, [patch], strategy=IntSentinel(value=99))
     assert_same_state(state(model), state(reference))
+
+
+def test_coalesce_groups_alternating_dense_and_sparse_patches() -> None:
+    model = packed_tp_model()
+    checkpoint = loaded(model)
+    specs = model.checkpoint_specs()
+
+    def dense(name: str, value: float) -> CheckpointWeightPatch:
+        spec = specs[name]
+        return CheckpointWeightPatch(
+            name, spec.shape, spec.dtype, torch.full((math.prod(spec.shape),), value)
+        )
+
+    patches = [
+        dense("tr.proj.weight", 0.5),
+        sparse("qkv.q_proj.weight", model, [1, 4], [1.0, 2.0]),
+        dense("mlp.up_proj.weight", 0.25),
+        sparse("down.down_proj.weight", model, [3], [3.0]),
+        dense("qkv.k_proj.weight", -1.0),
+    ]
+    reference = reference_after(model, checkpoint, patches)
+    load_checkpoint_weight_patches(model, patches)
+    assert len(model.load_calls) == 5  # InputOrder: one call per run of one kind
+    assert_same_state(state(model), state(reference))
+
+    model = packed_tp_model()
+    loaded(model)
+    load_checkpoint_weight_patches(model, patches, ordering=Coalesce())
+    assert model.load_calls == [
+        ["tr.proj.weight", "mlp.up_proj.weight", "qkv.k_proj.weight"],
+        ["qkv.q_proj.weight", "down.down_proj.weight"],
+    ]
+    assert_same_state(state(model), state(reference))
+
+
+def test_coalesce_in_a_training_loop_makes_fewer_loader_calls() -> None:
+    from tests.support.training import train_and_send
+
+    one, other = train_and_send(InputOrder()), train_and_send(Coalesce())
+    assert one.patches == other.patches and 0 < one.dense < one.patches  # dense and sparse
+    # Measured: 60 patches in 4 steps, 22 loader calls in input order, 6 with Coalesce
+    # (one dense call per step, and one sparse call in each step that records routes).
+    assert other.loader_calls <= 2 * 4 < one.loader_calls
+    for side in (one, other):
+        for received, trained in zip(
+            side.receiver.inner.parameters(), side.trainer.parameters(), strict=True
+        ):
+            assert same_bits(received, trained.detach().to(torch.bfloat16))
+
+
+class _Adapter:
+    """Not a module: a loader by checkpoint name and the parameters it writes."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.calls = 0
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def named_buffers(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self.calls += 1
+        parameters = dict(self.module.named_parameters())
+        for name, tensor in weights:
+            parameters[name].copy_(tensor.view_as(parameters[name]))
+        return {name for name, _ in weights}
+
+
+def _module() -> torch.nn.Module:
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    return module.requires_grad_(False)
+
+
+def test_a_plain_adapter_object_works_end_to_end() -> None:
+    module = _module()
+    adapter = _Adapter(module)
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    routes = RouteCache()
+    patch = CheckpointWeightPatch(
+        "0.weight", (3, 4), torch.float32, torch.tensor([5.0, 6.0]), torch.tensor([1, 10])
+    )
+    bias = CheckpointWeightPatch("0.bias", (3,), torch.float32, torch.tensor([1.0, 2.0, 3.0]))
+    names = load_checkpoint_weight_patches(
+        adapter, [patch, bias], routes=routes, atomic=True, ordering=Coalesce()
+    )
+    assert names == {"0.weight", "0.bias"}
+    expected = before["0.weight"].clone().view(-1)
+    expected[[1, 10]] = torch.tensor([5.0, 6.0])
+    assert torch.equal(module.get_parameter("0.weight").view(-1), expected)
+    assert module.get_parameter("0.bias").tolist() == [1.0, 2.0, 3.0]
+    assert "0.weight" in routes  # a view copy: the route was recorded
+    calls = adapter.calls
+    again = patch._replace(values=torch.tensor([7.0, 8.0]))
+    load_checkpoint_weight_patches(adapter, [again], routes=routes)
+    assert adapter.calls == calls and routes.stats.replayed == 1  # replayed, no loader call
+    assert module.get_parameter("0.weight").view(-1)[[1, 10]].tolist() == [7.0, 8.0]
+
+
+def test_a_plain_adapter_object_that_rebinds_a_parameter_is_refused_and_undone() -> None:
+    from patchctx import LoaderContractError
+
+    module = _module()
+    weight = module.get_parameter("0.weight")
+    storage, before = weight.untyped_storage().data_ptr(), weight.clone()
+
+    class Rebinding(_Adapter):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                weight.data = tensor.clone()
+            return set()
+
+    dense = CheckpointWeightPatch("0.weight", (3, 4), torch.float32, torch.ones(12))
+    with pytest.raises(LoaderContractError, match="replaced the storage"):
+        load_checkpoint_weight_patches(Rebinding(module), [dense])
+    assert weight.untyped_storage().data_ptr() == storage and torch.equal(weight, before)
+
+
+def test_a_model_without_named_parameters_is_refused_before_any_work() -> None:
+    from patchctx import InvalidPatchTypeError
+
+    class LoaderOnly:
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            raise AssertionError("never called")
+
+    patch = CheckpointWeightPatch("w", (2,), torch.float32, torch.zeros(2))
+    with pytest.raises(InvalidPatchTypeError, match=r"named_parameters\(\) method"):
+        load_checkpoint_weight_patches(LoaderOnly(), [patch])  # type: ignore[arg-type]
+
+
+def test_protect_names_that_match_no_tensor_are_refused() -> None:
+    model = packed_tp_model()
+    loaded(model)
+    before = state(model)
+    patch = sparse("tr.proj.weight", model, [1], [4.0])
+    with pytest.raises(InvalidPatchError, match=r"'layers\.tr\.wieght'.*did you mean") as info:
+        load_checkpoint_weight_patches(
+            model, [patch], protect={"layers.tr.wieght": "repacked", "layers.tr.weight": "x"}
+        )
+    assert [problem.name for problem in info.value.problems] == ["layers.tr.wieght"]
+    assert_same_state(state(model), before)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from patchctx._audit import AuditReport, AuditRow, audit
 from patchctx._errors import InvalidPatchError, PatchError, WeightVersionError
 from patchctx._load import load_checkpoint_weight_patches
+from patchctx._model import SupportsLoadWeights
 from patchctx._routes import RouteCache
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._codec import DTYPES, decode_payload
@@ -255,7 +256,8 @@ class PatchWorkerExtension:
             before = replace(state.routes.stats)
             with refusing_transformed(model, protect):
                 loaded = load_checkpoint_weight_patches(
-                    model,
+                    # Every vLLM model has load_weights; torch types Module attributes loosely.
+                    cast("SupportsLoadWeights", model),
                     decoded.patches,
                     max_chunk_bytes=chosen["max_chunk_bytes"],
                     validate_unique_indices=chosen["validate_unique_indices"],

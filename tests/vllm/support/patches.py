@@ -23,6 +23,7 @@ from patchctx import (
     CheckpointWeightPatch,
     NaNMask,
     RouteCache,
+    SupportsLoadWeights,
     load_checkpoint_weight_patches,
     masked_copy,
 )
@@ -137,7 +138,9 @@ def patchctx_load(worker: ModelWorker, patches: Sequence[Patch], **options: Any)
     return worker.patchctx_apply_patches(encode_patches(patches), options)
 
 
-def patchctx_layer_load(model: nn.Module, patches: Sequence[Patch], routes: RouteCache) -> set[str]:
+def patchctx_layer_load(
+    model: SupportsLoadWeights, patches: Sequence[Patch], routes: RouteCache
+) -> set[str]:
     """Apply `patches` to a one-layer harness with patchctx's loader and a `RouteCache`."""
     return load_checkpoint_weight_patches(model, patches, routes=routes)
 

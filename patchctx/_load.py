@@ -6,20 +6,18 @@ validate -> resolve aliases -> order -> replay known routes | chunk -> stage -> 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import cast
 
 import torch
 
+from patchctx._arguments import instance_of, known_names, name_map, positive_int
 from patchctx._bits import bit_view
-from patchctx._chunking import ByteBudget, ChunkingPolicy
-from patchctx._errors import (
-    InvalidPatchError,
-    InvalidPatchTypeError,
-    LoaderContractError,
-    PatchProblem,
-)
-from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
-from patchctx._patch import CheckedPatch, CheckpointWeightPatch, check_patches, numel_of
-from patchctx._routes import Route, RouteCache, named_tensors, replay
+from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState
+from patchctx._errors import InvalidPatchError, LoaderContractError, PatchProblem
+from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
+from patchctx._ordering import InputOrder, OrderingPolicy
+from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, check_patches
+from patchctx._routes import Route, RouteCache, replay
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog

@@ -341,7 +341,7 @@ class RouteCache:
 
     # -- used by load_checkpoint_weight_patches ------------------------------------------
 
-    def _bind(self, model: torch.nn.Module) -> None:
+    def _bind(self, model: object) -> None:
         """Tie the cache to `model`; a different model clears it."""
         with self._lock:
             bound = self._model() if self._model is not None else None

@@ -16,8 +16,8 @@ from typing import Protocol, cast, runtime_checkable
 import torch
 
 from patchctx import _swap
-from patchctx._bits import indexable, scatter_flat
 from patchctx._arguments import instance_of, optional_int
+from patchctx._bits import indexable, scatter_flat
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, LoaderContractError
 from patchctx._staged import StagedTensor, stage
 

@@ -277,3 +277,38 @@ def _reference_for(
         else:
             flat[patch.indices] = patch.values
     return expected
+
+
+def test_a_failure_after_a_large_replay_restores_every_old_value() -> None:
+    """More positions than one replay block (65,536): the undo log must own its positions."""
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(400, 400), requires_grad=False)
+            self.b = nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.fail = False
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, tensor in weights:
+                if name == "b" and self.fail:
+                    raise RuntimeError("the second weight fails")
+                getattr(self, name).data.copy_(tensor)
+            return {name for name, _ in weights}
+
+    model, routes = Big(), RouteCache()
+    n = 400 * 400
+    first = torch.arange(0, n, 2, dtype=torch.int32)  # 80,000 int32 positions: two blocks
+    patch_a = CheckpointWeightPatch("a", (400, 400), torch.float32, torch.ones(len(first)), first)
+    load_checkpoint_weight_patches(model, [patch_a], routes=routes)
+    before = state(model)
+    second = torch.arange(1, n, 2, dtype=torch.int32)
+    patch_a2 = CheckpointWeightPatch(
+        "a", (400, 400), torch.float32, torch.full((n // 2,), 2.0), second
+    )
+    patch_b = CheckpointWeightPatch("b", (4,), torch.float32, torch.ones(1), torch.tensor([0]))
+    model.fail = True
+    with pytest.raises(RuntimeError, match="second weight"):
+        load_checkpoint_weight_patches(model, [patch_a2, patch_b], routes=routes, atomic=True)
+    assert routes.stats.replayed == 1
+    assert_same_state(state(model), before)

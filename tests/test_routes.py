@@ -15,6 +15,7 @@ from torch import nn
 
 from patchctx import (
     CheckpointWeightPatch,
+    InvalidPatchError,
     LoaderContractError,
     RouteCache,
     SingleCall,
@@ -445,3 +446,90 @@ def test_replay_with_unsorted_and_sorted_indices(index_dtype: torch.dtype, sort:
     load_checkpoint_weight_patches(model, [second], routes=routes)
     assert routes.stats.replayed == 1
     assert_same_state(state(model), state(reference))
+
+
+# ------------------------------------------------------------------ verification
+
+
+class Ranked(nn.Module):
+    """Loads this rank's half of the checkpoint tensor: the mapping depends on an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2, 6), requires_grad=False)
+        self.rank = 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.weight.data.copy_(tensor.view(2, 2, 6)[self.rank])
+        return {"weight"}
+
+
+def ranked_patch(index: int, value: float) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(
+        "w", (4, 6), torch.float32, torch.tensor([value]), torch.tensor([index])
+    )
+
+
+def test_verify_finds_a_route_the_loader_no_longer_follows_and_changes_nothing() -> None:
+    model, routes = Ranked(), RouteCache()
+    load_checkpoint_weight_patches(model, [ranked_patch(1, 1.0)], routes=routes)
+    before = model.weight.detach().clone()
+    assert routes.verify(model) == []
+    model.rank = 1  # the mapping changed; the tensors did not
+    assert routes.verify(model) == ["w"]
+    assert torch.equal(model.weight, before), "verify writes nothing"
+    assert routes.stats.mismatched == 1
+    load_checkpoint_weight_patches(model, [ranked_patch(13, 2.0)], routes=routes)
+    assert model.weight[0, 1] == 2.0, "the corrected route is replayed"
+    assert routes.stats.replayed == 1
+
+
+def test_verify_every_k_sends_every_kth_patch_through_the_loader() -> None:
+    model, routes = Ranked(), RouteCache(verify_every=2)
+    for i in range(4):
+        load_checkpoint_weight_patches(model, [ranked_patch(i, float(i))], routes=routes)
+    # The first records the route; of its 3 uses, the 2nd went through the loader.
+    assert routes.stats.verified == 1 and routes.stats.mismatched == 0
+    assert routes.stats.replayed == 2
+    model.rank = 1
+    load_checkpoint_weight_patches(model, [ranked_patch(12, 5.0)], routes=routes)  # 4th use
+    assert routes.stats.verified == 2 and routes.stats.mismatched == 1
+    assert model.weight[0, 0] == 5.0, "the loader path applied it, and its route replaces"
+    load_checkpoint_weight_patches(model, [ranked_patch(13, 6.0)], routes=routes)
+    assert model.weight[0, 1] == 6.0 and routes.stats.replayed == 3
+    with pytest.raises(InvalidPatchError, match="verify_every"):
+        RouteCache(verify_every=0)
+
+
+def test_overlaps_are_compared_in_storage_bytes() -> None:
+    """A constant fill through a byte view of the weight overlaps the element spans it hits."""
+
+    class Bytes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.weight.data[:2].copy_(tensor[:2])
+                # bytes 48..95 of the storage are elements 12..23 (rows 2-3): disjoint from rows
+                # 0-1 in bytes, though not in "positions" of a uint8 view (0..47 vs 12..23)
+                self.weight.data.view(torch.uint8)[48:].fill_(0)
+            return {"weight"}
+
+    model, routes = Bytes(), RouteCache()
+    load_checkpoint_weight_patches(model, [ranked_patch(1, 1.0)], routes=routes)
+    assert "w" in routes, "disjoint in bytes: replayable"
+
+    class Overlapping(Bytes):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.weight.data[2:].copy_(tensor[2:])
+                self.weight.data.view(torch.uint8)[:8].fill_(0)  # elements 0 and 1
+                self.weight.data[:2].copy_(tensor[:2])
+            return {"weight"}
+
+    model, routes = Overlapping(), RouteCache()
+    with pytest.raises(LoaderContractError, match="before writing staged data"):
+        load_checkpoint_weight_patches(model, [ranked_patch(1, 1.0)], routes=routes)

@@ -1,0 +1,397 @@
+"""The worker side of the ``patchctx`` weight-transfer backend (vLLM's RL API).
+
+vLLM creates one `PatchctxWeightTransferEngine` per worker when the engine is started with
+``weight_transfer_config={"backend": "patchctx"}`` and drives it through the worker's
+``init_weight_transfer_engine`` -> ``start_weight_update`` -> ``update_weights`` (one or more
+chunks) -> ``finish_weight_update``, from ``vllm serve``'s HTTP endpoints, ``LLM`` or Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from patchctx import _errors
+from patchctx._errors import InvalidPatchError, PatchError, WeightVersionError
+from patchctx._patch import CheckpointWeightPatch
+from patchctx.vllm._apply import WorkerPatcher
+from patchctx.vllm._codec import PatchPayload, decode_payload
+from patchctx.vllm._transport import (
+    DEFAULT_SHM_DIR,
+    InlineTransport,
+    NCCLTransport,
+    SharedMemoryTransport,
+    Transport,
+    check_received,
+)
+
+__all__ = [
+    "VLLM_START_VERSION",
+    "PatchctxInitInfo",
+    "PatchctxUpdateInfo",
+    "PatchctxWeightTransferEngine",
+    "worker_error",
+]
+
+logger = logging.getLogger("patchctx.vllm")
+
+VLLM_START_VERSION = "default"
+"""The weight version a vLLM 0.32 engine reports (``/weight_info``) before any update."""
+
+TRANSPORTS = ("shm", "nccl", "inline")
+_MARK = re.compile(r"\[patchctx rank (\d+): (\w+)\] ")
+# What vLLM's multi-process executor appends to a worker's error message.
+_VLLM_SUFFIX = re.compile(r"'?,? please check the stack trace above for the root cause\.?$")
+
+
+@dataclass(kw_only=True)
+class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
+    """What ``init_weight_transfer_engine`` takes (``init_info``) for the ``patchctx`` backend.
+
+    Attributes:
+        transport: ``"shm"`` (default: a file per update in `shm_dir`, on this host),
+            ``"nccl"`` (a broadcast over a NCCL group with the trainer, CUDA) or
+            ``"inline"`` (only inline payloads, below the workers' size limit).
+        weight_version: The version of the weights the engine holds now (what
+            ``/weight_info`` says), declared by the trainer so that base versions are
+            checked against vLLM's; `None` keeps the worker's record.
+        shm_dir: The shared-memory directory (``"shm"``).
+        master_address: Rendezvous address of the NCCL group (``"nccl"``).
+        master_port: Rendezvous port (``"nccl"``).
+        world_size: The NCCL group's size: the trainer plus every worker (``"nccl"``).
+
+    Examples:
+        >>> from patchctx.vllm import PatchctxInitInfo
+        >>> PatchctxInitInfo(transport="shm", weight_version="7").shm_dir
+        '/dev/shm'
+        >>> PatchctxInitInfo(transport="nccl")
+        Traceback (most recent call last):
+        ...
+        ValueError: the nccl transport needs master_address, master_port and world_size
+    """
+
+    transport: str = "shm"
+    weight_version: str | None = None
+    shm_dir: str = DEFAULT_SHM_DIR
+    master_address: str | None = None
+    master_port: int | None = None
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: one of {TRANSPORTS}")
+        if self.weight_version is not None and not isinstance(self.weight_version, str):
+            raise ValueError(f"weight_version must be a str, got {self.weight_version!r}")
+        if self.transport == "nccl" and (
+            self.master_address is None or self.master_port is None or self.world_size is None
+        ):
+            raise ValueError("the nccl transport needs master_address, master_port and world_size")
+
+
+@dataclass
+class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
+    """What ``update_weights`` takes (``update_info``): one chunk of an update.
+
+    Attributes:
+        nbytes: The payload's size in bytes (an `encode_patches` payload).
+        sha256: Its SHA-256, hex; a payload that does not match is refused.
+        inline: The payload itself, base64 (below the workers' inline limit); `None`: fetch
+            it through the transport chosen at init.
+        shm: The payload file's name (``"shm"`` transport).
+        last: Whether this chunk completes the update. Chunks are checked as they arrive
+            and held; the last one applies them all in one atomic call, so an update whose
+            last chunk never comes (a trainer that died) changes nothing.
+
+    Examples:
+        >>> from patchctx.vllm import PatchctxUpdateInfo
+        >>> PatchctxUpdateInfo(nbytes=96, sha256="0" * 64, shm="patchctx-1").last
+        True
+        >>> PatchctxUpdateInfo(nbytes=-1, sha256="")
+        Traceback (most recent call last):
+        ...
+        ValueError: nbytes must be a non-negative int, got -1
+    """
+
+    nbytes: int
+    sha256: str
+    inline: str | None = None
+    shm: str | None = None
+    last: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool) or self.nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {self.nbytes!r}")
+        if not isinstance(self.sha256, str):
+            raise ValueError(f"sha256 must be hex text, got {self.sha256!r}")
+        if not isinstance(self.last, bool):
+            raise ValueError(f"last must be a bool, got {self.last!r}")
+
+    def descriptor(self) -> dict[str, Any]:
+        """The fields a transport reads."""
+        return {
+            "nbytes": self.nbytes,
+            "sha256": self.sha256,
+            "inline": self.inline,
+            "shm": self.shm,
+        }
+
+
+def worker_error(error: BaseException, rank: int) -> PatchError:
+    """`error` as a patchctx error whose message starts with its class and the worker's rank.
+
+    vLLM carries a worker's exception to the API server and the HTTP client as text
+    (``Exception(message)``); the mark ``[patchctx rank R: Class]`` survives that, and
+    `raise_worker_error` turns it back into the same class.
+
+    Examples:
+        >>> from patchctx.vllm._backend import raise_worker_error, worker_error
+        >>> error = worker_error(KeyError("model.norm.weight"), rank=1)
+        >>> str(error)
+        "[patchctx rank 1: KeyError] 'model.norm.weight'"
+        >>> raise_worker_error("Call to update_weights method failed: " + str(error))
+        Traceback (most recent call last):
+        ...
+        patchctx._errors.PatchError: [patchctx rank 1: KeyError] 'model.norm.weight'
+    """
+    if _MARK.match(str(error)):
+        return error if isinstance(error, PatchError) else PatchError(str(error))
+    message = f"[patchctx rank {rank}: {type(error).__name__}] {error}"
+    if isinstance(error, WeightVersionError):
+        return WeightVersionError(message, expected=error.expected, found=error.found)
+    if isinstance(error, PatchError):
+        try:
+            return type(error)(message)
+        except TypeError:  # pragma: no cover - a subclass with another signature
+            return PatchError(message)
+    return PatchError(message)
+
+
+def raise_worker_error(text: str) -> None:
+    """Raise the patchctx error whose mark `text` contains (any text around it is dropped).
+
+    Does nothing when `text` holds no mark.
+    """
+    found = _MARK.search(text)
+    if found is None:
+        return
+    message = _VLLM_SUFFIX.sub("", text[found.start() :].strip())
+    cls = getattr(_errors, found.group(2), None)
+    if isinstance(cls, type) and issubclass(cls, PatchError):
+        if cls is WeightVersionError:
+            raise WeightVersionError(message)
+        try:
+            raise cls(message)
+        except TypeError:  # pragma: no cover
+            pass
+    raise PatchError(message)
+
+
+class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, PatchctxUpdateInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
+    """vLLM weight-transfer backend ``patchctx``: checkpoint-coordinate patches, in place.
+
+    Registered under the name ``patchctx`` by patchctx's ``vllm.general_plugins`` entry
+    point, so ``vllm serve MODEL --weight-transfer-config '{"backend": "patchctx"}'`` or
+    ``LLM(..., weight_transfer_config=WeightTransferConfig(backend="patchctx"))`` creates one
+    per worker. Each update (an `encode_patches` payload, fetched through the transport
+    chosen at ``init_weight_transfer_engine``, or inline below a size limit) is
+
+    - checked: size and SHA-256 of the payload, every field of it, the base version against
+      the version the worker's weights are at (vLLM's own: ``"default"`` at start, then the
+      ``weight_version`` each ``finish_weight_update`` names; the trainer may declare it at
+      init), names that no loader of the model consumes, weights the engine transformed
+      after loading — all before the first write;
+    - applied in place through the model's own ``load_weights`` with the worker's
+      `RouteCache`, tied embeddings resolved, as one atomic call: if anything fails, every
+      weight is as before and the engine keeps serving them.
+
+    An error reaches the caller (over HTTP too) as text starting with
+    ``[patchctx rank R: Class]``; `HTTPWeightSyncClient` raises the same class again.
+    Dense and sparse patches may be mixed. vLLM's layerwise reload is not used: patches are
+    written in place, and weights that would need post-processing are refused instead.
+
+    Examples:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from patchctx import CheckpointWeightPatch
+        >>> from patchctx.vllm import PatchctxWeightTransferEngine, encode_patches
+        >>> from patchctx.vllm._transport import digest
+        >>> class Model(torch.nn.Module):  # stands for the worker's vLLM model
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for _, tensor in weights:
+        ...             self.w.copy_(tensor)
+        ...         return {"w"}
+        >>> parallel = SimpleNamespace(rank=0, pipeline_parallel_size=1)
+        >>> config = SimpleNamespace(parallel_config=parallel, model_config=None)
+        >>> engine = PatchctxWeightTransferEngine(None, config, torch.device("cpu"), Model())
+        >>> patch = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([2.0]),
+        ...                               torch.tensor([1]))
+        >>> payload = encode_patches([patch], base_version="default", target_version="1")
+        >>> engine.start_weight_update()
+        >>> engine.update_weights({"nbytes": len(payload), "sha256": digest(payload),
+        ...                        "inline": __import__("base64").b64encode(payload).decode()})
+        >>> engine.finish_weight_update()
+        >>> engine.model.w.tolist(), engine.patcher.version
+        ([0.0, 2.0, 0.0, 0.0], '1')
+    """
+
+    init_info_cls = PatchctxInitInfo
+    update_info_cls = PatchctxUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        parallel = vllm_config.parallel_config
+        self.rank = int(getattr(parallel, "rank", 0) or 0)
+        self.patcher = WorkerPatcher(
+            version=VLLM_START_VERSION,
+            check_consumed=int(getattr(parallel, "pipeline_parallel_size", 1) or 1) == 1,
+        )
+        self.inline = InlineTransport()
+        self.transport: Transport | None = None
+        self.pending: list[PatchPayload] = []
+        self.last_stats: dict[str, Any] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: PatchctxInitInfo) -> None:
+        """Open the transport; a new trainer connection drops the chunks of an unfinished one."""
+        try:
+            self._discard("a new trainer connection was initialised")
+            if self.transport is not None:
+                self.transport.close()
+                self.transport = None
+            if init_info.weight_version is not None:
+                self.patcher.version = init_info.weight_version
+            if init_info.transport == "shm":
+                self.transport = SharedMemoryTransport(init_info.shm_dir)
+            elif init_info.transport == "nccl":
+                assert init_info.master_address is not None
+                assert init_info.master_port is not None and init_info.world_size is not None
+                self.transport = NCCLTransport.for_worker(
+                    master_address=init_info.master_address,
+                    master_port=init_info.master_port,
+                    world_size=init_info.world_size,
+                    parallel_config=self.parallel_config,
+                )
+        except BaseException as error:
+            raise worker_error(error, self.rank) from error
+
+    def start_weight_update(self) -> None:
+        """Start an update: no chunk is held."""
+        self._discard("a new update was started")
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> PatchctxUpdateInfo:
+        """Build the typed update info; `InvalidPatchError` (a `ValueError`) if malformed."""
+        if not isinstance(update_dict, Mapping):
+            raise InvalidPatchError(f"update_info must be an object, got {update_dict!r:.80}")
+        try:
+            return PatchctxUpdateInfo(**update_dict)
+        except (TypeError, ValueError) as error:
+            raise InvalidPatchError(f"invalid update_info: {error}") from None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one chunk; the last one applies the update. Errors name class and rank."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException as error:
+            self.pending.clear()  # vLLM ends the update when this raises
+            raise worker_error(error, self.rank) from error
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: PatchctxUpdateInfo) -> None:
+        """Fetch, check and hold one chunk; on the last, apply every held chunk atomically."""
+        descriptor = update_info.descriptor()
+        if update_info.inline is not None:
+            data = self.inline.receive(descriptor)
+        elif self.transport is None:
+            raise InvalidPatchError(
+                "no transport: call init_weight_transfer_engine first, or send the payload inline"
+            )
+        else:
+            data = self.transport.receive(descriptor)
+        payload = decode_payload(check_received(data, descriptor))
+        if self.pending:
+            first = self.pending[0]
+            if (payload.base_version, payload.target_version) != (
+                first.base_version,
+                first.target_version,
+            ):
+                raise InvalidPatchError(
+                    "the chunks of one update name different versions: "
+                    f"{first.base_version!r} -> {first.target_version!r} and "
+                    f"{payload.base_version!r} -> {payload.target_version!r}"
+                )
+        else:
+            self.patcher.check_base(payload.base_version)
+        self.pending.append(payload)
+        if not update_info.last:
+            return
+        chunks, self.pending = self.pending, []
+        patches: list[CheckpointWeightPatch] = [p for chunk in chunks for p in chunk.patches]
+        target = chunks[0].target_version
+        stats = self.patcher.apply(
+            self.model,
+            patches,
+            base_version=chunks[0].base_version,
+            target_version=target,  # None: the weights are at a version nobody named
+            atomic=True,
+        )
+        self.last_stats = {"rank": self.rank, "chunks": len(chunks), **stats}
+        logger.info(
+            "patchctx: rank %d applied %d patches (%d replayed, %d loader calls) in %.1f ms; "
+            "weights now at version %r",
+            self.rank,
+            len(patches),
+            stats["replayed"],
+            stats["loader_calls"],
+            stats["milliseconds"],
+            stats["version"],
+        )
+
+    def finish_weight_update(self) -> None:
+        """End the update. Chunks held without their last one are dropped, and this raises."""
+        dropped = len(self.pending)
+        self._discard("finish")
+        if dropped:
+            raise worker_error(
+                InvalidPatchError(
+                    f"the update ended before its last chunk: {dropped} chunk(s) were dropped "
+                    f"and nothing was written; the weights are still at version "
+                    f"{self.patcher.version!r}. Call finish_weight_update again to close it"
+                ),
+                self.rank,
+            )
+
+    def shutdown(self) -> None:
+        """Close the transport."""
+        self._discard("shutdown")
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def _discard(self, why: str) -> None:
+        if self.pending:
+            logger.warning(
+                "patchctx: rank %d dropped %d chunk(s) of an unfinished update (%s); nothing "
+                "of it was written",
+                self.rank,
+                len(self.pending),
+                why,
+            )
+            self.pending = []

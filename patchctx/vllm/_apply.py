@@ -19,7 +19,7 @@ import torch
 from patchctx._audit import AuditReport, AuditRow, audit
 from patchctx._errors import InvalidPatchError, PatchError, PatchProblem, WeightVersionError
 from patchctx._load import load_checkpoint_weight_patches
-from patchctx._patch import CheckpointWeightPatch
+from patchctx._patch import CheckpointWeightPatch, validate_patches
 from patchctx._routes import RouteCache
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._transformed import refusing_transformed, transformed_weights
@@ -142,10 +142,7 @@ class WorkerPatcher:
         )
 
     def _refuse_unconsumed(
-        self,
-        model: torch.nn.Module,
-        patches: Sequence[CheckpointWeightPatch],
-        protect: dict[str, str],
+        self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]
     ) -> None:
         unknown: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
         for patch in patches:
@@ -189,6 +186,17 @@ class WorkerPatcher:
                 ]
             )
 
+    def check(self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]) -> None:
+        """Every check `apply` makes before its first write (`InvalidPatchError` if one fails).
+
+        The patches themselves (`validate_patches`), and names that no loader consumes or
+        whose loader refuses them (first patch to a name only; the loader sees an all-keep
+        patch and every write is undone).
+        """
+        validate_patches(patches)
+        if self.check_consumed:
+            self._refuse_unconsumed(model, patches)
+
     def apply(
         self,
         model: torch.nn.Module,
@@ -215,7 +223,7 @@ class WorkerPatcher:
         before = replace(self.routes.stats)
         try:
             if self.check_consumed:
-                self._refuse_unconsumed(model, patches, protect)
+                self._refuse_unconsumed(model, patches)
             with refusing_transformed(model, protect):
                 loaded = load_checkpoint_weight_patches(
                     model,

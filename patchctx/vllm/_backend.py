@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -196,6 +197,75 @@ def raise_worker_error(text: str) -> None:
     raise PatchError(message)
 
 
+def _world() -> Any:
+    """The group of this engine's workers (`None` outside a vLLM worker, or alone)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except (ImportError, AssertionError):
+        return None
+    return group if group.world_size > 1 else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the workers of an engine agreed on after one step of an update."""
+
+    error: PatchError | None
+    """The first failing worker's error (`None`: every worker succeeded)."""
+    raise_here: bool
+    """Whether this worker raises it (the last one; the only one when alone)."""
+    failed: int
+    """How many workers failed."""
+    workers: int
+    """How many workers took part."""
+
+
+def agree(error: PatchError | None) -> Outcome:
+    """Share each worker's outcome with every worker of the engine.
+
+    Every worker of the engine calls this at the same point of an update. vLLM 0.32's
+    multi-process executor reads the workers' answers in rank order and stops at the first
+    failure, leaving the later ranks' answers queued for the next call: a failure raised on
+    rank 0 of a TP=2 engine would be read as the answer to the next request. So a failure
+    on any worker is raised by the last worker only (whose answer is read last), with the
+    first failing worker's rank and class, and every worker learns that the update failed.
+    """
+    world = _world()
+    if world is None:
+        return Outcome(error, error is not None, int(error is not None), 1)
+    outcomes: list[Any] = [None] * world.world_size
+    mine = None if error is None else (type(error).__name__, str(error))
+    torch.distributed.all_gather_object(outcomes, mine, group=world.cpu_group)
+    failed = [o for o in outcomes if o is not None]
+    if not failed:
+        return Outcome(None, False, 0, world.world_size)
+    name, message = failed[0]
+    first = error if error is not None and str(error) == message else None
+    if first is None:
+        cls = getattr(_errors, name, PatchError)
+        first = cls(message) if isinstance(cls, type) and issubclass(cls, PatchError) else None
+        first = first if isinstance(first, PatchError) else PatchError(message)
+    last = world.rank_in_group == world.world_size - 1
+    return Outcome(first, last, len(failed), world.world_size)
+
+
+def _calling_worker() -> Any:
+    """The vLLM worker creating this engine (from the caller's frames), or `None`."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame_self = frame.f_locals.get("self")
+        if hasattr(frame_self, "_weight_update_active") and hasattr(
+            frame_self, "weight_transfer_engine"
+        ):
+            return frame_self
+        if frame.f_back is None:
+            return None
+        frame = frame.f_back
+    return None
+
+
 class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, PatchctxUpdateInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
     """vLLM weight-transfer backend ``patchctx``: checkpoint-coordinate patches, in place.
 
@@ -265,13 +335,27 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         self.transport: Transport | None = None
         self.pending: list[PatchPayload] = []
         self.last_stats: dict[str, Any] | None = None
+        # vLLM's worker, to keep its "update in progress" flag the same on every worker when
+        # only the last one raises (see `agree`), and to let a new trainer close an update a
+        # dead one left open. `None` when not created by a vLLM worker.
+        self.worker = _calling_worker()
+
+    def _end_vllm_update(self) -> None:
+        """Mark the update ended on vLLM's worker, as vLLM does on the worker that raises."""
+        if self.worker is not None and getattr(self.worker, "_weight_update_active", False):
+            self.worker._weight_update_active = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: PatchctxInitInfo) -> None:
-        """Open the transport; a new trainer connection drops the chunks of an unfinished one."""
+        """Open the transport; end an update a dead trainer left open.
+
+        Its chunks, never applied, are dropped, so the new trainer can start its own.
+        """
+        error = None
         try:
             self._discard("a new trainer connection was initialised")
+            self._end_vllm_update()
             if self.transport is not None:
                 self.transport.close()
                 self.transport = None
@@ -288,8 +372,12 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
                     world_size=init_info.world_size,
                     parallel_config=self.parallel_config,
                 )
-        except BaseException as error:
-            raise worker_error(error, self.rank) from error
+        except Exception as caught:
+            error = worker_error(caught, self.rank)
+        outcome = agree(error)
+        if outcome.raise_here:
+            assert outcome.error is not None
+            raise outcome.error
 
     def start_weight_update(self) -> None:
         """Start an update: no chunk is held."""
@@ -305,17 +393,60 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             raise InvalidPatchError(f"invalid update_info: {error}") from None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one chunk; the last one applies the update. Errors name class and rank."""
+        """Receive one chunk; the last one applies the update. Errors name class and rank.
+
+        Two steps, each agreed by every worker of the engine (`agree`): fetch and check
+        (nothing written: a refusal on any worker is a refusal on all), then apply (atomic
+        on each worker; if one worker fails after others applied, the workers now differ,
+        and every worker's version becomes unknown).
+        """
+        ready: list[PatchPayload] | None = None
+        error = None
         try:
-            self.receive_weights(self.parse_update_info(update_info))
-        except BaseException as error:
-            self.pending.clear()  # vLLM ends the update when this raises
-            raise worker_error(error, self.rank) from error
+            ready = self._receive(self.parse_update_info(update_info))
+        except Exception as caught:
+            error = worker_error(caught, self.rank)
+        checked = agree(error)
+        if checked.error is not None:
+            self._fail(checked)
+            return
+        if ready is None:
+            return  # a chunk held for the last one
+        try:
+            self._apply(ready)
+        except Exception as caught:
+            error = worker_error(caught, self.rank)
+        applied = agree(error)
+        if applied.error is not None:
+            if applied.failed < applied.workers:  # some workers applied the update
+                self.patcher.version = None
+                applied.error.args = (
+                    f"{applied.error}; {applied.workers - applied.failed} of "
+                    f"{applied.workers} workers applied the update, the others did not: "
+                    "their weights differ now; reload the weights, then declare the "
+                    "version (init_weight_transfer_engine)",
+                )
+            self._fail(applied)
+            return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def _fail(self, outcome: Outcome) -> None:
+        """End the update on this worker; raise the agreed error on the last worker only."""
+        self.pending = []
+        if outcome.raise_here:
+            assert outcome.error is not None
+            raise outcome.error
+        self._end_vllm_update()  # vLLM does this on the worker that raises
+
     def receive_weights(self, update_info: PatchctxUpdateInfo) -> None:
-        """Fetch, check and hold one chunk; on the last, apply every held chunk atomically."""
+        """Receive, check and (on the last chunk) apply, on this worker alone."""
+        ready = self._receive(update_info)
+        if ready is not None:
+            self._apply(ready)
+
+    def _receive(self, update_info: PatchctxUpdateInfo) -> list[PatchPayload] | None:
+        """Fetch, check and hold one chunk; on the last, every held chunk (checked)."""
         descriptor = update_info.descriptor()
         if update_info.inline is not None:
             data = self.inline.receive(descriptor)
@@ -341,15 +472,19 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             self.patcher.check_base(payload.base_version)
         self.pending.append(payload)
         if not update_info.last:
-            return
+            return None
         chunks, self.pending = self.pending, []
+        patches = [p for chunk in chunks for p in chunk.patches]
+        self.patcher.check(self.model, patches)  # before any write, on every worker
+        return chunks
+
+    def _apply(self, chunks: list[PatchPayload]) -> None:
         patches: list[CheckpointWeightPatch] = [p for chunk in chunks for p in chunk.patches]
-        target = chunks[0].target_version
         stats = self.patcher.apply(
             self.model,
             patches,
             base_version=chunks[0].base_version,
-            target_version=target,  # None: the weights are at a version nobody named
+            target_version=chunks[0].target_version,  # None: a version nobody named
             atomic=True,
         )
         self.last_stats = {"rank": self.rank, "chunks": len(chunks), **stats}
@@ -365,18 +500,13 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         )
 
     def finish_weight_update(self) -> None:
-        """End the update. Chunks held without their last one are dropped, and this raises."""
-        dropped = len(self.pending)
-        self._discard("finish")
-        if dropped:
-            raise worker_error(
-                InvalidPatchError(
-                    f"the update ended before its last chunk: {dropped} chunk(s) were dropped "
-                    f"and nothing was written; the weights are still at version "
-                    f"{self.patcher.version!r}. Call finish_weight_update again to close it"
-                ),
-                self.rank,
-            )
+        """End the update. Chunks held without their last one are dropped (and logged).
+
+        Nothing of such an update was written, and the worker's version stays where it was,
+        so an update computed against the version ``finish_weight_update`` then names is
+        refused: the weights are not at it.
+        """
+        self._discard("the update was finished before its last chunk")
 
     def shutdown(self) -> None:
         """Close the transport."""

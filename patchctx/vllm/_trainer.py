@@ -7,7 +7,6 @@ inference side through any ``VLLMWeightSyncClient`` (vLLM's HTTP or Ray clients,
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import urllib.error
@@ -270,8 +269,9 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     ) -> PatchctxTrainerEngine:
         """Connect: open the transport, declare vLLM's weight version to every worker.
 
-        A session a previous trainer left open (it died between ``start_weight_update`` and
-        ``finish_weight_update``) is closed first; its chunks were never applied.
+        An update a previous trainer left open (it died between ``start_weight_update`` and
+        ``finish_weight_update``) is ended by the workers at ``init_weight_transfer_engine``;
+        its chunks were never applied.
         """
         engine = cls(
             client=client, source=source, is_sender=init_info.is_sender, init_info=init_info
@@ -311,10 +311,6 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
                 if init_info.transport == "shm"
                 else engine.inline
             )
-        # Close a session a dead trainer left open (its chunks were just dropped); without
-        # one (the usual case) the call fails, harmlessly.
-        with contextlib.suppress(Exception):
-            client.finish_weight_update()
         return engine
 
     def remember(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -399,14 +395,10 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         payload = encode_patches(patches, base_version=self.version, target_version=target)
         encoded = time.perf_counter()
         self.client.start_weight_update()
-        try:
-            update_started = time.perf_counter()
-            transport = self._transfer(payload, last=True)
-            update_ms = (time.perf_counter() - update_started) * 1000.0
-        except BaseException:
-            with contextlib.suppress(Exception):  # vLLM may have ended it already
-                self.client.finish_weight_update()
-            raise
+        update_started = time.perf_counter()
+        # When update_weights fails, vLLM has ended the update on every worker already.
+        transport = self._transfer(payload, last=True)
+        update_ms = (time.perf_counter() - update_started) * 1000.0
         self.client.finish_weight_update(target)
         self.version = target
         return SendStats(

@@ -96,6 +96,9 @@ def vllm_serve(model_dir: Path, log: Path, *, tensor_parallel_size: int = 1) -> 
         "PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT": "1",
         "VLLM_DIST_IDENT": f"patchctx-serve-{port}",
         "OMP_NUM_THREADS": "1",
+        # Binding each worker's threads to its own NUMA node fails at TP=2 on a one-node
+        # machine, and binding at all is unkind on shared cores.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "PYTHONUNBUFFERED": "1",
     }
     command = [

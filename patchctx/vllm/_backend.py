@@ -28,7 +28,6 @@ from patchctx._patch import CheckpointWeightPatch
 from patchctx.vllm._apply import WorkerPatcher
 from patchctx.vllm._codec import PatchPayload, decode_payload
 from patchctx.vllm._transport import (
-    DEFAULT_SHM_DIR,
     InlineTransport,
     NCCLTransport,
     SharedMemoryTransport,
@@ -83,7 +82,7 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
 
     transport: str = "shm"
     weight_version: str | None = None
-    shm_dir: str = DEFAULT_SHM_DIR
+    shm_dir: str = "/dev/shm"
     master_address: str | None = None
     master_port: int | None = None
     world_size: int | None = None

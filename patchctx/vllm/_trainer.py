@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -28,13 +28,11 @@ from patchctx._patch import CheckpointWeightPatch
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import encode_patches
 from patchctx.vllm._transport import (
-    DEFAULT_SHM_DIR,
     InlineTransport,
     NCCLTransport,
     Sender,
     SharedMemoryTransport,
     digest,
-    inline_limit,
 )
 
 __all__ = ["HTTPWeightSyncClient", "PatchctxTrainerEngine", "PatchctxTrainerInitInfo", "SendStats"]
@@ -139,7 +137,8 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
     Attributes:
         transport: ``"shm"`` (default), ``"nccl"`` or ``"inline"`` (see `PatchctxInitInfo`).
         inline_below: Payloads of at most this many bytes travel inline in the request
-            whatever the transport (default: the workers' default inline limit; 0: never).
+            whatever the transport (`None`: the workers' default inline limit,
+            ``PATCHCTX_VLLM_INLINE_LIMIT`` or 4 MiB; 0: never).
         shm_dir: The shared-memory directory, the same on both sides (``"shm"``).
         master_address: NCCL rendezvous address (``"nccl"``).
         master_port: NCCL rendezvous port (``"nccl"``).
@@ -157,8 +156,8 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
     backend: ClassVar[str] = "patchctx"
 
     transport: str = "shm"
-    inline_below: int = field(default_factory=inline_limit)
-    shm_dir: str = DEFAULT_SHM_DIR
+    inline_below: int | None = None
+    shm_dir: str = "/dev/shm"
     master_address: str | None = None
     master_port: int | None = None
     world_size: int | None = None
@@ -255,7 +254,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.init_info = init_info or PatchctxTrainerInitInfo(rank=0)
         self.sender: Sender | None = None
-        self.inline = InlineTransport(limit=self.init_info.inline_below)
+        self.inline = InlineTransport(limit=self.init_info.inline_below)  # None: the default
         self.version: str | None = None
         self.sent: dict[str, torch.Tensor] = {}
 
@@ -309,7 +308,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             engine.sender = (
                 SharedMemoryTransport(init_info.shm_dir)
                 if init_info.transport == "shm"
-                else engine.inline
+                else InlineTransport()  # the workers' limit, whatever inline_below says
             )
         return engine
 

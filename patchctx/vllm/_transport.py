@@ -231,7 +231,7 @@ class SharedMemoryTransport:
     name = "shm"
     concurrent = False
 
-    def __init__(self, directory: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> None:
+    def __init__(self, directory: str = "/dev/shm") -> None:
         self.directory = Path(directory)
         self._written: list[Path] = []
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import json
 import struct
 import subprocess
@@ -325,3 +326,23 @@ def test_patches_after_vllms_own_reload_weights(served: Served) -> None:
     stats = trainer.send_weights(patches)
     assert stats is not None and stats.version == "1"
     served.check(served.expected(patches))
+
+
+def test_the_first_example_of_the_vllm_page_runs_against_a_server(served: Served) -> None:
+    """docs/vllm.md's first Python block, run as written against this module's server (its
+    URL substituted), on the weights the server started with; the output it shows."""
+    from tests.support.examples import OUTPUT, parse_fences
+
+    fence = next(f for f in parse_fences(ROOT / "docs" / "vllm.md") if f.lang == "python")
+    code = "\n".join(fence.lines).replace("http://127.0.0.1:8000", served.server.url)
+    shown = [m.group("text") or "" for line in fence.lines if (m := OUTPUT.match(line))]
+    status, answer = post(
+        f"{served.server.url}/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": str(served.source)}},
+    )
+    assert status == 200, answer
+    served.client().request("update_weight_version", {"new_version": "default"})
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        exec(compile(code, fence.where, "exec"), {"checkpoint_dir": str(served.source)})
+    assert output.getvalue().splitlines() == shown

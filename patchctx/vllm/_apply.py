@@ -88,6 +88,24 @@ def audit_model(
     )
 
 
+def layerwise_reload_active(model: torch.nn.Module) -> bool:
+    """Whether vLLM's layerwise reload is under way on `model`.
+
+    Between ``initialize_layerwise_reload(model)`` and ``finalize_layerwise_reload``, vLLM
+    has replaced the model's parameters by meta tensors and buffers what its loaders receive
+    until a layer is complete; the live weights are back only after finalization.
+    """
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - vLLM-internal
+        return False
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is not None and info.can_load():
+            return True
+    return False
+
+
 @dataclass
 class WorkerPatcher:
     """A worker's patch state: routes, the weight version, names known to reach a parameter.
@@ -186,6 +204,47 @@ class WorkerPatcher:
                 ]
             )
 
+    def _apply_in_layerwise_reload(
+        self,
+        model: torch.nn.Module,
+        patches: Sequence[CheckpointWeightPatch],
+        target_version: str | int | None,
+        started: float,
+    ) -> dict[str, Any]:
+        """Dense patches handed to vLLM's layerwise reload as the checkpoint tensors they are.
+
+        The weights are meta tensors until ``finalize_layerwise_reload``: there is nothing to
+        mask a sparse patch against, and vLLM's buffering loaders must see plain tensors. A
+        dense patch is a full checkpoint tensor, so it goes to ``load_weights`` unchanged
+        (tied aliases resolved); vLLM processes and places it at finalization.
+        """
+        validate_patches(patches)
+        sparse = [i for i, patch in enumerate(patches) if patch.indices is not None]
+        if sparse:
+            raise InvalidPatchError(
+                [
+                    PatchProblem(
+                        i,
+                        patches[i].name,
+                        "a sparse patch needs the live weights, and vLLM's layerwise reload "
+                        "holds them as meta tensors until finalize_layerwise_reload: send it "
+                        "after finalizing, or send the whole tensor; nothing was written",
+                    )
+                    for i in sparse
+                ]
+            )
+        aliases = tied_aliases(model)
+        weights = [
+            (aliases.get(p.name, p.name), p.values.reshape(p.shape).to(p.dtype)) for p in patches
+        ]
+        try:
+            loaded = model.load_weights(weights)  # type: ignore[operator]
+        except BaseException:
+            self.version = UNKNOWN  # vLLM may hold part of it for finalization
+            raise
+        self.version = target_version
+        return _in_layerwise_reload_stats(patches, set(loaded or ()), target_version, started)
+
     def check(self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]) -> None:
         """Every check `apply` makes before its first write (`InvalidPatchError` if one fails).
 
@@ -218,6 +277,8 @@ class WorkerPatcher:
         """
         started = time.perf_counter()
         self.check_base(base_version)
+        if layerwise_reload_active(model):
+            return self._apply_in_layerwise_reload(model, patches, target_version, started)
         protect = transformed_weights(model)
         atomic = atomic or bool(protect)
         before = replace(self.routes.stats)
@@ -256,6 +317,23 @@ class WorkerPatcher:
             "atomic": atomic,
             "protected": len(protect),
         }
+
+
+def _in_layerwise_reload_stats(
+    patches: Sequence[CheckpointWeightPatch], loaded: set[str], version: object, started: float
+) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "names": sorted({patch.name for patch in patches}),
+        "loaded": sorted(loaded),
+        "replayed": 0,
+        "through_loader": len(patches),
+        "loader_calls": 1,
+        "milliseconds": (time.perf_counter() - started) * 1000.0,
+        "version": version,
+        "atomic": False,
+        "protected": 0,
+    }
 
 
 def failure_details(error: BaseException, rank: int) -> dict[str, Any]:

@@ -8,9 +8,11 @@ chunks) -> ``finish_weight_update``, from ``vllm serve``'s HTTP endpoints, ``LLM
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,7 @@ VLLM_START_VERSION = "default"
 """The weight version a vLLM 0.32 engine reports (``/weight_info``) before any update."""
 
 TRANSPORTS = ("shm", "nccl", "inline")
+APPLIERS = ("patchctx", "vllm", "load_weights", "layerwise")
 _MARK = re.compile(r"\[patchctx rank (\d+): (\w+)\] ")
 # What vLLM's multi-process executor appends to a worker's error message.
 _VLLM_SUFFIX = re.compile(r"'?,? please check the stack trace above for the root cause\.?$")
@@ -69,6 +72,12 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
         master_address: Rendezvous address of the NCCL group (``"nccl"``).
         master_port: Rendezvous port (``"nccl"``).
         world_size: The NCCL group's size: the trainer plus every worker (``"nccl"``).
+        apply: How updates are applied: ``"patchctx"`` (the default, all of the above).
+            For comparisons (``./dev bench --engine``), with the same transport and checks
+            of the payload and version: ``"vllm"`` (vLLM's own
+            ``load_checkpoint_weight_patches``), ``"load_weights"`` (dense patches straight
+            into the model's ``load_weights``) and ``"layerwise"`` (the same inside vLLM's
+            layerwise reload, as vLLM's dense backends do).
 
     Examples:
         >>> from patchctx.vllm import PatchctxInitInfo
@@ -86,8 +95,11 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
     master_address: str | None = None
     master_port: int | None = None
     world_size: int | None = None
+    apply: str = "patchctx"
 
     def __post_init__(self) -> None:
+        if self.apply not in APPLIERS:
+            raise ValueError(f"apply={self.apply!r}: one of {APPLIERS}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}: one of {TRANSPORTS}")
         if self.weight_version is not None and not isinstance(self.weight_version, str):
@@ -250,6 +262,47 @@ def agree(error: PatchError | None) -> Outcome:
     return Outcome(first, last, len(failed), world.world_size)
 
 
+def compare_apply(
+    how: str, model: torch.nn.Module, patches: list[CheckpointWeightPatch], vllm_config: Any
+) -> dict[str, Any]:
+    """Apply `patches` the way a comparison method would (``PatchctxInitInfo.apply``)."""
+    started = time.perf_counter()
+    from patchctx.vllm._aliases import tied_aliases
+
+    aliases = tied_aliases(model)
+    renamed = [p._replace(name=aliases.get(p.name, p.name)) for p in patches]
+    if how == "vllm":
+        from vllm.model_executor.model_loader import checkpoint_weight_patch as vllm_patch
+
+        try:
+            for _, run in itertools.groupby(renamed, key=lambda p: p.indices is None):
+                batch = [vllm_patch.CheckpointWeightPatch(*p) for p in run]
+                vllm_patch.load_checkpoint_weight_patches(model, batch)
+        finally:
+            # vLLM restores copy_ by assignment, shadowing the inherited built-in: drop it
+            entry = torch.Tensor.__dict__.get("copy_")
+            if entry is not None and entry is torch._C.TensorBase.__dict__.get("copy_"):
+                delattr(torch.Tensor, "copy_")
+    else:
+        if any(p.indices is not None for p in renamed):
+            raise InvalidPatchError(f"apply={how!r} takes dense patches only")
+        weights = [(p.name, p.values.reshape(p.shape).to(p.dtype)) for p in renamed]
+        if how == "layerwise":
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            with set_current_vllm_config(vllm_config):
+                initialize_layerwise_reload(model)
+                model.load_weights(weights)  # type: ignore[operator]
+                finalize_layerwise_reload(model, vllm_config.model_config)
+        else:
+            model.load_weights(weights)  # type: ignore[operator]
+    return {"milliseconds": (time.perf_counter() - started) * 1000.0, "patches": len(patches)}
+
+
 def _calling_worker() -> Any:
     """The vLLM worker creating this engine (from the caller's frames), or `None`."""
     frame = sys._getframe(1)
@@ -334,6 +387,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         self.transport: Transport | None = None
         self.pending: list[PatchPayload] = []
         self.last_stats: dict[str, Any] | None = None
+        self.applier = "patchctx"
         # vLLM's worker, to keep its "update in progress" flag the same on every worker when
         # only the last one raises (see `agree`), and to let a new trainer close an update a
         # dead one left open. `None` when not created by a vLLM worker.
@@ -360,6 +414,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
                 self.transport = None
             if init_info.weight_version is not None:
                 self.patcher.version = init_info.weight_version
+            self.applier = init_info.apply
             if init_info.transport == "shm":
                 self.transport = SharedMemoryTransport(init_info.shm_dir)
             elif init_info.transport == "nccl":
@@ -474,11 +529,17 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             return None
         chunks, self.pending = self.pending, []
         patches = [p for chunk in chunks for p in chunk.patches]
-        self.patcher.check(self.model, patches)  # before any write, on every worker
+        if self.applier == "patchctx":
+            self.patcher.check(self.model, patches)  # before any write, on every worker
         return chunks
 
     def _apply(self, chunks: list[PatchPayload]) -> None:
         patches: list[CheckpointWeightPatch] = [p for chunk in chunks for p in chunk.patches]
+        if self.applier != "patchctx":
+            self.last_stats = compare_apply(self.applier, self.model, patches, self.vllm_config)
+            self.last_stats["rank"] = self.rank
+            self.patcher.version = chunks[0].target_version
+            return
         stats = self.patcher.apply(
             self.model,
             patches,

@@ -126,6 +126,16 @@ class PatchWorkerExtension:
         """The weight version this worker holds (`None`: unknown)."""
         return self._patchctx_worker().version
 
+    def patchctx_last_update(self) -> dict[str, Any] | None:
+        """What this worker's ``patchctx`` backend did in its last update (or `None`).
+
+        ``milliseconds`` (the apply, on the worker), ``replayed``, ``loader_calls``...;
+        `None` without that backend or before an update.
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        stats = getattr(engine, "last_stats", None)
+        return dict(stats) if isinstance(stats, dict) else None
+
     def patchctx_set_weight_version(self, version: str | int | None) -> None:
         """Declare the weight version this worker holds (e.g. after loading a checkpoint)."""
         self._patchctx_worker().version = check_version(version)

@@ -30,13 +30,13 @@ from tests.vllm.support.engine import MAX_TOKENS, PROMPTS, Generation
 START_TIMEOUT = 240.0
 
 
-def write_tokenizer(directory: Path) -> None:
+def write_tokenizer(directory: Path, vocab_size: int = VOCAB) -> None:
     """A word-level tokenizer over the tiny vocabulary (``t0`` ... ``t199``), saved with the
     checkpoint so that the OpenAI endpoints accept token-id prompts."""
     import tokenizers  # type: ignore[import-not-found,unused-ignore]
     import transformers
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     model = tokenizers.models.WordLevel(vocab, unk_token="t0")
     backend = tokenizers.Tokenizer(model)
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -85,7 +85,13 @@ def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, A
 
 
 @contextlib.contextmanager
-def vllm_serve(model_dir: Path, log: Path, *, tensor_parallel_size: int = 1) -> Iterator[Server]:
+def vllm_serve(
+    model_dir: Path,
+    log: Path,
+    *,
+    tensor_parallel_size: int = 1,
+    extra_args: Sequence[str] = (),
+) -> Iterator[Server]:
     """Start ``vllm serve`` on `model_dir` at 127.0.0.1 and stop it (its whole process group)."""
     port = free_port()
     env = {
@@ -122,6 +128,7 @@ def vllm_serve(model_dir: Path, log: Path, *, tensor_parallel_size: int = 1) -> 
         str(tensor_parallel_size),
         "--weight-transfer-config",
         json.dumps({"backend": "patchctx"}),
+        *extra_args,
     ]
     with open(log, "wb") as output:
         process = subprocess.Popen(

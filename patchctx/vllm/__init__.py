@@ -42,6 +42,7 @@ from patchctx.vllm._extension import PatchWorkerExtension
 from patchctx.vllm._layout import install_from_environment, keep_checkpoint_layout
 from patchctx.vllm._trainer import (
     HTTPWeightSyncClient,
+    LLMWeightSyncClient,
     PatchctxTrainerEngine,
     PatchctxTrainerInitInfo,
     SendStats,
@@ -58,6 +59,7 @@ from patchctx.vllm._transport import (
 __all__ = [
     "HTTPWeightSyncClient",
     "InlineTransport",
+    "LLMWeightSyncClient",
     "NCCLTransport",
     "PatchPayload",
     "PatchStats",

@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from patchctx._diff import diff_state_dicts, patch_nbytes
+from patchctx._errors import PatchError
 from patchctx._patch import CheckpointWeightPatch
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import encode_patches
@@ -35,7 +36,13 @@ from patchctx.vllm._transport import (
     digest,
 )
 
-__all__ = ["HTTPWeightSyncClient", "PatchctxTrainerEngine", "PatchctxTrainerInitInfo", "SendStats"]
+__all__ = [
+    "HTTPWeightSyncClient",
+    "LLMWeightSyncClient",
+    "PatchctxTrainerEngine",
+    "PatchctxTrainerInitInfo",
+    "SendStats",
+]
 
 
 class HTTPWeightSyncClient:
@@ -110,6 +117,57 @@ class HTTPWeightSyncClient:
     def weight_checksums(self) -> dict[str, str]:
         """SHA-256 of every parameter on every worker (``/weight_checker``, ``checksum``)."""
         return dict(self.request("weight_checker", {"action": "checksum"})["checksums"])
+
+
+class LLMWeightSyncClient:
+    """vLLM's weight-sync control plane of a ``vllm.LLM`` in this process.
+
+    ``LLM`` has the RL methods, but takes requests (``{"init_info": ...}``,
+    ``{"update_info": ...}``) where vLLM's client protocol passes the info itself: this
+    adapter passes them on. A worker's patchctx error is raised again as its class.
+
+    Args:
+        llm: The ``vllm.LLM``, started with ``weight_transfer_config={"backend": "patchctx"}``.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> from patchctx.vllm import LLMWeightSyncClient
+        >>> llm = SimpleNamespace(get_weight_version=lambda: "default")
+        >>> LLMWeightSyncClient(llm).get_weight_version()
+        'default'
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.llm, method)(*args)
+        except PatchError:
+            raise
+        except Exception as error:
+            raise_worker_error(str(error))
+            raise
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``LLM.init_weight_transfer_engine``."""
+        self._call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """``LLM.start_weight_update``."""
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """``LLM.update_weights``."""
+        self._call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``LLM.finish_weight_update``, setting vLLM's weight version when one is given."""
+        self._call("finish_weight_update", weight_version)
+
+    def get_weight_version(self) -> str:
+        """The weight version vLLM reports."""
+        return str(self._call("get_weight_version"))
 
 
 def _strings(answer: str) -> list[str]:

@@ -32,7 +32,11 @@ from patchctx._session import LoadSession
 __all__ = ["refusing_transformed", "transformed_weights"]
 
 _MISSING = object()
-_KEEP = "patchctx.vllm.keep_checkpoint_layout() keeps it in checkpoint layout"
+_KEEP = (
+    "to keep it in checkpoint layout, start the engine with "
+    "PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1 in its environment (vllm serve, multi-process "
+    "engines), or inside patchctx.vllm.keep_checkpoint_layout() (in-process engines)"
+)
 
 
 def _layerwise_records() -> Any:

@@ -301,3 +301,21 @@ def test_error_marks_survive_vllms_text_wrapping(error: Exception) -> None:
         raise_worker_error(text)
     assert type(raised.value) is expected
     assert str(raised.value) == f"[patchctx rank 3: {type(error).__name__}] {error}"
+
+
+def test_a_weight_source_is_diffed_against_what_was_last_sent() -> None:
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    worker = worker_engine()
+    trainer_model = Model()  # the trainer's copy, in step with the worker's
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0),
+        client=LocalClient(worker),
+        source=ModuleSource(trainer_model),
+    )
+    with torch.no_grad():
+        trainer_model.w[1, 2] = 0.5  # a training step
+    stats = trainer.send_weights()
+    assert stats is not None and stats.patches == 1 and stats.diff_ms > 0
+    assert torch.equal(worker.model.w, trainer_model.w)
+    assert trainer.send_weights() is not None and worker.patcher.version == "2"  # nothing new

@@ -321,8 +321,13 @@ def test_patches_after_vllms_own_reload_weights(served: Served) -> None:
     # and the layout switch outlived start-up.
     trainer = served.trainer()
     assert trainer.version == "reloaded"
-    names = sorted(n for n in served.truth if served.truth[n].ndim > 1)
-    patches = [sparse(n, served.shape(n), density=0.02, seed=600 + i) for i, n in enumerate(names)]
+    # Every tensor: the norms are the weights a reload used to make look replaced.
+    patches = [
+        sparse(n, served.shape(n), density=0.02, seed=600 + i)
+        if served.truth[n].ndim > 1
+        else dense(n, served.shape(n), seed=600 + i)
+        for i, n in enumerate(sorted(served.truth))
+    ]
     stats = trainer.send_weights(patches)
     assert stats is not None and stats.version == "1"
     served.check(served.expected(patches))

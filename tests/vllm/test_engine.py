@@ -208,3 +208,20 @@ def test_the_backend_in_an_llm_in_this_process(
             trainer.send_weights(patches)
         assert_same_generations(vllm_greedy(llm), after, atol=1e-6)
     assert_same_generations(after, hf_greedy(patched_checkpoint(model_dir, patches, tmp_path)))
+
+
+def test_the_layout_switch_outlives_start_up_and_vllms_reload(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """An in-process engine started inside ``keep_checkpoint_layout()``: after the block, vLLM's
+    own ``reload_weights`` re-runs the post-processing, and the weights stay patchable."""
+    model_dir = checkpoints["llama"]
+    patches = update(model_dir, seed=88)
+    with running_engine(model_dir, keep_layout=True) as llm:  # the block ends at start-up
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+        assert llm.collective_rpc("patchctx_test_layout_kept") == [True]
+        assert llm.apply_model(transformed_weights) == [{}]
+        set_weight_version(llm, 0)
+        apply_patches(llm, patches, base_version=0, target_version=1)
+        after = vllm_greedy(llm)
+    assert_same_generations(after, hf_greedy(patched_checkpoint(model_dir, patches, tmp_path)))

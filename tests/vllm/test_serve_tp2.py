@@ -104,3 +104,14 @@ def test_two_workers_apply_updates_over_http(
     stats = trainer.send_weights(updates[0][:2])
     assert stats is not None and client.get_weight_version() == "3"
     assert checksums(server) != baseline
+    # A trainer that dies after the first chunk of an update: the next one's init ends the
+    # update on both workers (nothing of it written) and updates as usual.
+    baseline = checksums(server)
+    client.start_weight_update()
+    trainer.send_weight_chunk(updates[1][:3], last=False)
+    successor = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(rank=0, inline_below=4096), client=client
+    )
+    assert checksums(server) == baseline and successor.version == "3"
+    stats = successor.send_weights(updates[0][2:4])
+    assert stats is not None and client.get_weight_version() == "4"

@@ -130,6 +130,7 @@ def vllm_serve(
         json.dumps({"backend": "patchctx"}),
         *extra_args,
     ]
+    segments_before = set(SHM.glob("vllm_dist_*"))
     with open(log, "wb") as output:
         process = subprocess.Popen(
             command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -151,19 +152,37 @@ def vllm_serve(
         yield server
     finally:
         stop(process)
+        remove_orphaned_segments(set(SHM.glob("vllm_dist_*")) - segments_before)
+
+
+SHM = Path("/dev/shm")
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group, SIGKILL what is left after a grace period."""
+    """SIGTERM the server (it shuts its engine down), then SIGKILL its process group."""
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+            process.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=20)
+            process.wait(timeout=30)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
+
+
+def remove_orphaned_segments(created: set[Path]) -> None:
+    """Delete the shared-memory segments the server's workers created and left behind (TP>1
+    workers keep them when killed), unless a live process still maps one."""
+    if not created:
+        return
+    mapped = ""
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped += maps.read_text()
+    for path in created:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
 
 
 def completions(

@@ -16,11 +16,19 @@ from typing import Any
 
 import torch
 
-from patchctx._audit import AuditReport, AuditRow, audit
-from patchctx._errors import InvalidPatchError, PatchError, PatchProblem, WeightVersionError
-from patchctx._load import load_checkpoint_weight_patches
-from patchctx._patch import CheckpointWeightPatch, validate_patches
-from patchctx._routes import RouteCache
+from patchctx import (
+    AuditReport,
+    AuditRow,
+    CheckpointWeightPatch,
+    InvalidPatchError,
+    PatchError,
+    PatchProblem,
+    RouteCache,
+    audit,
+    load_checkpoint_weight_patches,
+    validate_patches,
+)
+from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._transformed import refusing_transformed, transformed_weights
 
@@ -342,8 +350,3 @@ def failure_details(error: BaseException, rank: int) -> dict[str, Any]:
     if isinstance(error, WeightVersionError):
         details.update(expected=error.expected, found=error.found)
     return details
-
-
-def is_patch_error(error: BaseException) -> bool:
-    """Whether `error` is one of patchctx's own."""
-    return isinstance(error, PatchError)

@@ -24,9 +24,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from patchctx import _errors
-from patchctx._errors import InvalidPatchError, PatchError, WeightVersionError
-from patchctx._patch import CheckpointWeightPatch
+from patchctx import (
+    CheckpointWeightPatch,
+    InvalidPatchError,
+    InvalidPatchTypeError,
+    LoaderContractError,
+    PatchError,
+)
+from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
 from patchctx.vllm._apply import WorkerPatcher
 from patchctx.vllm._codec import PatchPayload, decode_payload
 from patchctx.vllm._transport import (
@@ -52,6 +57,17 @@ VLLM_START_VERSION = "default"
 
 TRANSPORTS = ("shm", "nccl", "inline")
 APPLIERS = ("patchctx", "vllm", "load_weights", "layerwise")
+# The classes a worker's error may come back as, by name.
+_CLASSES: dict[str, type[PatchError]] = {
+    cls.__name__: cls
+    for cls in (
+        PatchError,
+        InvalidPatchError,
+        InvalidPatchTypeError,
+        LoaderContractError,
+        WeightVersionError,
+    )
+}
 _MARK = re.compile(r"\[patchctx rank (\d+): (\w+)\] ")
 # What vLLM's multi-process executor appends to a worker's error message.
 _VLLM_SUFFIX = re.compile(r"'?,? please check the stack trace above for the root cause\.?$")
@@ -197,8 +213,8 @@ def raise_worker_error(text: str) -> None:
     if found is None:
         return
     message = _VLLM_SUFFIX.sub("", text[found.start() :].strip())
-    cls = getattr(_errors, found.group(2), None)
-    if isinstance(cls, type) and issubclass(cls, PatchError):
+    cls = _CLASSES.get(found.group(2))
+    if cls is not None:
         if cls is WeightVersionError:
             raise WeightVersionError(message)
         try:
@@ -255,9 +271,7 @@ def agree(error: PatchError | None) -> Outcome:
     name, message = failed[0]
     first = error if error is not None and str(error) == message else None
     if first is None:
-        cls = getattr(_errors, name, PatchError)
-        first = cls(message) if isinstance(cls, type) and issubclass(cls, PatchError) else None
-        first = first if isinstance(first, PatchError) else PatchError(message)
+        first = _CLASSES.get(name, PatchError)(message)
     last = world.rank_in_group == world.world_size - 1
     return Outcome(first, last, len(failed), world.world_size)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from patchctx._errors import InvalidPatchError, PatchError
+from patchctx import InvalidPatchError, PatchError
 from patchctx.vllm._apply import WorkerPatcher, audit_model, check_version, failure_details
 from patchctx.vllm._codec import DTYPES, decode_payload
 

@@ -23,9 +23,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from patchctx._diff import diff_state_dicts, patch_nbytes
-from patchctx._errors import PatchError
-from patchctx._patch import CheckpointWeightPatch
+from patchctx import CheckpointWeightPatch, PatchError, diff_state_dicts
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import encode_patches
 from patchctx.vllm._transport import (
@@ -474,8 +472,3 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-
-
-def patches_nbytes(patches: Iterable[CheckpointWeightPatch]) -> int:
-    """Bytes of values and indices (`patch_nbytes`), for reports."""
-    return patch_nbytes(list(patches))

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from patchctx._errors import InvalidPatchError
+from patchctx import InvalidPatchError
 
 __all__ = [
     "DEFAULT_INLINE_LIMIT",

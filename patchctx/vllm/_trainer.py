@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from patchctx import CheckpointWeightPatch, PatchError, diff_state_dicts
+from patchctx import CheckpointWeightPatch, PatchError, diff_state_dicts, patch_nbytes
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import encode_patches
 from patchctx.vllm._transport import (
@@ -200,6 +200,9 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
         master_port: NCCL rendezvous port (``"nccl"``).
         world_size: The trainer plus every inference worker (``"nccl"``).
         dtype: The receiver's dtype for `diff_state_dicts` (`None`: each tensor's own).
+        chunk_bytes: Split an update into ``update_weights`` chunks of about this many
+            bytes of values and indices (`None`: one chunk). The workers check each chunk
+            as it arrives and apply all of them, atomically, with the last.
         rank: This trainer process's rank; rank 0 sends.
 
     Examples:
@@ -218,6 +221,7 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
     master_port: int | None = None
     world_size: int | None = None
     dtype: torch.dtype | None = None
+    chunk_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -226,13 +230,15 @@ class SendStats:
 
     Attributes:
         patches: Patches sent.
-        nbytes: Payload bytes on the wire (values and indices plus a small header).
+        nbytes: Payload bytes on the wire (values and indices plus a small header per
+            chunk).
         diff_ms: Time to compute the patches (`diff_state_dicts`), 0 when given.
         encode_ms: Time to encode the payload and hand it to the transport.
         update_ms: Time of the ``update_weights`` round trip: transfer and apply on every
             worker.
         total_ms: Start to finish, diff included.
-        transport: How the payload travelled (``"inline"``, ``"shm"``, ``"nccl"``).
+        transport: How the payload travelled (``"inline"``, ``"shm"``, ``"nccl"``; joined
+            by ``+`` when chunks took different ways).
         version: The weight version the update named as its target.
 
     Examples:
@@ -260,6 +266,24 @@ def next_version(version: str | None) -> str:
         ('1', '42')
     """
     return str(int(version) + 1) if version is not None and version.isdecimal() else "1"
+
+
+def _chunks(
+    patches: list[CheckpointWeightPatch], chunk_bytes: int | None
+) -> list[list[CheckpointWeightPatch]]:
+    """`patches` in runs of about `chunk_bytes` of values and indices (one run: `None`)."""
+    if chunk_bytes is None or not patches:
+        return [patches]
+    groups: list[list[CheckpointWeightPatch]] = [[]]
+    size = 0
+    for patch in patches:
+        nbytes = patch_nbytes([patch])
+        if groups[-1] and size + nbytes > chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(patch)
+        size += nbytes
+    return groups
 
 
 class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
@@ -446,24 +470,29 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if not self.is_sender:
             return None
         target = target_version or next_version(self.version)
-        begin = time.perf_counter()
-        payload = encode_patches(patches, base_version=self.version, target_version=target)
-        encoded = time.perf_counter()
+        encode_s = update_s = 0.0
+        nbytes, transports = 0, set()
+        groups = _chunks(patches, self.init_info.chunk_bytes)
         self.client.start_weight_update()
-        update_started = time.perf_counter()
         # When update_weights fails, vLLM has ended the update on every worker already.
-        transport = self._transfer(payload, last=True)
-        update_ms = (time.perf_counter() - update_started) * 1000.0
+        for position, group in enumerate(groups):
+            begin = time.perf_counter()
+            payload = encode_patches(group, base_version=self.version, target_version=target)
+            encoded = time.perf_counter()
+            transports.add(self._transfer(payload, last=position == len(groups) - 1))
+            update_s += time.perf_counter() - encoded
+            encode_s += encoded - begin
+            nbytes += len(payload)
         self.client.finish_weight_update(target)
         self.version = target
         return SendStats(
             patches=len(patches),
-            nbytes=len(payload),
+            nbytes=nbytes,
             diff_ms=diff_ms,
-            encode_ms=(encoded - begin) * 1000.0,
-            update_ms=update_ms,
+            encode_ms=encode_s * 1000.0,
+            update_ms=update_s * 1000.0,
             total_ms=(time.perf_counter() - started) * 1000.0,
-            transport=transport,
+            transport="+".join(sorted(transports)),
             version=target,
         )
 

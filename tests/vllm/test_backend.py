@@ -319,3 +319,32 @@ def test_a_weight_source_is_diffed_against_what_was_last_sent() -> None:
     assert stats is not None and stats.patches == 1 and stats.diff_ms > 0
     assert torch.equal(worker.model.w, trainer_model.w)
     assert trainer.send_weights() is not None and worker.patcher.version == "2"  # nothing new
+
+
+def test_an_update_in_chunks_is_applied_once_with_its_last_chunk() -> None:
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0, chunk_bytes=16), client=client
+    )
+    calls: list[bool] = []
+    before = worker.model.w.clone()
+    update = client.update_weights
+
+    def spy(info: dict[str, Any]) -> None:
+        calls.append(bool(info["last"]))
+        assert torch.equal(worker.model.w, before)  # nothing applied before the last
+        update(info)
+
+    client.update_weights = spy  # type: ignore[method-assign,assignment]
+    patches = [sparse("w", (4, 4), [float(i + 1)], [i]) for i in range(3)]
+    stats = trainer.send_weights(patches)
+    assert calls == [False, False, True] and stats is not None and stats.patches == 3
+    assert worker.model.w.view(-1)[:3].tolist() == [1.0, 2.0, 3.0]
+    assert worker.last_stats is not None and worker.last_stats["chunks"] == 3
+    # A bad last chunk: the whole update is refused, the earlier chunks included.
+    bad = [sparse("w", (4, 4), [9.0], [5]), sparse("b", (4,), [9.0], [7])]
+    before = worker.model.w.clone()
+    with pytest.raises(InvalidPatchError, match="out of range"):
+        trainer.send_weights(bad)
+    assert worker.model.w.view(-1)[5] == 0.0

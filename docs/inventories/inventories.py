@@ -151,7 +151,30 @@ TORCH = Source(
     ),
 )
 
-SOURCES = (PYTHON, TORCH)
+# The vLLM classes patchctx.vllm's backend derives from or takes (vLLM's API reference).
+VLLM = Source(
+    file="vllm.inv",
+    project="vLLM",
+    version="latest",
+    base_url="https://docs.vllm.ai/en/latest/",
+    entries=_same_page(
+        "api/vllm/distributed/weight_transfer/base/",
+        "class",
+        *(
+            f"vllm.distributed.weight_transfer.base.{name}"
+            for name in (
+                "TrainerInitInfo",
+                "TrainerWeightTransferEngine",
+                "WeightSource",
+                "WeightTransferEngine",
+                "WeightTransferInitInfo",
+                "WeightTransferUpdateInfo",
+            )
+        ),
+    ),
+)
+
+SOURCES = (PYTHON, TORCH, VLLM)
 
 
 def inventory_bytes(source: Source) -> bytes:

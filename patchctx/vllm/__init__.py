@@ -1,6 +1,12 @@
-"""patchctx for vLLM: patches sent to every worker of an engine, versions, refusals.
+"""patchctx for vLLM: a weight-transfer backend for vLLM's RL API, versions, refusals.
 
-Start the engine with
+Installing patchctx registers the ``patchctx`` weight-transfer backend with vLLM (a
+``vllm.general_plugins`` entry point): start ``vllm serve MODEL --weight-transfer-config
+'{"backend": "patchctx"}'`` (or ``LLM(..., weight_transfer_config=...)``) and send updates
+with `PatchctxTrainerEngine` through vLLM's control plane (`HTTPWeightSyncClient`, or
+vLLM's own clients). Each worker (`PatchctxWeightTransferEngine`) checks and applies them.
+
+The older path stays as a thin wrapper over the same worker code: start the engine with
 ``LLM(model=..., worker_extension_cls="patchctx.vllm.PatchWorkerExtension")``, declare the
 version of the weights it loaded with ``set_weight_version(llm, 0)``, then send each update
 from the driver with ``apply_patches(llm, patches, base_version=0, target_version=1)``. Each
@@ -24,16 +30,49 @@ if importlib.util.find_spec("vllm") is None:
 
 from patchctx._errors import WeightVersionError
 from patchctx.vllm._aliases import tied_aliases
+from patchctx.vllm._apply import audit_model
+from patchctx.vllm._backend import (
+    PatchctxInitInfo,
+    PatchctxUpdateInfo,
+    PatchctxWeightTransferEngine,
+)
 from patchctx.vllm._codec import PatchPayload, decode_patches, decode_payload, encode_patches
 from patchctx.vllm._driver import PatchStats, apply_patches, set_weight_version
-from patchctx.vllm._extension import PatchWorkerExtension, audit_model
+from patchctx.vllm._extension import PatchWorkerExtension
 from patchctx.vllm._layout import install_from_environment, keep_checkpoint_layout
+from patchctx.vllm._trainer import (
+    HTTPWeightSyncClient,
+    LLMWeightSyncClient,
+    PatchctxTrainerEngine,
+    PatchctxTrainerInitInfo,
+    SendStats,
+)
 from patchctx.vllm._transformed import transformed_weights
+from patchctx.vllm._transport import (
+    InlineTransport,
+    NCCLTransport,
+    Sender,
+    SharedMemoryTransport,
+    Transport,
+)
 
 __all__ = [
+    "HTTPWeightSyncClient",
+    "InlineTransport",
+    "LLMWeightSyncClient",
+    "NCCLTransport",
     "PatchPayload",
     "PatchStats",
     "PatchWorkerExtension",
+    "PatchctxInitInfo",
+    "PatchctxTrainerEngine",
+    "PatchctxTrainerInitInfo",
+    "PatchctxUpdateInfo",
+    "PatchctxWeightTransferEngine",
+    "SendStats",
+    "Sender",
+    "SharedMemoryTransport",
+    "Transport",
     "WeightVersionError",
     "apply_patches",
     "audit_model",

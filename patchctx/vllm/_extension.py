@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from patchctx._audit import AuditReport, AuditRow, audit
-from patchctx._errors import InvalidPatchError, PatchError, WeightVersionError
-from patchctx._load import load_checkpoint_weight_patches
-from patchctx._model import SupportsLoadWeights
-from patchctx._routes import RouteCache
-from patchctx.vllm._aliases import tied_aliases
+from patchctx import InvalidPatchError, PatchError
+from patchctx.vllm._apply import WorkerPatcher, audit_model, check_version, failure_details
 from patchctx.vllm._codec import DTYPES, decode_payload
-from patchctx.vllm._transformed import refusing_transformed, transformed_weights
 
-__all__ = ["APPLY_METHOD", "SET_VERSION_METHOD", "PatchWorkerExtension", "audit_model"]
+__all__ = ["APPLY_METHOD", "SET_VERSION_METHOD", "PatchWorkerExtension"]
 
 APPLY_METHOD = "patchctx_apply_patches"
 SET_VERSION_METHOD = "patchctx_set_weight_version"
@@ -53,66 +46,6 @@ def _options(options: object) -> dict[str, Any]:
     if chosen["errors"] not in ("raise", "return"):
         raise InvalidPatchError(f"option errors={chosen['errors']!r}: 'raise' or 'return'")
     return chosen
-
-
-def _check_version(value: object) -> str | int | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise InvalidPatchError(f"a weight version is a str, an int or None, got {value!r}")
-
-
-@dataclass
-class _WorkerState:
-    """What one worker remembers between patch calls."""
-
-    routes: RouteCache = field(default_factory=RouteCache)
-    version: str | int | None = None
-
-
-def audit_model(
-    model: torch.nn.Module, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]
-) -> AuditReport:
-    """`patchctx.audit` for a vLLM model, as the worker extension would apply patches.
-
-    Names of tied embeddings are resolved as `tied_aliases` says, and every name whose loader
-    would write a weight listed by `transformed_weights` is ``"unsupported"``, with the
-    weight and the reason. No weight changes.
-
-    Args:
-        model: The vLLM model (on one worker / tensor-parallel rank).
-        specs: The checkpoint tensors: name, full shape and dtype.
-
-    Returns:
-        One row per name, in the order given.
-
-    Examples:
-        >>> import torch
-        >>> from patchctx.vllm import audit_model
-        >>> class Model(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.norm = torch.nn.Parameter(torch.ones(4), requires_grad=False)
-        ...     def load_weights(self, weights):
-        ...         for name, tensor in weights:
-        ...             self.norm.copy_(tensor)
-        ...         return {"norm"}
-        >>> audit_model(Model(), [("norm", (4,), torch.float32)]).counts()
-        {'replayable': 1, 'masked': 0, 'unsupported': 0}
-    """
-    protect = transformed_weights(model)
-    aliases = tied_aliases(model)
-    specs = list(specs)
-    resolved = [(aliases.get(name, name), shape, dtype) for name, shape, dtype in specs]
-    with refusing_transformed(model, protect):
-        report = audit(model, resolved, protect=protect)
-    return AuditReport(
-        tuple(
-            AuditRow(name, row.status, row.reason)
-            for (name, _, _), row in zip(specs, report.rows, strict=True)
-        )
-    )
 
 
 class PatchWorkerExtension:
@@ -176,12 +109,12 @@ class PatchWorkerExtension:
 
     model_runner: Any  # set by vLLM's worker
 
-    def _patchctx_worker(self) -> _WorkerState:
+    def _patchctx_worker(self) -> WorkerPatcher:
         state = vars(self).get("_patchctx_worker_state")
         if state is None:
-            state = _WorkerState()
+            state = WorkerPatcher()
             self._patchctx_worker_state = state
-        assert isinstance(state, _WorkerState)
+        assert isinstance(state, WorkerPatcher)
         return state
 
     def _patchctx_model(self) -> torch.nn.Module:
@@ -193,9 +126,19 @@ class PatchWorkerExtension:
         """The weight version this worker holds (`None`: unknown)."""
         return self._patchctx_worker().version
 
+    def patchctx_last_update(self) -> dict[str, Any] | None:
+        """What this worker's ``patchctx`` backend did in its last update (or `None`).
+
+        ``milliseconds`` (the apply, on the worker), ``replayed``, ``loader_calls``...;
+        `None` without that backend or before an update.
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        stats = getattr(engine, "last_stats", None)
+        return dict(stats) if isinstance(stats, dict) else None
+
     def patchctx_set_weight_version(self, version: str | int | None) -> None:
         """Declare the weight version this worker holds (e.g. after loading a checkpoint)."""
-        self._patchctx_worker().version = _check_version(version)
+        self._patchctx_worker().version = check_version(version)
 
     def patchctx_audit(self, specs: Sequence[Sequence[Any]]) -> list[list[str]]:
         """`audit_model` on this worker's model; specs are ``[name, shape, dtype name]``."""
@@ -213,6 +156,10 @@ class PatchWorkerExtension:
     ) -> dict[str, Any]:
         """Apply an `encode_patches` payload to this worker's model; return its statistics.
 
+        The same worker code as the ``patchctx`` weight-transfer backend
+        (`PatchctxWeightTransferEngine`): version check, names no loader consumes refused,
+        tied aliases, transformed weights refused.
+
         Args:
             payload: What `encode_patches` made.
             options: ``atomic`` (bool), ``max_chunk_bytes`` (int or None),
@@ -228,74 +175,31 @@ class PatchWorkerExtension:
             (whether the call was atomic) and ``protected`` (how many parameters were
             refused as transformed).
         """
-        started = time.perf_counter()
         state = self._patchctx_worker()
         rank = int(getattr(self, "rank", 0) or 0)
-        atomic = False
         try:
             chosen = _options(options)
         except InvalidPatchError as error:
             return self._patchctx_failure(error, rank, "raise", state)
         try:
             decoded = decode_payload(payload)
-            if decoded.base_version is not None and decoded.base_version != state.version:
-                raise WeightVersionError(
-                    f"the patches were made against weight version {decoded.base_version!r}; "
-                    f"this worker holds {state.version!r}; nothing was written"
-                    + (
-                        " (declare the loaded version with set_weight_version)"
-                        if state.version is None
-                        else ""
-                    ),
-                    expected=decoded.base_version,
-                    found=state.version,
-                )
-            model = self._patchctx_model()
-            protect = transformed_weights(model)
-            atomic = chosen["atomic"] or bool(protect)
-            before = replace(state.routes.stats)
-            with refusing_transformed(model, protect):
-                loaded = load_checkpoint_weight_patches(
-                    # Every vLLM model has load_weights; torch types Module attributes loosely.
-                    cast("SupportsLoadWeights", model),
-                    decoded.patches,
-                    max_chunk_bytes=chosen["max_chunk_bytes"],
-                    validate_unique_indices=chosen["validate_unique_indices"],
-                    routes=state.routes,
-                    atomic=atomic,
-                    aliases=tied_aliases(model),
-                    protect=protect,
-                )
+            stats = state.apply(
+                self._patchctx_model(),
+                decoded.patches,
+                base_version=decoded.base_version,
+                target_version=decoded.target_version,
+                atomic=chosen["atomic"],
+                max_chunk_bytes=chosen["max_chunk_bytes"],
+                validate_unique_indices=chosen["validate_unique_indices"],
+            )
         except PatchError as error:
-            if not (atomic or isinstance(error, InvalidPatchError | WeightVersionError)):
-                state.version = None  # part of the patches may have been written
             return self._patchctx_failure(error, rank, chosen["errors"], state)
-        except BaseException:
-            if not atomic:
-                state.version = None
-            raise
-        state.version = decoded.target_version
-        after = state.routes.stats
-        return {
-            "rank": rank,
-            "ok": True,
-            "names": sorted({patch.name for patch in decoded.patches}),
-            "loaded": sorted(loaded),
-            "replayed": after.replayed - before.replayed,
-            "through_loader": after.loaded - before.loaded,
-            "loader_calls": after.loader_calls - before.loader_calls,
-            "milliseconds": (time.perf_counter() - started) * 1000.0,
-            "version": state.version,
-            "atomic": atomic,
-            "protected": len(protect),
-        }
+        return {"rank": rank, **stats}
 
     def _patchctx_failure(
-        self, error: PatchError, rank: int, errors: str, state: _WorkerState
+        self, error: PatchError, rank: int, errors: str, state: WorkerPatcher
     ) -> dict[str, Any]:
         if errors != "return":
             raise error
-        details: dict[str, Any] = {"type": type(error).__name__, "message": str(error)}
-        if isinstance(error, WeightVersionError):
-            details.update(expected=error.expected, found=error.found)
+        details = failure_details(error, rank)
         return {"rank": rank, "ok": False, "error": details, "version": state.version}

@@ -33,12 +33,35 @@ def _utils() -> Any:
     return utils
 
 
+_MARK = "_patchctx_keeps_checkpoint_layout"
+
+
+class _State:
+    """Process-wide: how many `keep_checkpoint_layout` blocks are open, and the env switch."""
+
+    depth = 0
+    forever = False
+    installed = False
+
+
+def _keeps(layer: Any) -> bool:
+    return _State.forever or _State.depth > 0 or bool(getattr(layer, _MARK, False))
+
+
 def _keeping(original: Callable[..., None]) -> Callable[..., None]:
     def keep_layout(layer: Any, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.is_meta or weight.ndim != 2:
-            original(layer, remove_weight)  # not a dense matrix: vLLM's own handling
+        if (
+            not _keeps(layer)
+            or not isinstance(weight, torch.Tensor)
+            or weight.is_meta
+            or weight.ndim != 2
+        ):
+            original(layer, remove_weight)  # not kept, or not a dense matrix: vLLM's own
             return
+        # The layer keeps its layout for its whole life: vLLM calls this again when it
+        # reloads weights (`reload_weights`, layerwise reload), after the block has ended.
+        setattr(layer, _MARK, True)
         layer.cpu_linear = torch.nn.functional.linear  # computes from the live weight
 
     keep_layout.__patchctx_keeps_layout__ = True  # type: ignore[attr-defined]
@@ -46,23 +69,21 @@ def _keeping(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def layout_kept() -> bool:
-    """Whether `keep_checkpoint_layout` is in effect in this process."""
-    return bool(getattr(_utils().dispatch_cpu_unquantized_gemm, "__patchctx_keeps_layout__", False))
+    """Whether engines loaded now in this process keep checkpoint layout."""
+    return _State.forever or _State.depth > 0
 
 
-def _install() -> Callable[[], None]:
+def _install() -> None:
+    """Put the replacement in place, once per process.
+
+    It defers to vLLM's own function for layers never loaded under the switch.
+    """
     utils = _utils()
     with _lock:
-        original = utils.dispatch_cpu_unquantized_gemm
-        replacement = _keeping(original)
-        utils.dispatch_cpu_unquantized_gemm = replacement
-
-    def undo() -> None:
-        with _lock:
-            if utils.dispatch_cpu_unquantized_gemm is replacement:
-                utils.dispatch_cpu_unquantized_gemm = original
-
-    return undo
+        if _State.installed:
+            return
+        utils.dispatch_cpu_unquantized_gemm = _keeping(utils.dispatch_cpu_unquantized_gemm)
+        _State.installed = True
 
 
 @contextmanager
@@ -76,21 +97,24 @@ def keep_checkpoint_layout() -> Iterator[None]:
     weights kept as loaded, and their layers compute with ``torch.nn.functional.linear`` on
     the live parameters, so every linear, embedding and LM-head weight takes patches. It
     replaces ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (the one
-    function vLLM 0.32 calls for both) while the block runs; engines started in it keep the
-    layout after it ends. MoE experts stay repacked (the CPU MoE kernel reads only its own
+    function vLLM 0.32 calls for both) once per process; engines started in the block keep
+    the layout for their whole life, also when vLLM reloads their weights
+    (``reload_weights``) after the block has ended. Engines started outside any block get
+    vLLM's own handling. MoE experts stay repacked (the CPU MoE kernel reads only its own
     layout) and stay refused. GPU backends never call the replaced function.
 
     It acts in this process, so it covers in-process engines
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). For an engine whose worker runs in another
     process, set the environment variable ``PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1`` where
-    the engine is started: the worker imports ``patchctx.vllm`` (to resolve
-    ``worker_extension_cls``) before it loads the model, and that import installs the switch
-    for the rest of the worker's life.
+    the engine is started (``vllm serve`` included): every vLLM process imports
+    ``patchctx.vllm`` before it loads the model (vLLM loads patchctx's plugin, which
+    registers the ``patchctx`` weight-transfer backend, and resolves ``worker_extension_cls``),
+    and that import installs the switch for the rest of the process's life.
 
     Meant for tests and CPU development runs: the CPU GEMM without prepacking is slower.
 
     Yields:
-        Nothing; the switch is undone when the block exits.
+        Nothing; engines started after the block exits get vLLM's own handling.
 
     Examples:
         >>> from patchctx.vllm import keep_checkpoint_layout
@@ -101,14 +125,18 @@ def keep_checkpoint_layout() -> Iterator[None]:
         >>> layout_kept()
         False
     """
-    undo = _install()
+    _install()
+    with _lock:
+        _State.depth += 1
     try:
         yield
     finally:
-        undo()
+        with _lock:
+            _State.depth -= 1
 
 
 def install_from_environment() -> None:
     """Install the switch for the process's lifetime when ``KEEP_LAYOUT_ENV=1`` is set."""
-    if os.environ.get(KEEP_LAYOUT_ENV) == "1" and not layout_kept():
+    if os.environ.get(KEEP_LAYOUT_ENV) == "1" and not _State.forever:
         _install()
+        _State.forever = True

@@ -31,7 +31,11 @@ from patchctx._staged import StagedTensor
 __all__ = ["refusing_transformed", "transformed_weights"]
 
 _MISSING = object()
-_KEEP = "patchctx.vllm.keep_checkpoint_layout() keeps it in checkpoint layout"
+_KEEP = (
+    "to keep it in checkpoint layout, start the engine with "
+    "PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1 in its environment (vllm serve, multi-process "
+    "engines), or inside patchctx.vllm.keep_checkpoint_layout() (in-process engines)"
+)
 
 
 def _layerwise_records() -> Any:
@@ -61,7 +65,9 @@ def _differences(live: torch.Tensor, recorded: torch.Tensor) -> list[str]:
         found.append(f"dtype {recorded.dtype} -> {live.dtype}")
     if type(live) is not type(recorded):
         found.append(f"class {type(recorded).__name__} -> {type(live).__name__}")
-    dropped = sorted(set(vars(recorded)) - set(vars(live)))
+    # `weight_loader` is no evidence either way: vLLM's `replace_parameter` keeps it, and its
+    # own `reload_weights` adds it to the record of parameters that never had one.
+    dropped = sorted(set(vars(recorded)) - set(vars(live)) - {"weight_loader"})
     if dropped:
         found.append(f"attributes {dropped} dropped")
     return found

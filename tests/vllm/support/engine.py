@@ -71,6 +71,7 @@ def running_engine(
     multiprocess: bool = False,
     keep_layout: bool = False,
     worker_extension_cls: str | None = EXTENSION,
+    **options: Any,
 ) -> Iterator[Any]:
     """A started ``vllm.LLM`` on `model_dir`, shut down (process groups released) on exit.
 
@@ -90,7 +91,7 @@ def running_engine(
         if not multiprocess:
             teardown_distributed()  # the in-process worker builds its own TP=1 world
         with keeping or contextlib.nullcontext():
-            llm = start_llm(model_dir, worker_extension_cls=worker_extension_cls)
+            llm = start_llm(model_dir, worker_extension_cls=worker_extension_cls, **options)
         try:
             yield llm
         finally:
@@ -98,7 +99,11 @@ def running_engine(
 
 
 def start_llm(
-    model_dir: Path, *, worker_extension_cls: str | None = None, tensor_parallel_size: int = 1
+    model_dir: Path,
+    *,
+    worker_extension_cls: str | None = None,
+    tensor_parallel_size: int = 1,
+    **options: Any,
 ) -> Any:
     """``vllm.LLM`` on the tiny checkpoint at `model_dir` (call inside `engine_env`)."""
     from vllm import LLM
@@ -118,6 +123,7 @@ def start_llm(
         tensor_parallel_size=tensor_parallel_size,
         seed=0,
         **kwargs,
+        **options,
     )
 
 

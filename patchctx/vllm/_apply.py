@@ -1,0 +1,352 @@
+"""What a worker does with an update, whoever delivers it: the backend or the worker extension.
+
+One `WorkerPatcher` per worker (per model) keeps the worker's `RouteCache`, the weight version
+its weights are at, and the checkpoint names already known to reach a parameter. `apply`
+checks the base version, refuses names that no loader consumes, resolves tied embeddings,
+refuses weights the engine transformed after loading, and applies everything in one call of
+`load_checkpoint_weight_patches`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from patchctx import (
+    AuditReport,
+    AuditRow,
+    CheckpointWeightPatch,
+    InvalidPatchError,
+    PatchError,
+    PatchProblem,
+    RouteCache,
+    audit,
+    load_checkpoint_weight_patches,
+    validate_patches,
+)
+from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
+from patchctx.vllm._aliases import tied_aliases
+from patchctx.vllm._transformed import refusing_transformed, transformed_weights
+
+__all__ = ["UNKNOWN", "WorkerPatcher", "audit_model", "check_version"]
+
+UNKNOWN: None = None
+"""The version of weights that may hold part of a failed non-atomic update."""
+
+# What `audit` says of a name whose loader writes nothing on this rank.
+_WRITES_NOTHING = "writes nothing"
+# ... and of one whose loader raised.
+_LOADER_RAISED = "the loader raised"
+
+
+def check_version(value: object) -> str | int | None:
+    """`value` if it is a weight version (a str, an int or None); `InvalidPatchError` if not."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise InvalidPatchError(f"a weight version is a str, an int or None, got {value!r}")
+
+
+def audit_model(
+    model: torch.nn.Module, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]
+) -> AuditReport:
+    """`patchctx.audit` for a vLLM model, as the worker extension would apply patches.
+
+    Names of tied embeddings are resolved as `tied_aliases` says, and every name whose loader
+    would write a weight listed by `transformed_weights` is ``"unsupported"``, with the
+    weight and the reason. No weight changes.
+
+    Args:
+        model: The vLLM model (on one worker / tensor-parallel rank).
+        specs: The checkpoint tensors: name, full shape and dtype.
+
+    Returns:
+        One row per name, in the order given.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx.vllm import audit_model
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             self.norm.copy_(tensor)
+        ...         return {"norm"}
+        >>> audit_model(Model(), [("norm", (4,), torch.float32)]).counts()
+        {'replayable': 1, 'masked': 0, 'unsupported': 0}
+    """
+    protect = transformed_weights(model)
+    aliases = tied_aliases(model)
+    specs = list(specs)
+    resolved = [(aliases.get(name, name), shape, dtype) for name, shape, dtype in specs]
+    with refusing_transformed(model, protect):
+        report = audit(model, resolved, protect=protect)
+    return AuditReport(
+        tuple(
+            AuditRow(name, row.status, row.reason)
+            for (name, _, _), row in zip(specs, report.rows, strict=True)
+        )
+    )
+
+
+def layerwise_reload_active(model: torch.nn.Module) -> bool:
+    """Whether vLLM's layerwise reload is under way on `model`.
+
+    Between ``initialize_layerwise_reload(model)`` and ``finalize_layerwise_reload``, vLLM
+    has replaced the model's parameters by meta tensors and buffers what its loaders receive
+    until a layer is complete; the live weights are back only after finalization.
+    """
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - vLLM-internal
+        return False
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is not None and info.can_load():
+            return True
+    return False
+
+
+@dataclass
+class WorkerPatcher:
+    """A worker's patch state: routes, the weight version, names known to reach a parameter.
+
+    Attributes:
+        routes: The worker's `RouteCache` (first sparse patch to a name through the loader,
+            later ones replayed in O(nnz)).
+        version: The weight version the worker's weights are at (`None`: unknown).
+        consumed: Checkpoint names seen to reach a parameter of this worker's model.
+        check_consumed: Refuse a patch whose name no loader consumes on this rank (off for
+            pipeline parallelism, where another stage holds the name).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch, InvalidPatchError
+        >>> from patchctx.vllm._apply import WorkerPatcher
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             if name == "w":
+        ...                 self.w.copy_(tensor)
+        ...         return {"w"}
+        >>> patcher = WorkerPatcher(version="v0")
+        >>> patch = CheckpointWeightPatch("w", (3,), torch.float32, torch.ones(3))
+        >>> patcher.apply(Model(), [patch], base_version="v0", target_version="v1")["version"]
+        'v1'
+        >>> typo = CheckpointWeightPatch("w_typo", (3,), torch.float32, torch.ones(3))
+        >>> try:  # the model's loader skips the name: refused, not reported as applied
+        ...     patcher.apply(Model(), [typo], base_version="v1", target_version="v2")
+        ... except InvalidPatchError as error:
+        ...     print(error.problems[0].reason[:36], patcher.version)
+        no loader of this model consumes it  v1
+    """
+
+    routes: RouteCache = field(default_factory=RouteCache)
+    version: str | int | None = None
+    consumed: set[str] = field(default_factory=set)
+    check_consumed: bool = True
+
+    def check_base(self, base_version: str | int | None) -> None:
+        """Refuse (`WeightVersionError`) patches made against another version than `version`."""
+        if base_version is None or base_version == self.version:
+            return
+        raise WeightVersionError(
+            f"the patches were made against weight version {base_version!r}; this worker "
+            f"holds {self.version!r}; nothing was written",
+            expected=base_version,
+            found=self.version,
+        )
+
+    def _refuse_unconsumed(
+        self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]
+    ) -> None:
+        unknown: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+        for patch in patches:
+            if patch.name not in self.consumed:
+                unknown.setdefault(patch.name, (patch.name, tuple(patch.shape), patch.dtype))
+        if not unknown:
+            return
+        rows: list[AuditRow] = []
+        for name, spec in unknown.items():  # one at a time: a loader error names its patch
+            try:
+                rows += audit_model(model, [spec]).rows
+            except PatchError:
+                raise
+            except Exception as error:
+                position = next(i for i, p in enumerate(patches) if p.name == name)
+                reason = f"the model's loader refuses it ({type(error).__name__}: {error})"
+                raise InvalidPatchError(
+                    [PatchProblem(position, name, reason[:400] + "; nothing was written")]
+                ) from error
+        refused: dict[str, str] = {}
+        for row in rows:
+            if row.status == "unsupported":
+                if row.reason.startswith(_LOADER_RAISED):  # an unknown name, a wrong shape
+                    refused[row.name] = f"the model's loader refuses it ({row.reason[:300]})"
+                # else: a transformed weight, refused with its reason by the load itself
+            elif _WRITES_NOTHING in row.reason:
+                refused[row.name] = (
+                    "no loader of this model consumes it (the model skips or does not know "
+                    "the name)"
+                )
+            else:
+                self.consumed.add(row.name)
+        if refused:
+            raise InvalidPatchError(
+                [
+                    PatchProblem(
+                        position, patch.name, refused[patch.name] + "; nothing was written"
+                    )
+                    for position, patch in enumerate(patches)
+                    if patch.name in refused
+                ]
+            )
+
+    def _apply_in_layerwise_reload(
+        self,
+        model: torch.nn.Module,
+        patches: Sequence[CheckpointWeightPatch],
+        target_version: str | int | None,
+        started: float,
+    ) -> dict[str, Any]:
+        """Dense patches handed to vLLM's layerwise reload as the checkpoint tensors they are.
+
+        The weights are meta tensors until ``finalize_layerwise_reload``: there is nothing to
+        mask a sparse patch against, and vLLM's buffering loaders must see plain tensors. A
+        dense patch is a full checkpoint tensor, so it goes to ``load_weights`` unchanged
+        (tied aliases resolved); vLLM processes and places it at finalization.
+        """
+        validate_patches(patches)
+        sparse = [i for i, patch in enumerate(patches) if patch.indices is not None]
+        if sparse:
+            raise InvalidPatchError(
+                [
+                    PatchProblem(
+                        i,
+                        patches[i].name,
+                        "a sparse patch needs the live weights, and vLLM's layerwise reload "
+                        "holds them as meta tensors until finalize_layerwise_reload: send it "
+                        "after finalizing, or send the whole tensor; nothing was written",
+                    )
+                    for i in sparse
+                ]
+            )
+        aliases = tied_aliases(model)
+        weights = [
+            (aliases.get(p.name, p.name), p.values.reshape(p.shape).to(p.dtype)) for p in patches
+        ]
+        try:
+            loaded = model.load_weights(weights)  # type: ignore[operator]
+        except BaseException:
+            self.version = UNKNOWN  # vLLM may hold part of it for finalization
+            raise
+        self.version = target_version
+        return _in_layerwise_reload_stats(patches, set(loaded or ()), target_version, started)
+
+    def check(self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]) -> None:
+        """Every check `apply` makes before its first write (`InvalidPatchError` if one fails).
+
+        The patches themselves (`validate_patches`), and names that no loader consumes or
+        whose loader refuses them (first patch to a name only; the loader sees an all-keep
+        patch and every write is undone).
+        """
+        validate_patches(patches)
+        if self.check_consumed:
+            self._refuse_unconsumed(model, patches)
+
+    def apply(
+        self,
+        model: torch.nn.Module,
+        patches: Sequence[CheckpointWeightPatch],
+        *,
+        base_version: str | int | None = None,
+        target_version: str | int | None = None,
+        atomic: bool = True,
+        max_chunk_bytes: int | None = None,
+        validate_unique_indices: bool = True,
+    ) -> dict[str, Any]:
+        """Check, then apply `patches` to `model`; return statistics (see the extension).
+
+        Raises:
+            WeightVersionError: `base_version` is not `version`; nothing was written.
+            InvalidPatchError: A patch is invalid, or no loader consumes its name.
+            PatchError: The load failed; with `atomic` (forced when the model has transformed
+                weights) nothing was written, otherwise `version` becomes unknown.
+        """
+        started = time.perf_counter()
+        self.check_base(base_version)
+        if layerwise_reload_active(model):
+            return self._apply_in_layerwise_reload(model, patches, target_version, started)
+        protect = transformed_weights(model)
+        atomic = atomic or bool(protect)
+        before = replace(self.routes.stats)
+        try:
+            if self.check_consumed:
+                self._refuse_unconsumed(model, patches)
+            with refusing_transformed(model, protect):
+                loaded = load_checkpoint_weight_patches(
+                    model,
+                    patches,
+                    max_chunk_bytes=max_chunk_bytes,
+                    validate_unique_indices=validate_unique_indices,
+                    routes=self.routes,
+                    atomic=atomic,
+                    aliases=tied_aliases(model),
+                    protect=protect,
+                )
+        except InvalidPatchError:
+            raise  # raised before any write
+        except BaseException:
+            if not atomic:
+                self.version = UNKNOWN  # part of the patches may have been written
+            raise
+        self.consumed.update(patch.name for patch in patches)
+        self.version = target_version
+        after = self.routes.stats
+        return {
+            "ok": True,
+            "names": sorted({patch.name for patch in patches}),
+            "loaded": sorted(loaded),
+            "replayed": after.replayed - before.replayed,
+            "through_loader": after.loaded - before.loaded,
+            "loader_calls": after.loader_calls - before.loader_calls,
+            "milliseconds": (time.perf_counter() - started) * 1000.0,
+            "version": self.version,
+            "atomic": atomic,
+            "protected": len(protect),
+        }
+
+
+def _in_layerwise_reload_stats(
+    patches: Sequence[CheckpointWeightPatch], loaded: set[str], version: object, started: float
+) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "names": sorted({patch.name for patch in patches}),
+        "loaded": sorted(loaded),
+        "replayed": 0,
+        "through_loader": len(patches),
+        "loader_calls": 1,
+        "milliseconds": (time.perf_counter() - started) * 1000.0,
+        "version": version,
+        "atomic": False,
+        "protected": 0,
+    }
+
+
+def failure_details(error: BaseException, rank: int) -> dict[str, Any]:
+    """An error as plain data that survives any RPC: its class, message, rank (and versions)."""
+    details: dict[str, Any] = {"type": type(error).__name__, "message": str(error), "rank": rank}
+    if isinstance(error, WeightVersionError):
+        details.update(expected=error.expected, found=error.found)
+    return details

@@ -1,0 +1,503 @@
+"""The trainer side of the ``patchctx`` backend: diff, encode, send through vLLM's RL API.
+
+`PatchctxTrainerEngine` is the backend's `TrainerWeightTransferEngine`: it drives the
+inference side through any ``VLLMWeightSyncClient`` (vLLM's HTTP or Ray clients, or
+`HTTPWeightSyncClient`, which keeps the worker's error class and reads ``/weight_info``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+)
+
+from patchctx import CheckpointWeightPatch, PatchError, diff_state_dicts, patch_nbytes
+from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
+from patchctx.vllm._codec import encode_patches
+from patchctx.vllm._transport import (
+    InlineTransport,
+    NCCLTransport,
+    Sender,
+    SharedMemoryTransport,
+    digest,
+)
+
+__all__ = [
+    "HTTPWeightSyncClient",
+    "LLMWeightSyncClient",
+    "PatchctxTrainerEngine",
+    "PatchctxTrainerInitInfo",
+    "SendStats",
+]
+
+
+class HTTPWeightSyncClient:
+    """vLLM's weight-sync control plane over ``vllm serve``'s HTTP endpoints (dev mode).
+
+    The four methods of vLLM's ``VLLMWeightSyncClient`` protocol plus
+    `get_weight_version` (``/weight_info``) and `weight_checksums` (``/weight_checker``).
+    A worker's patchctx error comes back as the same class (`WeightVersionError`,
+    `InvalidPatchError`, ...), its message naming the worker's rank; any other failure
+    raises `RuntimeError` with the server's answer. Standard library only.
+
+    Args:
+        base_url: The server, e.g. ``"http://127.0.0.1:8000"``.
+        timeout: Seconds per request.
+
+    Examples:
+        >>> from patchctx.vllm import HTTPWeightSyncClient
+        >>> client = HTTPWeightSyncClient("http://127.0.0.1:8000/")
+        >>> client.base_url
+        'http://127.0.0.1:8000'
+    """
+
+    def __init__(self, base_url: str, timeout: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def request(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """POST `body` as JSON (GET without one); the decoded JSON answer."""
+        data = None if body is None else json.dumps(body).encode()
+        method = "GET" if path in ("weight_info",) else "POST"
+        request = urllib.request.Request(
+            f"{self.base_url}/{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as error:
+            answer = error.read().decode(errors="replace")
+            for text in _strings(answer):
+                raise_worker_error(text)
+            raise RuntimeError(f"{path}: HTTP {error.code}: {answer[:2000]}") from None
+        return json.loads(text) if text else None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``/init_weight_transfer_engine``."""
+        self.request("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """``/start_weight_update``."""
+        self.request("start_weight_update", {})
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """``/update_weights``."""
+        self.request("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``/finish_weight_update``, setting vLLM's weight version when one is given."""
+        body = {} if weight_version is None else {"weight_version": weight_version}
+        self.request("finish_weight_update", body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """``/shutdown_weight_transfer_engine``."""
+        self.request("shutdown_weight_transfer_engine", {})
+
+    def get_weight_version(self) -> str:
+        """The weight version vLLM reports (``/weight_info``)."""
+        return str(self.request("weight_info")["weight_version"])
+
+    def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of every parameter on every worker (``/weight_checker``, ``checksum``)."""
+        return dict(self.request("weight_checker", {"action": "checksum"})["checksums"])
+
+
+class LLMWeightSyncClient:
+    """vLLM's weight-sync control plane of a ``vllm.LLM`` in this process.
+
+    ``LLM`` has the RL methods, but takes requests (``{"init_info": ...}``,
+    ``{"update_info": ...}``) where vLLM's client protocol passes the info itself: this
+    adapter passes them on. A worker's patchctx error is raised again as its class.
+
+    Args:
+        llm: The ``vllm.LLM``, started with ``weight_transfer_config={"backend": "patchctx"}``.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> from patchctx.vllm import LLMWeightSyncClient
+        >>> llm = SimpleNamespace(get_weight_version=lambda: "default")
+        >>> LLMWeightSyncClient(llm).get_weight_version()
+        'default'
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.llm, method)(*args)
+        except PatchError:
+            raise
+        except Exception as error:
+            raise_worker_error(str(error))
+            raise
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``LLM.init_weight_transfer_engine``."""
+        self._call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """``LLM.start_weight_update``."""
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """``LLM.update_weights``."""
+        self._call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``LLM.finish_weight_update``, setting vLLM's weight version when one is given."""
+        self._call("finish_weight_update", weight_version)
+
+    def get_weight_version(self) -> str:
+        """The weight version vLLM reports."""
+        return str(self._call("get_weight_version"))
+
+
+def _strings(answer: str) -> list[str]:
+    """Every string inside a JSON answer (the answer itself when it is not JSON)."""
+    try:
+        stack: list[Any] = [json.loads(answer)]
+    except ValueError:
+        return [answer]
+    found = []
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+@dataclass
+class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
+    """Trainer-side init info of the ``patchctx`` backend.
+
+    Attributes:
+        transport: ``"shm"`` (default), ``"nccl"`` or ``"inline"`` (see `PatchctxInitInfo`).
+        inline_below: Payloads of at most this many bytes travel inline in the request
+            whatever the transport (`None`: the workers' default inline limit,
+            ``PATCHCTX_VLLM_INLINE_LIMIT`` or 4 MiB; 0: never).
+        shm_dir: The shared-memory directory, the same on both sides (``"shm"``).
+        master_address: NCCL rendezvous address (``"nccl"``).
+        master_port: NCCL rendezvous port (``"nccl"``).
+        world_size: The trainer plus every inference worker (``"nccl"``).
+        dtype: The receiver's dtype for `diff_state_dicts` (`None`: each tensor's own).
+        chunk_bytes: Split an update into ``update_weights`` chunks of about this many
+            bytes of values and indices (`None`: one chunk). The workers check each chunk
+            as it arrives and apply all of them, atomically, with the last.
+        rank: This trainer process's rank; rank 0 sends.
+
+    Examples:
+        >>> from patchctx.vllm import PatchctxTrainerInitInfo
+        >>> info = PatchctxTrainerInitInfo(transport="inline", rank=0)
+        >>> info.backend, info.is_sender
+        ('patchctx', True)
+    """
+
+    backend: ClassVar[str] = "patchctx"
+
+    transport: str = "shm"
+    inline_below: int | None = None
+    shm_dir: str = "/dev/shm"
+    master_address: str | None = None
+    master_port: int | None = None
+    world_size: int | None = None
+    dtype: torch.dtype | None = None
+    chunk_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class SendStats:
+    """What one update cost, trainer side.
+
+    Attributes:
+        patches: Patches sent.
+        nbytes: Payload bytes on the wire (values and indices plus a small header per
+            chunk).
+        diff_ms: Time to compute the patches (`diff_state_dicts`), 0 when given.
+        encode_ms: Time to encode the payload and hand it to the transport.
+        update_ms: Time of the ``update_weights`` round trip: transfer and apply on every
+            worker.
+        total_ms: Start to finish, diff included.
+        transport: How the payload travelled (``"inline"``, ``"shm"``, ``"nccl"``; joined
+            by ``+`` when chunks took different ways).
+        version: The weight version the update named as its target.
+
+    Examples:
+        >>> from patchctx.vllm import SendStats
+        >>> SendStats(1, 96, 0.0, 0.1, 2.0, 2.5, "inline", "1").nbytes
+        96
+    """
+
+    patches: int
+    nbytes: int
+    diff_ms: float
+    encode_ms: float
+    update_ms: float
+    total_ms: float
+    transport: str
+    version: str | None
+
+
+def next_version(version: str | None) -> str:
+    """The version after `version`: the next integer, or ``"1"`` after a non-integer.
+
+    Examples:
+        >>> from patchctx.vllm._trainer import next_version
+        >>> next_version("default"), next_version("41")
+        ('1', '42')
+    """
+    return str(int(version) + 1) if version is not None and version.isdecimal() else "1"
+
+
+def _chunks(
+    patches: list[CheckpointWeightPatch], chunk_bytes: int | None
+) -> list[list[CheckpointWeightPatch]]:
+    """`patches` in runs of about `chunk_bytes` of values and indices (one run: `None`)."""
+    if chunk_bytes is None or not patches:
+        return [patches]
+    groups: list[list[CheckpointWeightPatch]] = [[]]
+    size = 0
+    for patch in patches:
+        nbytes = patch_nbytes([patch])
+        if groups[-1] and size + nbytes > chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(patch)
+        size += nbytes
+    return groups
+
+
+class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
+    """The ``patchctx`` backend's trainer engine: diffs, encodes and sends updates.
+
+    Built with ``trainer_init`` (or vLLM's ``WeightTransferTrainerFactory.trainer_init``,
+    which dispatches on ``PatchctxTrainerInitInfo.backend``). It declares vLLM's current
+    weight version to the workers (``/weight_info`` when the client can read it), so every
+    update names the version it was computed against and the workers refuse it if their
+    weights are elsewhere.
+
+    - ``send_weights(patches)``: send `CheckpointWeightPatch` objects as one update
+      (``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update(version)``).
+    - ``send_weights()``: with a `WeightSource` given at init, diff the source's tensors
+      against what was last sent (`diff_state_dicts`, in `dtype`) and send the difference.
+    - ``send_state_dict(state)``: the same from a state dict.
+
+    Non-sender ranks (``rank != 0``) do nothing.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx.vllm import PatchctxTrainerEngine, PatchctxTrainerInitInfo
+        >>> class Recorder:  # stands for vLLM's client (HTTP, Ray, ...)
+        ...     def __init__(self):
+        ...         self.calls = []
+        ...     def __getattr__(self, name):
+        ...         return lambda *args, **kwargs: self.calls.append(name)
+        >>> client = Recorder()
+        >>> engine = PatchctxTrainerEngine.trainer_init(
+        ...     PatchctxTrainerInitInfo(transport="inline", rank=0), client=client)
+        >>> sent = {"w": torch.zeros(8)}
+        >>> engine.remember(sent)
+        >>> stats = engine.send_state_dict({"w": torch.tensor([0, 0, 1.0, 0, 0, 0, 0, 0])})
+        >>> stats.patches, stats.transport, stats.version, client.calls[-3:]
+        (1, 'inline', '1', ['start_weight_update', 'update_weights', 'finish_weight_update'])
+    """
+
+    init_info_cls = PatchctxTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        init_info: PatchctxTrainerInitInfo | None = None,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.init_info = init_info or PatchctxTrainerInitInfo(rank=0)
+        self.sender: Sender | None = None
+        self.inline = InlineTransport(limit=self.init_info.inline_below)  # None: the default
+        self.version: str | None = None
+        self.sent: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: PatchctxTrainerInitInfo,
+        *,
+        client: Any,
+        source: WeightSource | None = None,
+    ) -> PatchctxTrainerEngine:
+        """Connect: open the transport, declare vLLM's weight version to every worker.
+
+        An update a previous trainer left open (it died between ``start_weight_update`` and
+        ``finish_weight_update``) is ended by the workers at ``init_weight_transfer_engine``;
+        its chunks were never applied.
+        """
+        engine = cls(
+            client=client, source=source, is_sender=init_info.is_sender, init_info=init_info
+        )
+        if source is not None:
+            engine.remember(dict(source))
+        if not engine.is_sender:
+            return engine
+        get_version = getattr(client, "get_weight_version", None)
+        version = get_version() if callable(get_version) else None
+        engine.version = VLLM_START_VERSION if version is None else str(version)
+        worker_info: dict[str, Any] = {
+            "transport": init_info.transport,
+            "weight_version": engine.version,
+            "shm_dir": init_info.shm_dir,
+        }
+        if init_info.transport == "nccl":
+            worker_info.update(
+                master_address=init_info.master_address,
+                master_port=init_info.master_port,
+                world_size=init_info.world_size,
+            )
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                pending = pool.submit(client.init_weight_transfer_engine, worker_info)
+                assert init_info.master_address is not None and init_info.master_port is not None
+                assert init_info.world_size is not None
+                engine.sender = NCCLTransport.for_trainer(
+                    master_address=init_info.master_address,
+                    master_port=init_info.master_port,
+                    world_size=init_info.world_size,
+                )
+                pending.result()
+        else:
+            client.init_weight_transfer_engine(worker_info)
+            engine.sender = (
+                SharedMemoryTransport(init_info.shm_dir)
+                if init_info.transport == "shm"
+                else InlineTransport()  # the workers' limit, whatever inline_below says
+            )
+        return engine
+
+    def remember(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take `state` as what the workers hold now (what the next diff starts from)."""
+        dtype = self.init_info.dtype
+        self.sent = {
+            name: tensor.detach().to(dtype or tensor.dtype, copy=True)
+            for name, tensor in state.items()
+        }
+
+    def send_weights(
+        self,
+        patches: Iterable[CheckpointWeightPatch] | None = None,
+        *,
+        target_version: str | None = None,
+    ) -> SendStats | None:
+        """Send `patches` as one update (or, without them, the source's difference)."""
+        if patches is None:
+            if self.source is None:
+                raise ValueError("send_weights() without patches needs a WeightSource at init")
+            return self.send_state_dict(dict(self.source), target_version=target_version)
+        return self._send(list(patches), 0.0, time.perf_counter(), target_version)
+
+    def send_state_dict(
+        self, state: Mapping[str, torch.Tensor], *, target_version: str | None = None
+    ) -> SendStats | None:
+        """Diff `state` against what was last sent and send the difference."""
+        started = time.perf_counter()
+        patches = diff_state_dicts(self.sent, state, dtype=self.init_info.dtype)
+        diff_ms = (time.perf_counter() - started) * 1000.0
+        stats = self._send(patches, diff_ms, started, target_version)
+        self.remember(state)
+        return stats
+
+    def send_weight_chunk(self, patches: Iterable[CheckpointWeightPatch], *, last: bool) -> int:
+        """Send one chunk inside a caller-owned ``start`` / ``finish``; return its bytes.
+
+        Chunks are held by the workers and applied together, atomically, with the ``last``.
+        The chunk names the trainer's current version as base and the next one as target;
+        pass the same target to ``finish_weight_update``.
+        """
+        payload = encode_patches(
+            patches, base_version=self.version, target_version=next_version(self.version)
+        )
+        self._transfer(payload, last=last)
+        if last:
+            self.version = next_version(self.version)
+        return len(payload)
+
+    def _transfer(self, payload: bytes, *, last: bool) -> str:
+        assert self.sender is not None, "trainer_init() first"
+        sender: Sender = self.inline if 0 < len(payload) <= self.inline.limit else self.sender
+        info = {
+            **sender.describe(payload),
+            "nbytes": len(payload),
+            "sha256": digest(payload),
+            "last": last,
+        }
+        try:
+            if sender.concurrent:
+                with ThreadPoolExecutor(max_workers=1) as pool:
+                    pending = pool.submit(self.client.update_weights, info)
+                    sender.transmit(payload)
+                    pending.result()
+            else:
+                self.client.update_weights(info)
+        finally:
+            sender.release()
+        return sender.name
+
+    def _send(
+        self,
+        patches: list[CheckpointWeightPatch],
+        diff_ms: float,
+        started: float,
+        target_version: str | None,
+    ) -> SendStats | None:
+        if not self.is_sender:
+            return None
+        target = target_version or next_version(self.version)
+        encode_s = update_s = 0.0
+        nbytes, transports = 0, set()
+        groups = _chunks(patches, self.init_info.chunk_bytes)
+        self.client.start_weight_update()
+        # When update_weights fails, vLLM has ended the update on every worker already.
+        for position, group in enumerate(groups):
+            begin = time.perf_counter()
+            payload = encode_patches(group, base_version=self.version, target_version=target)
+            encoded = time.perf_counter()
+            transports.add(self._transfer(payload, last=position == len(groups) - 1))
+            update_s += time.perf_counter() - encoded
+            encode_s += encoded - begin
+            nbytes += len(payload)
+        self.client.finish_weight_update(target)
+        self.version = target
+        return SendStats(
+            patches=len(patches),
+            nbytes=nbytes,
+            diff_ms=diff_ms,
+            encode_ms=encode_s * 1000.0,
+            update_ms=update_s * 1000.0,
+            total_ms=(time.perf_counter() - started) * 1000.0,
+            transport="+".join(sorted(transports)),
+            version=target,
+        )
+
+    def shutdown(self) -> None:
+        """Close the transport."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None

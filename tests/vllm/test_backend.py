@@ -1,0 +1,350 @@
+"""The ``patchctx`` backend without a server: the worker engine on a small model, the trainer
+engine against it through an in-process client, every transport (NCCL through a loopback
+communicator that stands for a NCCL group on CPU), chunks, refusals, the error marks."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.weight_transfer import (
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
+)
+
+from patchctx import CheckpointWeightPatch, InvalidPatchError, LoaderContractError, PatchError
+from patchctx.vllm import (
+    NCCLTransport,
+    PatchctxInitInfo,
+    PatchctxTrainerEngine,
+    PatchctxTrainerInitInfo,
+    PatchctxWeightTransferEngine,
+    SharedMemoryTransport,
+    WeightVersionError,
+    encode_patches,
+)
+from patchctx.vllm._backend import raise_worker_error, worker_error
+from patchctx.vllm._plugin import register
+from patchctx.vllm._transport import digest
+
+
+class Model(torch.nn.Module):
+    """Two parameters; `load_weights` knows their names and skips ``skipped``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            if name == "skipped":
+                continue
+            getattr(self, name).copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+def worker_engine() -> PatchctxWeightTransferEngine:
+    parallel = SimpleNamespace(rank=0, pipeline_parallel_size=1)
+    config = SimpleNamespace(parallel_config=parallel, model_config=None)
+    return PatchctxWeightTransferEngine(None, config, torch.device("cpu"), Model())
+
+
+class LocalClient:
+    """vLLM's weight-sync client protocol, calling a worker engine in this process (as
+    vLLM's worker does: a failed update_weights ends the update)."""
+
+    def __init__(self, engine: PatchctxWeightTransferEngine) -> None:
+        self.engine = engine
+        self.version = "default"
+        self.active = False
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        assert not self.active
+        self.engine.start_weight_update()
+        self.active = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        assert self.active
+        try:
+            self.engine.update_weights(update_info)
+        except BaseException:
+            self.active = False
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        assert self.active
+        self.engine.finish_weight_update()
+        self.active = False
+        if weight_version is not None:
+            self.version = weight_version
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+
+def sparse(name: str, shape: tuple[int, ...], values: list[float], indices: list[int]) -> Any:
+    return CheckpointWeightPatch(
+        name, shape, torch.float32, torch.tensor(values), torch.tensor(indices)
+    )
+
+
+def test_the_plugin_registers_both_engines_once() -> None:
+    register()
+    register()
+    assert WeightTransferEngineFactory._registry["patchctx"]() is PatchctxWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["patchctx"]() is PatchctxTrainerEngine
+    info = PatchctxTrainerInitInfo(transport="inline", rank=0)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=LocalClient(worker_engine()))
+    assert isinstance(engine, PatchctxTrainerEngine)
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_updates_through_the_trainer_engine(transport: str, tmp_path: Any) -> None:
+    worker = worker_engine()
+    client = LocalClient(worker)
+    info = PatchctxTrainerInitInfo(
+        transport=transport, rank=0, shm_dir=str(tmp_path), inline_below=0
+    )
+    trainer = PatchctxTrainerEngine.trainer_init(info, client=client)
+    stats = trainer.send_weights([sparse("w", (4, 4), [1.0, 2.0], [0, 15])])
+    assert stats is not None and stats.transport == transport and stats.version == "1"
+    stats = trainer.send_weights([sparse("w", (4, 4), [3.0], [5])])  # replayed
+    assert worker.last_stats is not None and worker.last_stats["replayed"] == 1
+    assert worker.model.w.view(-1)[[0, 5, 15]].tolist() == [1.0, 3.0, 2.0]
+    assert (worker.patcher.version, client.version) == ("2", "2")
+    assert list(tmp_path.iterdir()) == []  # shared-memory files are deleted after use
+
+
+def test_a_refusal_on_the_worker_changes_nothing_and_names_class_and_rank() -> None:
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    good = sparse("w", (4, 4), [1.0], [3])
+    with pytest.raises(InvalidPatchError, match=r"^\[patchctx rank 0: InvalidPatchError\] "):
+        trainer.send_weights([good, sparse("skipped", (4,), [1.0], [0])])
+    with pytest.raises(PatchError, match=r"out of range"):
+        trainer.send_weights([good, sparse("b", (4,), [1.0], [4])])
+    assert not worker.model.w.any() and worker.patcher.version == "default"
+    trainer.version = "elsewhere"
+    with pytest.raises(WeightVersionError):
+        trainer.send_weights([good])
+    assert not worker.model.w.any()
+
+
+def test_chunks_apply_together_with_the_last_and_not_without_it() -> None:
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    client.start_weight_update()
+    trainer.send_weight_chunk([sparse("w", (4, 4), [1.0], [0])], last=False)
+    assert not worker.model.w.any()  # held, not applied
+    trainer.send_weight_chunk([sparse("b", (4,), [2.0], [1])], last=True)
+    client.finish_weight_update(trainer.version)
+    assert worker.model.w[0, 0] == 1.0 and worker.model.b[1] == 2.0
+    # An update whose last chunk never comes (its trainer died): a new trainer's init drops
+    # the chunk, nothing is written, and the new trainer updates as usual.
+    client.start_weight_update()
+    trainer.send_weight_chunk([sparse("w", (4, 4), [9.0], [1])], last=False)
+    client.active = False  # the new trainer's init ends it (vLLM's flag: see _end_vllm_update)
+    again = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    assert worker.pending == [] and worker.model.w[0, 1] == 0.0
+    assert again.send_weights([sparse("w", (4, 4), [5.0], [2])]) is not None
+    assert worker.model.w[0, 1] == 0.0 and worker.model.w[0, 2] == 5.0
+
+
+def test_malformed_update_info_and_payloads_are_invalid_patch_errors() -> None:
+    worker = worker_engine()
+    worker.init_transfer_engine(PatchctxInitInfo(transport="inline"))
+    payload = encode_patches([sparse("w", (4, 4), [1.0], [0])], base_version="default")
+    for info in (
+        {"nbytes": "3", "sha256": "x", "inline": ""},
+        {"nbytes": 1, "sha256": "x", "unknown": 1},
+        {"nbytes": len(payload), "sha256": digest(payload)},  # no transport but inline
+        {"nbytes": len(payload), "sha256": digest(payload), "inline": "not base64!"},
+        {
+            "nbytes": len(payload),
+            "sha256": "0" * 64,
+            "inline": __import__("base64").b64encode(payload).decode(),
+        },
+    ):
+        worker.start_weight_update()
+        with pytest.raises(InvalidPatchError, match=r"^\[patchctx rank 0: InvalidPatchError\]"):
+            worker.update_weights(info)
+    assert not worker.model.w.any()
+
+
+class Loopback:
+    """Stands for a NCCL group of two ranks on CPU: what rank 0 broadcasts, the other
+    receives (each side holds one end)."""
+
+    def __init__(self, wire: queue.Queue[torch.Tensor], sender: bool) -> None:
+        self.wire, self.sender, self.device = wire, sender, torch.device("cpu")
+        self.destroyed = False
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        assert src == 0
+        if self.sender:
+            self.wire.put(tensor.clone())
+        else:
+            tensor.copy_(self.wire.get(timeout=30))
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+class ThreadedClient(LocalClient):
+    """vLLM's RPC on another thread, as over HTTP: update_weights blocks in the receive
+    until the trainer's concurrent transmit."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                LocalClient.update_weights(self, update_info)
+            except BaseException as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        if errors:
+            raise errors[0]
+
+
+def test_nccl_transport_broadcasts_while_update_weights_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.distributed.weight_transfer import nccl_common
+
+    wire: queue.Queue[torch.Tensor] = queue.Queue()
+    seen: dict[str, Any] = {}
+
+    def worker_group(info: Any, parallel_config: Any) -> Loopback:
+        seen["worker"] = (info.master_address, info.master_port, info.rank_offset, info.world_size)
+        return Loopback(wire, sender=False)
+
+    def trainer_group(rendezvous: Any) -> Loopback:
+        seen["trainer"] = (rendezvous.master_address, rendezvous.master_port, rendezvous.world_size)
+        return Loopback(wire, sender=True)
+
+    monkeypatch.setattr(nccl_common, "worker_init_process_group", worker_group)
+    monkeypatch.setattr(nccl_common, "trainer_init", trainer_group)
+    worker = worker_engine()
+    info = PatchctxTrainerInitInfo(
+        transport="nccl",
+        rank=0,
+        master_address="127.0.0.1",
+        master_port=29555,
+        world_size=2,
+        inline_below=0,
+    )
+    trainer = PatchctxTrainerEngine.trainer_init(info, client=ThreadedClient(worker))
+    # The rendezvous vLLM's sparse_nccl uses: the trainer is rank 0, workers from 1.
+    assert seen == {"worker": ("127.0.0.1", 29555, 1, 2), "trainer": ("127.0.0.1", 29555, 2)}
+    assert isinstance(worker.transport, NCCLTransport)
+    stats = trainer.send_weights([sparse("w", (4, 4), [7.0, 8.0], [1, 2])])
+    assert stats is not None and stats.transport == "nccl"
+    assert worker.model.w.view(-1)[:3].tolist() == [0.0, 7.0, 8.0]
+    trainer.shutdown()
+    worker.shutdown()
+    assert worker.transport is None
+
+
+def test_shared_memory_reads_refuse_links_and_other_names(tmp_path: Any) -> None:
+    target = tmp_path / "secret"
+    target.write_bytes(b"secret")
+    (tmp_path / "patchctx-link").symlink_to(target)
+    transport = SharedMemoryTransport(tmp_path)
+    for name in ("patchctx-link", "secret", "patchctx-missing", "../patchctx-x", None):
+        with pytest.raises(InvalidPatchError):
+            transport.receive({"shm": name})
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidPatchError("bad"),
+        LoaderContractError("refused"),
+        WeightVersionError("stale", expected="1", found="2"),
+        RuntimeError("boom"),
+    ],
+)
+def test_error_marks_survive_vllms_text_wrapping(error: Exception) -> None:
+    marked = worker_error(error, rank=3)
+    text = (
+        "Call to collective_rpc method failed: Worker failed with error "
+        f"'{marked}', please check the stack trace above for the root cause"
+    )
+    expected = type(error) if isinstance(error, PatchError) else PatchError
+    with pytest.raises(expected) as raised:
+        raise_worker_error(text)
+    assert type(raised.value) is expected
+    assert str(raised.value) == f"[patchctx rank 3: {type(error).__name__}] {error}"
+
+
+def test_a_weight_source_is_diffed_against_what_was_last_sent() -> None:
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    worker = worker_engine()
+    trainer_model = Model()  # the trainer's copy, in step with the worker's
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0),
+        client=LocalClient(worker),
+        source=ModuleSource(trainer_model),
+    )
+    with torch.no_grad():
+        trainer_model.w[1, 2] = 0.5  # a training step
+    stats = trainer.send_weights()
+    assert stats is not None and stats.patches == 1 and stats.diff_ms > 0
+    assert torch.equal(worker.model.w, trainer_model.w)
+    assert trainer.send_weights() is not None and worker.patcher.version == "2"  # nothing new
+
+
+def test_an_update_in_chunks_is_applied_once_with_its_last_chunk() -> None:
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0, chunk_bytes=16), client=client
+    )
+    calls: list[bool] = []
+    before = worker.model.w.clone()
+    update = client.update_weights
+
+    def spy(info: dict[str, Any]) -> None:
+        calls.append(bool(info["last"]))
+        assert torch.equal(worker.model.w, before)  # nothing applied before the last
+        update(info)
+
+    client.update_weights = spy  # type: ignore[method-assign,assignment]
+    patches = [sparse("w", (4, 4), [float(i + 1)], [i]) for i in range(3)]
+    stats = trainer.send_weights(patches)
+    assert calls == [False, False, True] and stats is not None and stats.patches == 3
+    assert worker.model.w.view(-1)[:3].tolist() == [1.0, 2.0, 3.0]
+    assert worker.last_stats is not None and worker.last_stats["chunks"] == 3
+    # A bad last chunk: the whole update is refused, the earlier chunks included.
+    bad = [sparse("w", (4, 4), [9.0], [5]), sparse("b", (4,), [9.0], [7])]
+    before = worker.model.w.clone()
+    with pytest.raises(InvalidPatchError, match="out of range"):
+        trainer.send_weights(bad)
+    assert worker.model.w.view(-1)[5] == 0.0

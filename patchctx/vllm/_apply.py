@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,7 +28,8 @@ from patchctx import (
     load_checkpoint_weight_patches,
     validate_patches,
 )
-from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
+from patchctx._errors import WeightVersionError
+from patchctx._model import SupportsLoadWeights  # public as patchctx.vllm.WeightVersionError
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._transformed import refusing_transformed, transformed_weights
 
@@ -295,7 +296,8 @@ class WorkerPatcher:
                 self._refuse_unconsumed(model, patches)
             with refusing_transformed(model, protect):
                 loaded = load_checkpoint_weight_patches(
-                    model,
+                    # Every vLLM model has load_weights; torch types Module attributes loosely.
+                    cast("SupportsLoadWeights", model),
                     patches,
                     max_chunk_bytes=max_chunk_bytes,
                     validate_unique_indices=validate_unique_indices,

@@ -135,20 +135,20 @@ class InvalidPatchTypeError(InvalidPatchError, TypeError):
 class LoaderContractError(PatchError, NotImplementedError):
     """A write during a masked load falls outside what patchctx can mask exactly.
 
-    Raised instead of writing, for example when a copy's shapes differ, when the source of a
-    masked copy is not something the strategy can read its mask from, or when a loader writes
-    staged data through a path that cannot be masked in place. The destination is left as it
-    was. It is a `NotImplementedError`: the loader does something patchctx does not support.
+    Raised instead of writing, for example when a loader accumulates staged data into a weight
+    (the positions a patch does not change would not keep their values), computes across
+    changed and unchanged positions, reads unchanged values out of torch, or changes the
+    model's structure. The destination is left as it was. It is a `NotImplementedError`: the
+    loader does something patchctx does not support.
 
     Examples:
         >>> import torch
-        >>> from patchctx import BoolMask, LoaderContractError, masked_copy
+        >>> from patchctx import BoolMask, LoaderContractError
         >>> staged = BoolMask().stage((2, 3), torch.float32, torch.tensor([4]),
         ...                           torch.tensor([1.0]))
-        >>> weight = torch.zeros(3, 2)
+        >>> weight = torch.zeros(2, 3)
         >>> try:
-        ...     with masked_copy(strategy=BoolMask()):
-        ...         _ = weight.copy_(staged.t().contiguous())  # a copy, not a view: no mask
+        ...     _ = weight.add_(staged)  # accumulating: the other positions would change
         ... except LoaderContractError:
         ...     print("refused, weight untouched:", not weight.any().item())
         refused, weight untouched: True

@@ -93,6 +93,7 @@ class _Call:
             undo,
             self.recorder,
             log_plain=atomic or any(load.indices is not None for load in loads),
+            compact=atomic,
             loading=frozenset(load.name for load in loads),
         )
         self.undo = undo

@@ -100,7 +100,7 @@ class Root:
     tampered: bool = False  # the loader wrote into the staged data itself
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Provenance:
     """Where a staged tensor's data comes from and whom its writes are reported to.
 
@@ -121,9 +121,15 @@ class Provenance:
     # A dense patch (every position CHANGED), wrapped only so that its writes are logged in
     # whatever thread they happen (``atomic``): it may also go into temporaries.
     dense: bool = False
+    # The mask holds KEEP and CHANGED only (no CONST), so it reads as a boolean "write here"
+    # mask without a pass over it. Shared by every view of the tensor (they share this
+    # object), and cleared by any write into the staged data or a result that may hold CONST.
+    binary: bool = True
 
-    def derived(self, *, mask_is_view: bool = True) -> Provenance:
-        return Provenance(self.names, self.ledger, None, mask_is_view, self.dense)
+    def derived(self, *, mask_is_view: bool = True, binary: bool = True) -> Provenance:
+        return Provenance(
+            self.names, self.ledger, None, mask_is_view, self.dense, binary and self.binary
+        )
 
 
 def _refuse(message: str) -> NoReturn:
@@ -391,7 +397,8 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
         _refuse("an operation combines staged data of two different loads")
     names = frozenset().union(*(s._prov.names for s in staged))
     dense = all(s._prov.dense for s in staged)
-    return Provenance(names, next(iter(ledgers.values()), None), None, True, dense)
+    binary = all(s._prov.binary for s in staged)
+    return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary)
 
 
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -489,7 +496,9 @@ def _like(
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
     return _wrap(
-        result, lambda value: _codes(value, CONST if known else KEEP), staged[0]._prov.derived()
+        result,
+        lambda value: _codes(value, CONST if known else KEEP),
+        staged[0]._prov.derived(binary=not known),
     )
 
 
@@ -508,6 +517,9 @@ def _layout(
         update = mask if device is None else mask.to(device=device)
         return StagedTensor(result, update.clone(), prov)
     mask_args = list(args)
+    data = list(args[0]) if func.overloadpacket in _LISTS else [args[0]]
+    if not all(isinstance(t, StagedTensor) for t in data):
+        prov.binary = False  # plain data joins as CONST
     if func.overloadpacket in _LISTS:
         mask_args[0] = [_known(t) for t in args[0]]
     else:
@@ -593,7 +605,7 @@ def _opaque(
         if state == KEEP:
             _refuse(f"{func} reads staged data of {_label(prov.names)} the patch does not change")
         return result
-    return _wrap(result, lambda value: _codes(value, state), prov.derived())
+    return _wrap(result, lambda value: _codes(value, state), prov.derived(binary=state != CONST))
 
 
 # ------------------------------------------------------------------------------------- writes
@@ -614,6 +626,7 @@ def _write_into_staged(
         _refuse(f"the loader writes into staged data of {_label(prov.names)} with {func}")
     if prov.root is not None:
         prov.root.tampered = True
+    prov.binary = False  # the write may bring CONST positions in
     if prov.ledger is not None:
         prov.ledger.unprovable(prov.names, f"the loader modified it with {func}")
     packet = func.overloadpacket
@@ -664,7 +677,7 @@ def _write_into_plain(
         if not isinstance(source, StagedTensor):
             _refuse(f"the loader copies into a plain tensor with staged arguments ({func})")
         _admit(prov, target, names, "copy_")
-        _merge(target, source._data, source._update, source, names, prov)
+        _merge(target, source._data, source._update, source, names, prov, binary=prov.binary)
         return target
     if packet in _MOVES and in_place and not _accumulates(func, args, kwargs):
         if any(
@@ -741,6 +754,8 @@ def _merge(
     source: StagedTensor | None,
     names: frozenset[str],
     prov: Provenance,
+    *,
+    binary: bool = False,
 ) -> None:
     """Write `values` into `target` where `update` does not say KEEP, in place.
 
@@ -748,7 +763,12 @@ def _merge(
     """
     try:
         update = update.expand(target.shape)
-        update = torch.ones_like(update, dtype=torch.bool) if prov.dense else update != KEEP
+        if prov.dense:
+            update = torch.ones_like(update, dtype=torch.bool)
+        elif binary:
+            update = update.view(torch.bool)  # KEEP/CHANGED bytes are False/True already
+        else:
+            update = update != KEEP
     except RuntimeError:
         _refuse(
             f"the loader copies staged data of {_label(names)} ({tuple(update.shape)}) into a "

@@ -316,16 +316,19 @@ class IntSentinel:
             uint8: its minimum, 0, is the most common packed value there is). The reserved
             value cannot be an update value; validation rejects it.
 
-    A merge requires the source and destination to have the same integer dtype: a cast across
-    integer widths would change which value is the sentinel.
+    For plain tensors (the sentinel in the data), a merge requires the source and destination
+    to have the same integer dtype: a cast across integer widths would move the sentinel. Data
+    staged by `stage` carries its mask, casts included.
 
     Examples:
         >>> import torch
         >>> from patchctx import IntSentinel
         >>> staged = IntSentinel().stage((4,), torch.int8, torch.tensor([2]),
         ...                              torch.tensor([5], dtype=torch.int8))
-        >>> staged
-        tensor([-128, -128,    5, -128], dtype=torch.int8)
+        >>> weight = torch.arange(4, dtype=torch.int8)
+        >>> _ = IntSentinel().merge(weight, staged)
+        >>> weight
+        tensor([0, 1, 5, 3], dtype=torch.int8)
         >>> IntSentinel(value=0).sentinel(torch.int8)
         0
     """

@@ -137,11 +137,16 @@ class WriteLedger:
         recorder: Recorder,
         *,
         log_plain: bool,
+        compact: bool = True,
         loading: frozenset[str] = frozenset(),
     ) -> None:
         self.index, self.undo, self.recorder = index, undo, recorder
         self.loading = loading  # the checkpoint names of this call, for messages
         self.log_plain = log_plain  # save old values of plain writes (sparse calls, atomic)
+        # Masked writes: save the old values at the changed positions only (O(changed), what
+        # atomic=True promises to hold until the call returns), or the whole written view (one
+        # memcpy, much faster than finding the positions, for a log dropped after the call).
+        self.compact = compact
         self.thread = threading.get_ident()
         self.open = True
         self.plain: list[_Plain] = []
@@ -212,7 +217,7 @@ class WriteLedger:
                     self.undo.save_view(destination)
                 return
             self.masked.append(_Masked(span, owner.name, names))
-            if update is None:  # every position
+            if update is None or not self.compact:  # every position, or a short-lived log
                 self.undo.save_view(destination)
             else:
                 where = update.nonzero()

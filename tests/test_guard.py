@@ -315,3 +315,32 @@ def test_strategies_only_decide_validation_for_staged_data() -> None:
     with masked_copy(strategy=Auto()):
         ints.copy_(staged.to(torch.int32))  # the cast keeps the mask, not a sentinel value
     assert ints.tolist() == [0, 9, 2, 3, 4, 5]
+
+
+def test_a_sparse_patch_covering_every_element_loads_as_dense() -> None:
+    """Even through a loader no partial patch could go through (it accumulates)."""
+    every = list(range(24))
+    values = [float(i) for i in every]
+    verdict = check(
+        dict(REFUSED)["add_"],
+        torch.float32,
+        [sparse(every, values, torch.float32)],
+        strategy=None,
+        atomic=True,
+        routes=False,
+    )
+    assert verdict.outcomes == ["masked"]
+
+
+def test_an_empty_sparse_patch_changes_nothing_and_reports_the_same_names() -> None:
+    model, routes = ZooLayer(dict(MASKED)["copy_"], torch.float32), RouteCache()
+    before = model.weight.detach().clone()
+    empty = sparse([], [], torch.float32)
+    first = load_checkpoint_weight_patches(model, [empty], routes=routes)  # loader path
+    second = load_checkpoint_weight_patches(model, [empty], routes=routes)  # replayed
+    assert routes.stats.replayed == 1
+    assert first == second == {"weight"}, "the names do not depend on replay"
+    assert torch.equal(model.weight, before)
+    dense = CheckpointWeightPatch("w", SHAPE, torch.float32, torch.ones(24))
+    load_checkpoint_weight_patches(model, [dense])  # indices=None is still dense
+    assert bool((model.weight == 1).all())

@@ -14,6 +14,8 @@ from patchctx._errors import (
     LoaderContractError,
     PatchError,
     PatchProblem,
+    RegionError,
+    RegionTimeoutError,
 )
 from patchctx._load import load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
@@ -50,6 +52,8 @@ __all__ = [
     "PatchLike",
     "PatchProblem",
     "PerTensor",
+    "RegionError",
+    "RegionTimeoutError",
     "RouteCache",
     "RouteStats",
     "SingleCall",

@@ -11,6 +11,8 @@ __all__ = [
     "LoaderContractError",
     "PatchError",
     "PatchProblem",
+    "RegionError",
+    "RegionTimeoutError",
     "WeightVersionError",
 ]
 
@@ -152,6 +154,33 @@ class LoaderContractError(PatchError, NotImplementedError):
         ... except LoaderContractError:
         ...     print("refused, weight untouched:", not weight.any().item())
         refused, weight untouched: True
+    """
+
+
+class RegionError(PatchError, RuntimeError):
+    """A masked region could not be entered in time, or was left out of order.
+
+    Also a `TimeoutError` when `masked_copy(timeout=...)` expired while another thread held
+    the region lock (nothing changed), and a `RuntimeError` in every case, as before.
+
+    Examples:
+        >>> from patchctx import PatchError, RegionError, masked_copy
+        >>> region = masked_copy()
+        >>> try:
+        ...     region.__exit__(None, None, None)  # never entered
+        ... except RegionError as error:
+        ...     print(isinstance(error, PatchError), "no open masked region" in str(error))
+        True True
+    """
+
+
+class RegionTimeoutError(RegionError, TimeoutError):
+    """`masked_copy(timeout=...)` expired while another thread held the lock; nothing changed.
+
+    Examples:
+        >>> from patchctx import RegionError, RegionTimeoutError
+        >>> issubclass(RegionTimeoutError, (RegionError, TimeoutError))
+        True
     """
 
 

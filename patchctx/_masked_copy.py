@@ -12,6 +12,7 @@ from typing_extensions import ParamSpec, Self
 
 from patchctx import _swap
 from patchctx._arguments import seconds
+from patchctx._errors import InvalidPatchTypeError
 from patchctx._staged import StagedTensor
 from patchctx._strategies import CopyStrategy, NaNMask, as_strategy
 
@@ -121,15 +122,15 @@ class MaskedCopy:
     def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
         """Decorate `func` so that each call (each resume, for a generator) runs in the region."""
         if isinstance(func, type):
-            raise TypeError(
+            raise InvalidPatchTypeError(
                 f"masked_copy cannot decorate a class (you supplied {func!r}); decorate the "
                 "method that loads weights (e.g. load_weights), or wrap the call in "
                 "`with masked_copy(...):`"
             )
         if not callable(func):
-            raise TypeError(f"masked_copy decorates functions; you supplied {func!r}")
+            raise InvalidPatchTypeError(f"masked_copy decorates functions; you supplied {func!r}")
         if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
-            raise TypeError(
+            raise InvalidPatchTypeError(
                 f"masked_copy cannot decorate the async function {func!r}: the region holds a "
                 "process-wide lock and must not stay open across an await; use "
                 "`with masked_copy(...):` around the synchronous loading code"

@@ -32,6 +32,8 @@ from typing import Final, Protocol, TypeVar
 
 import torch
 
+from patchctx._errors import RegionError, RegionTimeoutError
+
 __all__ = [
     "CopyInterceptor",
     "Region",
@@ -199,7 +201,7 @@ def _locked(body: Callable[[], _T], *, wait: bool = False, timeout: float | None
         if wait:
             me = threading.get_ident()
             if not _cond.wait_for(lambda: not _held or _held[0].thread == me, timeout):
-                raise TimeoutError(
+                raise RegionTimeoutError(
                     f"patchctx: another thread held the masked-copy lock for more than "
                     f"{timeout!r} s; nothing was changed"
                 )
@@ -309,7 +311,7 @@ def innermost(owner: object) -> Region:
     region = _current(_stack.get())
     if region is not None:
         if region.owner is not owner:
-            raise RuntimeError(
+            raise RegionError(
                 f"patchctx: {owner!r} is leaving a masked region it did not open last in this "
                 "thread; regions must be left in the reverse order of entry"
             )
@@ -318,7 +320,7 @@ def innermost(owner: object) -> Region:
     for candidate in reversed(list(_held)):
         if candidate.owner is owner:
             return candidate
-    raise RuntimeError(f"patchctx: {owner!r} has no open masked region to leave")
+    raise RegionError(f"patchctx: {owner!r} has no open masked region to leave")
 
 
 def leave(region: Region) -> None:

@@ -12,6 +12,7 @@ import torch
 from patchctx._errors import InvalidPatchTypeError, LoaderContractError
 from patchctx._routes import named_tensors
 from patchctx._session import Load, ModelIndex, run_loader
+from patchctx._staged import UnchangedValueRead
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
 
@@ -169,6 +170,12 @@ def _audit_one(
             undo=undo,
             atomic=True,
         )
+    except UnchangedValueRead as error:
+        reason = (
+            "sparse patches work through the loader only when they change every element it "
+            f"reads out of torch ({error})"
+        )
+        return AuditRow(name, "masked", reason)
     except LoaderContractError as error:
         return AuditRow(name, "unsupported", str(error))
     except Exception as error:  # the loader itself failed on this name

@@ -44,6 +44,7 @@ __all__ = [
     "Provenance",
     "Root",
     "StagedTensor",
+    "UnchangedValueRead",
     "stage",
     "stage_dense",
     "written_arguments",
@@ -130,6 +131,14 @@ class Provenance:
         return Provenance(
             self.names, self.ledger, None, mask_is_view, self.dense, binary and self.binary
         )
+
+
+class UnchangedValueRead(LoaderContractError):
+    """The loader read a value out of torch at a position the patch does not change.
+
+    Whether that happens depends on which positions a patch changes: `audit`, which stages a
+    patch that changes nothing, reports such names as masked, not unsupported.
+    """
 
 
 def _refuse(message: str) -> NoReturn:
@@ -324,7 +333,7 @@ class StagedTensor(torch.Tensor):
 
     def _require_all_changed(self, what: str) -> None:
         if bool((self._update == KEEP).any()):
-            raise LoaderContractError(
+            raise UnchangedValueRead(
                 f"{what} of staged data of {_label(self._prov.names)}: it holds positions the "
                 "patch does not change, whose values patchctx does not know; only positions a "
                 "patch changes can leave torch"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+from torch import nn
 
 from patchctx import audit
 from tests.support.models import (
@@ -108,3 +111,20 @@ def test_names_whose_loader_writes_a_protected_tensor_are_unsupported() -> None:
     assert report.names("unsupported") == ["b"]
     assert "protected tensor 'b' (repacked by the engine)" in report.rows[1].reason
     assert not model.a.any() and not model.b.any()
+
+
+def test_a_loader_that_reads_a_scalar_out_of_torch_is_masked_not_unsupported() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.scale.data.fill_(tensor.item())  # vLLM's default_weight_loader
+            return {"scale"}
+
+    model = Scaled()
+    (row,) = audit(model, [("s", (1,), torch.float32)]).rows
+    assert row.status == "masked" and ".item()" in row.reason
+    assert model.scale.item() == 1.0

@@ -155,7 +155,15 @@ class _Loader:
         self.model, self.chunking = model, chunking
         self.module = as_module(model)  # what the loader calls run on
         self.routes, self.undo, self.protect, self.atomic = routes, undo, protect, atomic
-        self.tensors = model_tensors(model) if routes is not None or protect else {}
+        # Replays look tensors up where the model registers them (RouteCache._live: two dict
+        # reads a name); the full map is built only for a loader call or protect=.
+        self.tensors: Mapping[str, torch.Tensor] = (
+            model_tensors(model)
+            if protect or (routes is not None and not isinstance(model, torch.nn.Module))
+            else routes._live()
+            if routes is not None
+            else {}
+        )
         self._index: ModelIndex | None = None  # built at the first loader call
         self.names: set[str] = set()
         self.chunk: list[CheckedPatch] = []
@@ -167,7 +175,7 @@ class _Loader:
     @property
     def index(self) -> ModelIndex:
         if self._index is None:
-            tensors = self.tensors or model_tensors(self.model)
+            tensors = model_tensors(self.model)
             self._index = ModelIndex(tensors, self.protect)
         return self._index
 
@@ -220,10 +228,11 @@ class _Loader:
 
     def _replay(self, route: Route, item: CheckedPatch) -> None:
         assert self.routes is not None and item.patch.indices is not None
-        for segment in route.segments:
-            self.index.refuse_protected(
-                self.tensors[segment.tensor_name], f"the patch to {item.patch.name!r}"
-            )
+        if self.protect:
+            for segment in route.segments:
+                self.index.refuse_protected(
+                    self.tensors[segment.tensor_name], f"the patch to {item.patch.name!r}"
+                )
         replay(
             route,
             item.patch.indices,

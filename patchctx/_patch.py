@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -323,66 +322,60 @@ def _host_read(flags: torch.Tensor) -> list[bool]:
     return [bool(v) for v in flags.tolist()]
 
 
-@dataclass
-class _NumericChecks:
-    """The lazily read 0-d flags of one sparse patch (computed on its values' device)."""
-
-    checked: int  # index into the list of structurally valid patches
-    reserved: torch.Tensor
-    out_of_range: torch.Tensor
-    strictly_increasing: torch.Tensor
-
-
 def _numeric_problems(
     checked: list[CheckedPatch], strategy: CopyStrategy, validate_unique_indices: bool
 ) -> tuple[list[CheckedPatch], list[PatchProblem]]:
     """Reserved values, index range and duplicates of every sparse patch.
 
-    One host read per device for all patches: strictly increasing indices (the producer
-    format) are then fully validated, in O(nnz) and without a sort. A second read per device
-    happens only when duplicates must be ruled out (`validate_unique_indices`) for some patch
-    whose indices are not strictly increasing: it sorts them.
+    All sparse patches on one device are checked together, in a fixed number of operations
+    (their indices concatenated once), with one host read per device: strictly increasing
+    indices (the producer format) are then fully validated, in O(nnz) and without a sort.
+    A second read happens only for a group of patches of one dtype holding a reserved value
+    (to say which), and, when duplicates must be ruled out (`validate_unique_indices`), for
+    patches whose indices are not strictly increasing: it sorts them.
     """
-    by_device: dict[torch.device, list[_NumericChecks]] = {}
+    by_device: dict[torch.device, list[int]] = {}
     for k, item in enumerate(checked):
-        patch = item.patch
-        if patch.indices is None:
-            continue
-        device = patch.values.device
-        indices = patch.indices.to(device=device)
-        false = torch.zeros((), dtype=torch.bool, device=device)
-        if indices.numel():
-            low, high = torch.aminmax(indices)
-            out_of_range = (low < 0) | (high >= item.numel)
-        else:
-            out_of_range = false
-        # Strictly increasing <=> every difference is positive. Exact whenever the indices are
-        # in range: differences of non-negative values of the index dtype cannot overflow.
-        increasing = torch.diff(indices).min() > 0 if indices.numel() > 1 else ~false
-        reserved = strategy.reserved_values(patch.values, patch.dtype).to(device)
-        by_device.setdefault(device, []).append(
-            _NumericChecks(k, reserved, out_of_range, increasing)
-        )
+        if item.patch.indices is not None:
+            by_device.setdefault(item.patch.values.device, []).append(k)
 
     problems: list[PatchProblem] = []
     unsorted: dict[torch.device, list[int]] = {}
     increasing_of: dict[int, bool] = {}
-    for device, checks in by_device.items():
-        flags = torch.stack(
-            [f for c in checks for f in (c.reserved, c.out_of_range, c.strictly_increasing)]
-        )
-        values = _host_read(flags)
-        for j, c in enumerate(checks):
-            has_reserved, has_out_of_range, is_increasing = values[3 * j : 3 * j + 3]
-            item = checked[c.checked]
-            increasing_of[c.checked] = is_increasing
-            if has_reserved:
-                problems.append(_reserved_problem(item, strategy))
-            if has_out_of_range:
+    for device, ks in by_device.items():
+        out_of_range, increasing = _index_flags([checked[k] for k in ks], device)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k in ks:
+            by_dtype.setdefault(checked[k].patch.dtype, []).append(k)
+        groups = list(by_dtype.items())
+        reserved = [
+            strategy.reserved_values(
+                torch.cat([checked[k].patch.values.to(device=device) for k in group]), dtype
+            )
+            .to(device)
+            .reshape(1)
+            for dtype, group in groups
+        ]
+        values = _host_read(torch.cat([out_of_range, ~increasing, *reserved]))
+        n = len(ks)
+        for j, k in enumerate(ks):
+            item = checked[k]
+            increasing_of[k] = not values[n + j]
+            if values[j]:
                 problems.append(_range_problem(item))
-                increasing_of[c.checked] = False  # not meaningful for out-of-range indices
-            elif validate_unique_indices and not is_increasing:
-                unsorted.setdefault(device, []).append(c.checked)
+                increasing_of[k] = False  # not meaningful for out-of-range indices
+            elif validate_unique_indices and values[n + j]:
+                unsorted.setdefault(device, []).append(k)
+        for g, (dtype, group) in enumerate(groups):
+            if not values[2 * n + g]:
+                continue
+            # Some patch of this dtype holds a reserved value: find which (rare).
+            flags = torch.stack(
+                [strategy.reserved_values(checked[k].patch.values, dtype) for k in group]
+            )
+            for k, has in zip(group, _host_read(flags), strict=True):
+                if has:
+                    problems.append(_reserved_problem(checked[k], strategy))
 
     # Second phase, only for in-range indices that are not strictly increasing: duplicates,
     # by sorting.
@@ -397,11 +390,44 @@ def _numeric_problems(
             if duplicated:
                 problems.append(_duplicate_problem(checked[k]))
 
+    problems.sort(key=lambda p: (p.index is None, p.index or 0))
     result = [
         CheckedPatch._make(c.position, c.patch, c.numel, sorted_unique=increasing_of.get(k, False))
         for k, c in enumerate(checked)
     ]
     return result, problems
+
+
+def _index_flags(
+    items: list[CheckedPatch], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per patch (1-D bool tensors): any index out of range; indices strictly increasing.
+
+    One pass over all the patches' indices at once (int64, so differences cannot overflow).
+    """
+    lengths = [item.patch.indices.numel() for item in items]  # type: ignore[union-attr]
+    count = len(items)
+    if not sum(lengths):
+        none = torch.zeros(count, dtype=torch.bool, device=device)
+        return none, ~none
+    flat = torch.cat([item.patch.indices.to(device) for item in items])  # type: ignore[union-attr]
+    flat = flat.to(torch.long)
+    if count == 1:  # no owner map needed: a handful of reductions
+        low, high = torch.aminmax(flat)
+        out = ((low < 0) | (high >= items[0].numel)).reshape(1)
+        if flat.numel() < 2:
+            return out, torch.ones(1, dtype=torch.bool, device=device)
+        return out, (torch.diff(flat).min() > 0).reshape(1)
+    owner = torch.repeat_interleave(
+        torch.arange(count, device=device), torch.tensor(lengths, device=device)
+    )
+    limits = torch.tensor([item.numel for item in items], device=device)[owner]
+    bad = ((flat < 0) | (flat >= limits)).to(torch.long)
+    out_of_range = torch.zeros(count, dtype=torch.long, device=device).index_add_(0, owner, bad)
+    later = owner[1:]
+    not_after = ((flat[1:] <= flat[:-1]) & (later == owner[:-1])).to(torch.long)
+    decreasing = torch.zeros(count, dtype=torch.long, device=device).index_add_(0, later, not_after)
+    return out_of_range > 0, decreasing == 0
 
 
 def _reserved_problem(item: CheckedPatch, strategy: CopyStrategy) -> PatchProblem:

@@ -254,6 +254,7 @@ class RouteCache:
         self._uses: dict[str, int] = {}
         self._verify_all = False
         self._mismatches: list[str] = []
+        self._slots: dict[str, tuple[torch.nn.Module, str]] = {}
         self.stats = RouteStats()
 
     @property
@@ -348,6 +349,34 @@ class RouteCache:
             if bound is not model:
                 self._routes.clear()
                 self._model = weakref.ref(model)
+                self._slots = {}
+
+    def _live(self) -> LiveTensors:
+        """The bound model's tensors by name, looked up where they are registered right now.
+
+        The (module, attribute) of every name is found once per model (again only when a name
+        is missing, e.g. after a submodule was added), not on every call: a lookup is two dict
+        reads, and a parameter replaced by another object is seen at once.
+        """
+        return LiveTensors(self)
+
+    def _slot_of(self, name: str) -> torch.Tensor | None:
+        slot = self._slots.get(name)
+        if slot is None:
+            model = self._model() if self._model is not None else None
+            if not isinstance(model, torch.nn.Module):
+                return None
+            self._slots = {
+                (f"{prefix}.{attr}" if prefix else attr): (module, attr)
+                for prefix, module in model.named_modules(remove_duplicate=False)
+                for attr in [*module._parameters, *module._buffers]
+            }
+            slot = self._slots.get(name)
+            if slot is None:
+                return None
+        module, attr = slot
+        tensor = module._parameters.get(attr)
+        return tensor if tensor is not None else module._buffers.get(attr)
 
     def _store(self, route: Route) -> None:
         with self._lock:
@@ -400,6 +429,29 @@ class RouteCache:
                 self.stats.invalidated += 1
                 return None
         return route
+
+
+class LiveTensors(Mapping[str, torch.Tensor]):
+    """`RouteCache._live`: a read-only name -> tensor view of the bound model."""
+
+    def __init__(self, cache: RouteCache) -> None:
+        self._cache = cache
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._cache._slot_of(name)
+        if tensor is None:
+            raise KeyError(name)
+        return tensor
+
+    def get(self, name: str, default: Any = None) -> Any:
+        tensor = self._cache._slot_of(name)
+        return default if tensor is None else tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._cache._slots))
+
+    def __len__(self) -> int:
+        return len(self._cache._slots)
 
 
 @dataclass
@@ -470,7 +522,10 @@ def replay(
         # The common case: sorted indices, a contiguous run onto a contiguous run. Binary search
         # the covered slice, then shift it block by block (no copy at all when the shift is 0
         # and the indices are already int64).
-        start, stop = segment.covered(device_indices)
+        if segment.source.span() == (0, math.prod(route.shape) - 1):
+            start, stop = 0, device_indices.numel()  # the whole tensor: no search, no read
+        else:
+            start, stop = segment.covered(device_indices)
         shift = segment.source.offset - segment.target.offset
         for begin in range(start, stop, _BLOCK):
             end = min(stop, begin + _BLOCK)

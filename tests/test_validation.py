@@ -226,7 +226,7 @@ def test_sorted_indices_need_one_host_read_for_the_whole_call(
 
     monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
     validate_patches(patches)
-    assert reads == [30]  # three flags per patch, one read
+    assert reads == [21]  # one read: range and order per patch, reserved values per dtype
     assert sorts == []  # sorted input is validated in O(nnz), without a sort
 
 
@@ -236,10 +236,10 @@ def test_unsorted_indices_add_one_read_for_the_duplicate_check(
     reads = count_host_reads(monkeypatch)
     patches = [good(), good(indices=torch.tensor([9, 3])), good(indices=torch.tensor([7, 1]))]
     validate_patches(patches)
-    assert reads == [9, 2]  # first: 3 flags x 3 patches; then the duplicate check x 2 unsorted
+    assert reads == [7, 2]  # first: 2 flags x 3 patches + 1 per dtype; then 2 unsorted
     reads.clear()
     validate_patches(patches, validate_unique_indices=False)
-    assert reads == [9]
+    assert reads == [7]
 
 
 def test_unsorted_out_of_range_is_caught_even_when_the_ends_are_in_range() -> None:

@@ -327,8 +327,9 @@ def _numeric_problems(
 ) -> tuple[list[CheckedPatch], list[PatchProblem]]:
     """Reserved values, index range and duplicates of every sparse patch.
 
-    All sparse patches on one device are checked together, in a fixed number of operations
-    (their indices concatenated once), with one host read per device: strictly increasing
+    Small sparse patches on one device are checked together, in a fixed number of operations
+    (their indices concatenated once), large ones by a few reductions each; either way with
+    one host read per device: strictly increasing
     indices (the producer format) are then fully validated, in O(nnz) and without a sort.
     A second read happens only for a group of patches of one dtype holding a reserved value
     (to say which), and, when duplicates must be ruled out (`validate_unique_indices`), for
@@ -349,11 +350,7 @@ def _numeric_problems(
             by_dtype.setdefault(checked[k].patch.dtype, []).append(k)
         groups = list(by_dtype.items())
         reserved = [
-            strategy.reserved_values(
-                torch.cat([checked[k].patch.values.to(device=device) for k in group]), dtype
-            )
-            .to(device)
-            .reshape(1)
+            _reserved_in(strategy, [checked[k] for k in group], dtype, device)
             for dtype, group in groups
         ]
         values = _host_read(torch.cat([out_of_range, ~increasing, *reserved]))
@@ -398,26 +395,58 @@ def _numeric_problems(
     return result, problems
 
 
+def _reserved_in(
+    strategy: CopyStrategy, items: list[CheckedPatch], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A 1-element flag: whether any of `items` (one dtype) holds a value `strategy` reserves."""
+    values = [item.patch.values.to(device=device) for item in items]
+    if len(values) == 1 or sum(v.numel() for v in values) > _BATCHED_BELOW * len(values):
+        flags = [strategy.reserved_values(v, dtype).to(device) for v in values]
+        return torch.stack(flags).any().reshape(1)
+    return strategy.reserved_values(torch.cat(values), dtype).to(device).reshape(1)
+
+
+# Below this many indices per patch on average, the patches of a device are checked together
+# (a fixed number of operations for any number of patches); above it, patch by patch.
+_BATCHED_BELOW = 4096
+
+
 def _index_flags(
     items: list[CheckedPatch], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per patch (1-D bool tensors): any index out of range; indices strictly increasing.
 
-    One pass over all the patches' indices at once (int64, so differences cannot overflow).
+    Small patches: one pass over all their indices at once (int64, so differences cannot
+    overflow). Large ones: a few reductions each.
     """
     lengths = [item.patch.indices.numel() for item in items]  # type: ignore[union-attr]
     count = len(items)
     if not sum(lengths):
         none = torch.zeros(count, dtype=torch.bool, device=device)
         return none, ~none
+    if count == 1 or sum(lengths) > _BATCHED_BELOW * count:
+        # Large patches: a few reductions each, in the index dtype (no int64 copy, no owner
+        # map: for millions of indices those extra passes cost more than the calls they save).
+        ranges: list[torch.Tensor] = []
+        orders: list[torch.Tensor] = []
+        for item in items:
+            indices = item.patch.indices.to(device)  # type: ignore[union-attr]
+            if not indices.numel():
+                ranges.append(torch.zeros((), dtype=torch.bool, device=device))
+                orders.append(torch.ones((), dtype=torch.bool, device=device))
+                continue
+            low, high = torch.aminmax(indices)
+            ranges.append((low < 0) | (high >= item.numel))
+            # Exact whenever the indices are in range: differences of non-negative values of
+            # the index dtype cannot overflow.
+            orders.append(
+                torch.diff(indices).min() > 0
+                if indices.numel() > 1
+                else torch.ones((), dtype=torch.bool, device=device)
+            )
+        return torch.stack(ranges), torch.stack(orders)
     flat = torch.cat([item.patch.indices.to(device) for item in items])  # type: ignore[union-attr]
     flat = flat.to(torch.long)
-    if count == 1:  # no owner map needed: a handful of reductions
-        low, high = torch.aminmax(flat)
-        out = ((low < 0) | (high >= items[0].numel)).reshape(1)
-        if flat.numel() < 2:
-            return out, torch.ones(1, dtype=torch.bool, device=device)
-        return out, (torch.diff(flat).min() > 0).reshape(1)
     owner = torch.repeat_interleave(
         torch.arange(count, device=device), torch.tensor(lengths, device=device)
     )

@@ -105,3 +105,34 @@ def test_docs_charts_are_drawn_from_the_committed_report() -> None:
             f"{committed.relative_to(ROOT)} is not what {charts.REFERENCE.name} draws: run "
             "python -m benchmarks.charts"
         )
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout (git archive)")
+def test_versus_runs_a_revision_against_this_one_in_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "versus.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.versus",
+            "--base",
+            "HEAD",
+            "--rounds",
+            "1",
+            "--hidden",
+            "256",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "bit-identical after every round" in result.stdout
+    for kind in ("replay", "loader"):
+        assert len(re.findall(rf"%\s+{kind}\s", result.stdout)) == 3  # three densities
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert set(report) == {"0.1%", "1.0%", "10.0%"}
+    assert all(len(times) == 1 for row in report.values() for times in row.values())

@@ -136,3 +136,12 @@ def test_versus_runs_a_revision_against_this_one_in_one_process(tmp_path: Path) 
     report = json.loads(out.read_text(encoding="utf-8"))
     assert set(report) == {"0.1%", "1.0%", "10.0%"}
     assert all(len(times) == 1 for row in report.values() for times in row.values())
+    many = subprocess.run(
+        [sys.executable, "-m", "benchmarks.versus", "--base", "HEAD", "--many", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert many.returncode == 0, many.stderr
+    assert "replay, per tensor" in many.stdout and "dense reload, per tensor" in many.stdout

@@ -55,7 +55,7 @@ from torch import nn
 from benchmarks.baseline import nan_swap_load, vllm_function
 from benchmarks.realistic import realistic_update
 from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
-from patchctx._routes import named_tensors
+from patchctx._model import model_tensors
 from patchctx._strategies import indexable
 from patchctx._undo import storage_flat
 
@@ -308,7 +308,7 @@ def _bench_dtype(
     base.load_weights(checkpoint.items())
     models: dict[str, PackedSlice] = {method: copy.deepcopy(base) for method in METHODS}
     routes = RouteCache()
-    tensors = {m: named_tensors(model) for m, model in models.items()}
+    tensors = {m: model_tensors(model) for m, model in models.items()}
 
     # Warm-up round, through every method; patchctx+routes records its routes here.
     warm = random_patches(base.shapes, dtype, args.densities[0], generator, device)

@@ -9,8 +9,9 @@ from typing import Literal
 
 import torch
 
-from patchctx._errors import InvalidPatchTypeError, LoaderContractError
-from patchctx._routes import named_tensors
+from patchctx._arguments import name_map
+from patchctx._errors import LoaderContractError
+from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._staged import UnchangedValueRead
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
@@ -81,7 +82,7 @@ class AuditReport:
 
 
 def audit(
-    model: torch.nn.Module,
+    model: SupportsLoadWeights,
     specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
     *,
     strategy: CopyStrategy | None = None,
@@ -129,20 +130,16 @@ def audit(
         b     masked       the loader copied a computed copy, not a view
         1 replayable, 1 masked, 0 unsupported
     """
+    check_model(model, "audit")
     chosen = as_strategy(strategy, Auto(), "audit")
-    if protect is not None and not (
-        isinstance(protect, Mapping)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in protect.items())
-    ):
-        raise InvalidPatchTypeError(
-            f"protect= maps tensor names to the reason they are protected; you supplied {protect!r}"
-        )
-    persistent = ModelIndex(named_tensors(model), protect)
+    protected = name_map(protect, "protect= maps tensor names to the reason they are protected")
+    persistent = ModelIndex(model_tensors(model), protected)
+    module = as_module(model)  # what the loader calls run on
     rows = []
     with torch.no_grad():
         for name, shape, dtype in specs:
             rows.append(
-                _audit_one(model, persistent, chosen, name, tuple(int(d) for d in shape), dtype)
+                _audit_one(module, persistent, chosen, name, tuple(int(d) for d in shape), dtype)
             )
     return AuditReport(tuple(rows))
 

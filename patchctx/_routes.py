@@ -25,7 +25,7 @@ from patchctx._bits import indexable
 from patchctx._errors import InvalidPatchError
 from patchctx._undo import UndoLog, storage_flat
 
-__all__ = ["Geometry", "Route", "RouteCache", "Segment", "named_tensors"]
+__all__ = ["Geometry", "LiveTensors", "Route", "RouteCache", "Segment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,16 +175,6 @@ class Route:
     dtype: torch.dtype
     segments: tuple[Segment, ...]
     reported: frozenset[str] = frozenset()
-
-
-def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `model` by qualified name (tied ones under each name)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        tensors[name] = parameter
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        tensors[name] = buffer
-    return tensors
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:

@@ -36,6 +36,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from patchctx._bits import scatter_flat
 from patchctx._errors import LoaderContractError
 from patchctx._swap import bypass, end_bypass, is_bypassed
 
@@ -96,7 +97,6 @@ class Ledger(Protocol):
 class Root:
     """The staged tensor a load handed to the loader: the origin of every view of it."""
 
-    name: str
     data: torch.Tensor  # contiguous, checkpoint-shaped, storage offset 0
     tampered: bool = False  # the loader wrote into the staged data itself
 
@@ -772,27 +772,25 @@ def _merge(
     """
     try:
         update = update.expand(target.shape)
-        if prov.dense:
-            update = torch.ones_like(update, dtype=torch.bool)
-        elif binary:
-            update = update.view(torch.bool)  # KEEP/CHANGED bytes are False/True already
-        else:
-            update = update != KEEP
     except RuntimeError:
         _refuse(
             f"the loader copies staged data of {_label(names)} ({tuple(update.shape)}) into a "
             f"tensor of shape {tuple(target.shape)}, which it does not broadcast to"
         )
+    if prov.dense:  # every position written: a plain copy_, which casts and moves itself
+        if prov.ledger is not None:
+            prov.ledger.log_masked(target, None, source, names, dense=True)
+        target.copy_(values)
+        return
+    # KEEP/CHANGED bytes read as False/True already; CONST needs a comparison.
+    update = update.view(torch.bool) if binary else update != KEEP
     if update.device != target.device:
         update = update.to(target.device)
     if values.device != target.device or values.dtype != target.dtype:
         values = values.to(device=target.device, dtype=target.dtype)
     if prov.ledger is not None:
-        prov.ledger.log_masked(target, update, source, names, dense=prov.dense)
-    if prov.dense:
-        target.copy_(values)
-    else:
-        torch.where(update, values, target, out=target)
+        prov.ledger.log_masked(target, update, source, names)
+    torch.where(update, values, target, out=target)
 
 
 # ------------------------------------------------------------------------------------ staging
@@ -813,8 +811,6 @@ def stage(
     Numbers are not checked here (range, duplicates): validate patches first. `fill` is what
     the values hold at unchanged positions; no write ever reads it.
     """
-    from patchctx._bits import scatter_flat
-
     numel = math.prod(int(d) for d in shape)
     device = values.device
     flat = torch.full((numel,), fill, dtype=dtype, device=device)
@@ -824,7 +820,7 @@ def stage(
         scatter_flat(flat, positions, values.to(dtype=dtype))
         update.index_fill_(0, positions, CHANGED)
     data = flat.view(tuple(int(d) for d in shape))
-    root = Root(name, data)
+    root = Root(data)
     return StagedTensor(data, update.view(data.shape), Provenance(frozenset({name}), ledger, root))
 
 

@@ -128,3 +128,21 @@ def test_a_loader_that_reads_a_scalar_out_of_torch_is_masked_not_unsupported() -
     (row,) = audit(model, [("s", (1,), torch.float32)]).rows
     assert row.status == "masked" and ".item()" in row.reason
     assert model.scale.item() == 1.0
+
+
+def test_audit_takes_any_model_load_checkpoint_weight_patches_takes() -> None:
+    """A plain adapter (load_weights + named_parameters), not a torch.nn.Module."""
+    weight = torch.zeros(2, 3)
+
+    class Adapter:
+        def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+            return [("w", weight)]
+
+        def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                weight.copy_(tensor)
+            return {"w"}
+
+    (row,) = audit(Adapter(), [("w", (2, 3), torch.float32)]).rows
+    assert row.status == "replayable"
+    assert not weight.any()

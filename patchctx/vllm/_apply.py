@@ -88,7 +88,7 @@ def audit_model(
     specs = list(specs)
     resolved = [(aliases.get(name, name), shape, dtype) for name, shape, dtype in specs]
     with refusing_transformed(model, protect):
-        report = audit(model, resolved, protect=protect)
+        report = audit(cast("SupportsLoadWeights", model), resolved, protect=protect)
     return AuditReport(
         tuple(
             AuditRow(name, row.status, row.reason)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bit_view", "indexable", "scatter_flat"]
+__all__ = ["bit_view", "indexable", "scatter_flat", "write_at"]
 
 _OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
@@ -43,10 +43,33 @@ def indexable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if signed is None else tensor.view(signed)
 
 
-def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[indices] = values`` (1-D, values already in ``flat.dtype``), for every dtype.
+# Integers of each element width: moving bits through them is exact for every dtype.
+_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-    Uses ``index_copy_`` (fast on CPU for bf16, unlike ``scatter_``), through `indexable`.
+
+# Up to this many positions, one ``index_copy_`` (no views to make) is the cheaper call.
+_FEW = 4096
+
+
+def write_at(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[positions] = values``: 1-D, int64 `positions` on `flat`'s device, values in its dtype.
+
+    On CPU the bits move through an integer view of the same width with ``scatter_``, the
+    fastest of torch's index writes there for every width (1.3-2x ``index_copy_`` at 10-30 %
+    density; ``scatter_`` on bf16 or fp16 themselves is 10-1000x slower). For a few positions,
+    elsewhere, and for 16-byte elements, ``index_copy_`` through `indexable`.
     """
+    if values.dtype != flat.dtype:  # a bit view of other-width values would write garbage
+        raise TypeError(f"write_at: values are {values.dtype}, the destination {flat.dtype}")
+    if flat.device.type == "cpu" and positions.shape[0] > _FEW:
+        bits = _WIDTH_INTS.get(flat.element_size())
+        if bits is not None:
+            flat.view(bits).scatter_(0, positions, values.view(bits))
+            return
+    indexable(flat).index_copy_(0, positions, indexable(values))
+
+
+def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[indices] = values`` (1-D, values already in ``flat.dtype``), for every dtype."""
     positions = indices.to(device=flat.device, dtype=torch.long)
-    indexable(flat).index_copy_(0, positions, indexable(values.to(device=flat.device)))
+    write_at(flat, positions, values.to(device=flat.device))

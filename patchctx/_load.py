@@ -240,6 +240,7 @@ class _Loader:
             self.tensors,
             sorted_unique=item.sorted_unique,
             undo=self.undo if self.atomic else None,
+            positions=item._positions,
         )
         self.names |= route.reported
         self.routes.stats.replayed += 1

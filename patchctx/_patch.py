@@ -8,6 +8,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 
@@ -128,12 +129,15 @@ class CheckedPatch:
         InvalidPatchTypeError
     """
 
-    __slots__ = ("_numel", "_patch", "_position", "_sorted_unique")
+    __slots__ = ("_numel", "_patch", "_position", "_positions", "_sorted_unique")
 
     _position: int | None
     _patch: CheckpointWeightPatch
     _numel: int
     _sorted_unique: bool
+    # Sparse patches validated in a batch: their indices as int64, on the values' device (a
+    # by-product of validation that replay uses instead of converting them again).
+    _positions: torch.Tensor | None
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise InvalidPatchTypeError(
@@ -157,12 +161,14 @@ class CheckedPatch:
         numel: int,
         *,
         sorted_unique: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> CheckedPatch:
         self = object.__new__(cls)
         object.__setattr__(self, "_position", position)
         object.__setattr__(self, "_patch", patch)
         object.__setattr__(self, "_numel", numel)
         object.__setattr__(self, "_sorted_unique", sorted_unique)
+        object.__setattr__(self, "_positions", positions)
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -217,11 +223,18 @@ class CheckedPatch:
             self._patch._replace(name=name),
             self._numel,
             sorted_unique=self._sorted_unique,
+            positions=self._positions,
         )
 
     def unpositioned(self) -> CheckedPatch:
         """The same checked patch, marked as made by a policy."""
-        return CheckedPatch._make(None, self._patch, self._numel, sorted_unique=self._sorted_unique)
+        return CheckedPatch._make(
+            None,
+            self._patch,
+            self._numel,
+            sorted_unique=self._sorted_unique,
+            positions=self._positions,
+        )
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -249,6 +262,49 @@ def _as_patch(
         )
         return None
     return CheckpointWeightPatch(*(getattr(obj, f) for f in _FIELDS))
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+# No tensor holds more elements than int64 counts.
+_MAX_NUMEL = 2**63 - 1
+
+
+def _well_formed(
+    patch: CheckpointWeightPatch, strategy: CopyStrategy, supported: dict[torch.dtype, bool]
+) -> int | None:
+    """The patch's numel when its structure is plainly valid (the common case), else `None`.
+
+    Accepts a subset of what `_structure` accepts, with the same result on it (a shape of
+    plain ints, already a tuple), in a few attribute reads: `_structure` decides the rest.
+    """
+    name, shape, dtype, values, indices = patch
+    if type(name) is not str or not name or type(shape) is not tuple:
+        return None
+    numel = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return None
+        numel *= d
+    if numel > _MAX_NUMEL or not isinstance(dtype, torch.dtype):
+        return None
+    if not isinstance(values, torch.Tensor):
+        return None
+    if values.ndim != 1:
+        return None
+    if indices is None:
+        return numel if values.shape[0] == numel else None
+    if (
+        not isinstance(indices, torch.Tensor)
+        or indices.ndim != 1
+        or indices.dtype not in _INDEX_DTYPES
+        or indices.shape[0] != values.shape[0]
+    ):
+        return None
+    ok = supported.get(dtype)
+    if ok is None:
+        ok = supported[dtype] = strategy.unsupported_reason(dtype) is None
+    return numel if ok else None
 
 
 def _structure(
@@ -282,6 +338,9 @@ def _structure(
     if any(d < 0 for d in shape):
         problem(f"shape {shape!r} has a negative dimension")
     numel = math.prod(shape) if all(d >= 0 for d in shape) else 0
+    if numel > _MAX_NUMEL:
+        problem(f"shape {shape!r} has {numel} elements, more than a tensor can hold (2**63 - 1)")
+        numel = 0
     values = patch.values
     if not isinstance(values, torch.Tensor):
         problem(f"values must be a torch.Tensor, got {type(values).__name__}", type_error=True)
@@ -322,10 +381,170 @@ def _host_read(flags: torch.Tensor) -> list[bool]:
     return [bool(v) for v in flags.tolist()]
 
 
+def _host_ints(flags: torch.Tensor) -> list[int]:
+    """The one host synchronisation of the common case: read a device's flags at once."""
+    return [int(v) for v in flags.tolist()]
+
+
 def _numeric_problems(
     checked: list[CheckedPatch], strategy: CopyStrategy, validate_unique_indices: bool
 ) -> tuple[list[CheckedPatch], list[PatchProblem]]:
     """Reserved values, index range and duplicates of every sparse patch.
+
+    The common case first, at a fixed number of operations per call and per block (see
+    `_all_valid`): every sparse patch strictly increasing, in range, without a reserved value.
+    Only when that does not hold do the exact checks run, to say which patch fails and why (or
+    to accept indices that are valid but not increasing).
+    """
+    valid = _all_valid(checked, strategy)
+    if valid is not None:
+        for k, item in enumerate(checked):  # made by validation just now: not shared yet
+            if item._patch.indices is not None:
+                object.__setattr__(item, "_sorted_unique", True)
+                object.__setattr__(item, "_positions", valid.get(k))
+        return checked, []
+    return _exact_numeric_problems(checked, strategy, validate_unique_indices)
+
+
+# Sparse patches of at most this many indices are checked together, in one concatenation
+# (int64, kept as their replay positions); longer ones block by block.
+_BATCHED_UP_TO = 1 << 16
+
+# Above this, a patch's numel could overflow int64 arithmetic on indices: exact checks only.
+_FAST_NUMEL_LIMIT = 1 << 62
+
+
+def _all_valid(
+    checked: list[CheckedPatch], strategy: CopyStrategy
+) -> dict[int, torch.Tensor] | None:
+    """Whether every sparse patch is in the producer format and carries no reserved value.
+
+    Returns the int64 positions of the patches checked in a batch (by their index in
+    `checked`), or `None` when some patch has an index out of range, indices that are not
+    strictly increasing, or a reserved value (the exact checks then find which).
+
+    One host read per device. Small patches: their indices are concatenated once with a
+    ``-1`` before and the tensor's numel after each, so every index is in range and strictly
+    increasing exactly when the only non-positive differences of the concatenation are the
+    ``K - 1`` steps from one patch's numel down to the next one's ``-1`` (the extremes are read
+    too: values beyond the numels could overflow a difference). Large patches: per block of
+    `BLOCK` indices, the extremes, the smallest difference (into a reused buffer) and the
+    strategy's reserved-value reduction; no temporary larger than a block.
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for k, item in enumerate(checked):
+        if item.patch.indices is not None:
+            if item.numel >= _FAST_NUMEL_LIMIT:
+                return None
+            by_device.setdefault(item.patch.values.device, []).append(k)
+    positions: dict[int, torch.Tensor] = {}
+    for device, ks in by_device.items():
+        small = [k for k in ks if checked[k].patch.indices.numel() <= _BATCHED_UP_TO]  # type: ignore[union-attr]
+        large = [k for k in ks if checked[k].patch.indices.numel() > _BATCHED_UP_TO]  # type: ignore[union-attr]
+        flags: list[torch.Tensor] = []  # 0-d tensors, read in one go
+        checks: list[tuple[str, int]] = []  # how to judge each flag on the host
+        if len(small) == 1:  # one patch: its int64 positions, checked like a large one
+            (k,) = small
+            item = checked[k]
+            indices = item._patch.indices.to(device)  # type: ignore[union-attr]
+            positions[k] = indices if indices.dtype == torch.long else indices.long()
+            _blocked_flags(item, positions[k], device, strategy, flags, checks)
+        elif small:
+            _batch_flags(
+                [checked[k] for k in small], device, strategy, flags, checks, positions, small
+            )
+        for k in large:
+            indices = checked[k]._patch.indices.to(device)  # type: ignore[union-attr]
+            _blocked_flags(checked[k], indices, device, strategy, flags, checks)
+        values = _host_ints(torch.stack(flags)) if flags else []
+        for value, (kind, bound) in zip(values, checks, strict=True):
+            if kind == "eq" and value != bound:
+                return None
+            if kind == "ge" and value < bound:
+                return None
+            if kind == "le" and value > bound:
+                return None
+    return positions
+
+
+def _batch_flags(
+    items: list[CheckedPatch],
+    device: torch.device,
+    strategy: CopyStrategy,
+    flags: list[torch.Tensor],
+    checks: list[tuple[str, int]],
+    positions: dict[int, torch.Tensor],
+    keys: list[int],
+) -> None:
+    """`_all_valid` for small patches: a fixed number of operations for all of them."""
+    numels = [item.numel for item in items]
+    edges = (
+        torch.tensor(
+            [bound for numel in numels for bound in (-1, numel)], dtype=torch.long, device=device
+        )
+        .view(-1, 1)
+        .unbind(0)
+    )
+    parts: list[torch.Tensor] = []
+    sizes: list[int] = []
+    for j, item in enumerate(items):
+        indices = item.patch.indices.to(device)  # type: ignore[union-attr]
+        parts += (edges[2 * j], indices, edges[2 * j + 1])
+        sizes += (1, indices.numel(), 1)
+    flat = torch.cat(parts)  # int64: the indices cannot overflow below
+    steps = torch.diff(flat)
+    low, high = torch.aminmax(flat)
+    flags += ((steps <= 0).sum(), low, high)
+    checks += (("eq", len(items) - 1), ("ge", -1), ("le", max(numels)))
+    pieces = flat.split_with_sizes(sizes)
+    for j, key in enumerate(keys):
+        positions[key] = pieces[3 * j + 1]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for item in items:
+        # Cast one by one, as staging does: a joint cast could round twice.
+        dtype = item.patch.dtype
+        by_dtype.setdefault(dtype, []).append(item.patch.values.to(device=device, dtype=dtype))
+    for dtype, values in by_dtype.items():
+        joined = values[0] if len(values) == 1 else torch.cat(values)
+        flags.append(strategy.reserved_values(joined, dtype))
+        checks.append(("eq", 0))
+
+
+def _blocked_flags(
+    item: CheckedPatch,
+    indices: torch.Tensor,
+    device: torch.device,
+    strategy: CopyStrategy,
+    flags: list[torch.Tensor],
+    checks: list[tuple[str, int]],
+) -> None:
+    """`_all_valid` for one patch (its `indices` on `device`), block by block."""
+    values = item.patch.values
+    count = indices.numel()
+    size = block_size()
+    steps = scratch(device, indices.dtype, min(count, size))  # a later block: size steps
+    for begin, end in blocks(0, count):
+        whole = end - begin == count  # one block: no slicing (each slice is an operation)
+        block = indices if whole else indices[begin:end]
+        low, high = torch.aminmax(block)
+        flags += (low, high)
+        checks += (("ge", 0), ("le", item.numel - 1))
+        # The step into this block from the previous one is checked here too. Exact once the
+        # extremes are in range: differences of in-range indices cannot overflow.
+        window = block if begin == 0 else indices[begin - 1 : end]
+        if window.numel() > 1:
+            flags.append(torch.diff(window, out=steps[: window.numel() - 1]).min())
+            checks.append(("ge", 1))
+        flags.append(
+            strategy.reserved_values(values if whole else values[begin:end], item.patch.dtype)
+        )
+        checks.append(("eq", 0))
+
+
+def _exact_numeric_problems(
+    checked: list[CheckedPatch], strategy: CopyStrategy, validate_unique_indices: bool
+) -> tuple[list[CheckedPatch], list[PatchProblem]]:
+    """Reserved values, index range and duplicates of every sparse patch, patch by patch.
 
     Small sparse patches on one device are checked together, in a fixed number of operations
     (their indices concatenated once), large ones by a few reductions each; either way with
@@ -505,14 +724,18 @@ def check_patches(
     """Validate every patch (structure, then numbers) and raise one report of all problems."""
     problems: list[PatchProblem] = []
     structural: list[CheckedPatch] = []
+    supported: dict[torch.dtype, bool] = {}  # the strategy's answer, asked once per dtype
     for position, obj in enumerate(patches):
         patch = _as_patch(position, obj, problems)
         if patch is None:
             continue
-        patch, numel, found = _structure(position, patch, strategy)
-        problems.extend(found)
-        if not found:
-            structural.append(CheckedPatch._make(position, patch, numel))
+        numel = _well_formed(patch, strategy, supported)
+        if numel is None:  # something is off: the full checks say what
+            patch, numel, found = _structure(position, patch, strategy)
+            problems.extend(found)
+            if found:
+                continue
+        structural.append(CheckedPatch._make(position, patch, numel))
     checked, numeric = _numeric_problems(structural, strategy, validate_unique_indices)
     problems.extend(numeric)
     if problems:
@@ -533,9 +756,12 @@ def validate_patches(
     shape, dtype, 1-D values, value count, index dtype and count, the strategy's support of the
     dtype), then numbers with one host synchronisation per device: values the strategy cannot
     carry, indices out of range, and duplicate indices within a patch. Indices that are strictly
-    increasing (the common producer format) are validated in O(nnz) without a sort; when some
-    patch's are not, ruling out duplicates takes a sort and a second host synchronisation on
-    that device (none with ``validate_unique_indices=False``).
+    increasing (the common producer format) are validated in O(nnz) without a sort, in a
+    fixed number of operations for all small patches together and per block of a million
+    indices for large ones. When some patch's are not increasing (or a check fails), exact
+    per-patch checks follow, with one more host synchronisation on that device, and one more
+    again when duplicates must be ruled out by a sort (none with
+    ``validate_unique_indices=False``).
 
     Args:
         patches: `CheckpointWeightPatch` objects, or anything with the same attributes.

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from patchctx._bits import indexable
+from patchctx._bits import indexable, write_at
+from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError
 from patchctx._undo import UndoLog, storage_flat
 
@@ -104,6 +105,8 @@ class Segment:
     layout: Geometry
     _plan: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
     _direct: bool = field(init=False, repr=False, compare=False)
+    _span: tuple[int, int] = field(init=False, repr=False, compare=False)
+    _high: int = field(init=False, repr=False, compare=False)  # highest target offset
 
     def __post_init__(self) -> None:
         plan = tuple(
@@ -116,10 +119,25 @@ class Segment:
             "_direct",
             self.source.contiguous_run() and self.target.contiguous_run(),
         )
+        object.__setattr__(self, "_span", self.source.span())
+        object.__setattr__(self, "_high", self.target.span()[1])
+
+    def live(self, tensor: torch.Tensor | None) -> bool:
+        """Whether `tensor` is still the storage and layout this segment was recorded on."""
+        layout = self.layout
+        return (
+            tensor is not None
+            and tensor.dtype == self.dtype
+            and tensor.untyped_storage().data_ptr() == self.storage_ptr
+            and tensor.storage_offset() == layout.offset
+            and tensor.stride() == layout.stride
+            and tensor.shape == layout.size
+            and (self._high + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+        )
 
     def covered(self, indices: torch.Tensor) -> tuple[int, int]:
         """The slice of sorted `indices` that falls inside the source view's span."""
-        low, high = self.source.span()
+        low, high = self._span
         bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
         start, stop = torch.searchsorted(indices, bounds).tolist()
         return int(start), int(stop)
@@ -175,10 +193,10 @@ class Route:
     dtype: torch.dtype
     segments: tuple[Segment, ...]
     reported: frozenset[str] = frozenset()
+    _numel: int = field(init=False, repr=False, compare=False)
 
-
-def _storage_ptr(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_numel", math.prod(self.shape))
 
 
 class RouteCache:
@@ -406,15 +424,7 @@ class RouteCache:
             self.stats.invalidated += 1
             return None
         for segment in route.segments:
-            tensor = tensors.get(segment.tensor_name)
-            if (
-                tensor is None
-                or tensor.dtype != segment.dtype
-                or _storage_ptr(tensor) != segment.storage_ptr
-                or Geometry.of(tensor) != segment.layout
-                or segment.target.span()[1] * tensor.element_size()
-                >= tensor.untyped_storage().nbytes()
-            ):
+            if not segment.live(tensors.get(segment.tensor_name)):
                 self.invalidate(name)
                 self.stats.invalidated += 1
                 return None
@@ -473,11 +483,6 @@ verified=0, mismatched=0)
     mismatched: int = 0
 
 
-# Replay writes in blocks of this many positions through one reused int64 buffer: memory stays
-# O(block), not O(nnz), and no large fresh allocation (page faults) happens per call.
-_BLOCK = 1 << 16
-
-
 def replay(
     route: Route,
     indices: torch.Tensor,
@@ -486,48 +491,60 @@ def replay(
     *,
     sorted_unique: bool,
     undo: UndoLog | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Write a sparse patch along `route`: O(nnz), in place, casting as the loader path does.
 
     The loader path casts values to the checkpoint dtype when staging, and ``copy_`` casts them
     to the destination dtype: replay applies the same two casts, to the covered values only.
+    `positions` are the indices as int64 on the values' device when validation made them
+    (small patches); long ones are converted block by block (`BLOCK` positions, into one
+    reused buffer per thread), so memory stays O(block) and the work is a few operations
+    per million positions.
     """
+    source = positions if positions is not None else indices
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-    buffer: torch.Tensor | None = None
     for segment in route.segments:
         target = tensors[segment.tensor_name]
-        if target.device not in on_device:
-            on_device[target.device] = (indices.to(target.device), values.to(target.device))
-        device_indices, device_values = on_device[target.device]
-        flat = indexable(storage_flat(target))
+        device = target.device
+        if device == source.device and device == values.device:
+            device_indices, device_values = source, values
+        else:
+            if device not in on_device:
+                on_device[device] = (source.to(device), values.to(device))
+            device_indices, device_values = on_device[device]
+        flat = storage_flat(target)
         if not (sorted_unique and segment._direct):
-            positions, picked = segment.positions(device_indices, sorted_unique=sorted_unique)
-            if positions.numel():
+            found, picked = segment.positions(device_indices, sorted_unique=sorted_unique)
+            if found.numel():
                 chosen = indexable(device_values)[picked].view(device_values.dtype)
                 update = chosen.to(dtype=route.dtype).to(dtype=segment.dtype)
                 if undo is not None:
-                    undo.save_positions(target, positions)
-                flat.index_copy_(0, positions, indexable(update))
+                    undo.save_positions(target, found)
+                write_at(flat, found, update)
             continue
         # The common case: sorted indices, a contiguous run onto a contiguous run. Binary search
         # the covered slice, then shift it block by block (no copy at all when the shift is 0
         # and the indices are already int64).
-        if segment.source.span() == (0, math.prod(route.shape) - 1):
+        if segment._span == (0, route._numel - 1):
             start, stop = 0, device_indices.numel()  # the whole tensor: no search, no read
         else:
             start, stop = segment.covered(device_indices)
         shift = segment.source.offset - segment.target.offset
-        for begin in range(start, stop, _BLOCK):
-            end = min(stop, begin + _BLOCK)
-            block = device_indices[begin:end]
+        count = device_indices.numel()
+        for begin, end in blocks(start, stop):
+            whole = begin == 0 and end == count  # no slicing (each slice is an operation)
+            block = device_indices if whole else device_indices[begin:end]
             if shift == 0 and block.dtype == torch.long:
-                positions = block
+                at = block
             else:
-                if buffer is None or buffer.device != target.device:
-                    size = min(_BLOCK, stop - start)
-                    buffer = torch.empty(size, dtype=torch.long, device=target.device)
-                positions = torch.sub(block, shift, out=buffer[: end - begin])
-            update = device_values[begin:end].to(dtype=route.dtype).to(dtype=segment.dtype)
+                buffer = scratch(device, torch.long, min(block_size(), stop - start))
+                at = torch.sub(block, shift, out=buffer[: end - begin])
+            update = device_values if whole else device_values[begin:end]
+            if update.dtype != route.dtype:
+                update = update.to(dtype=route.dtype)
+            if update.dtype != segment.dtype:
+                update = update.to(dtype=segment.dtype)
             if undo is not None:
-                undo.save_positions(target, positions)
-            flat.index_copy_(0, positions, indexable(update))
+                undo.save_positions(target, at)
+            write_at(flat, at, update)

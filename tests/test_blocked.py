@@ -1,0 +1,299 @@
+"""The blocked fast paths agree with the exact ones: validation's common case, replay, writes.
+
+Validation first asks, at a fixed cost, whether every sparse patch is in the producer format
+(in range, strictly increasing, no reserved value); only when not do the exact per-patch checks
+run. These tests shrink the block and batch sizes so that small tensors cross many blocks, and
+check as an attacker would that the common case never accepts what the exact checks refuse:
+indices that wrap int32 or int64 differences, a step back exactly at a block boundary, a NaN in
+any block, huge declared shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from patchctx import (
+    Auto,
+    BoolMask,
+    CheckpointWeightPatch,
+    InvalidPatchError,
+    RouteCache,
+    _bits,
+    _blocks,
+    _patch,
+    load_checkpoint_weight_patches,
+    validate_patches,
+)
+from patchctx._patch import check_patches
+from tests.support.models import assert_same_state, packed_tp_model, random_checkpoint, state
+
+
+@contextmanager
+def small_blocks(block: int = 7, batched: int = 5, few: int = 2) -> Iterator[None]:
+    """Blocks of `block` positions, batches of patches up to `batched` indices, and the
+    CPU ``scatter_`` write from `few` positions on."""
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(_blocks, "BLOCK", block)
+        patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
+        patcher.setattr(_bits, "_FEW", few)
+        yield
+
+
+def exact(patches: list[CheckpointWeightPatch], strategy: object) -> tuple[list[bool], str]:
+    """The exact checks alone: per patch whether indices are sorted-unique, and the report."""
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(_patch, "_all_valid", lambda checked, strategy: None)
+        try:
+            checked = check_patches(patches, strategy=strategy)  # type: ignore[arg-type]
+        except InvalidPatchError as error:
+            return [], str(error)
+    return [c.sorted_unique for c in checked], ""
+
+
+def fast(patches: list[CheckpointWeightPatch], strategy: object) -> tuple[list[bool], str]:
+    try:
+        checked = check_patches(patches, strategy=strategy)  # type: ignore[arg-type]
+    except InvalidPatchError as error:
+        return [], str(error)
+    for item in checked:
+        if item._positions is not None:  # int64 copies of the indices, for replay
+            assert item.patch.indices is not None
+            assert item._positions.dtype == torch.long
+            assert torch.equal(item._positions, item.patch.indices.long())
+    return [c.sorted_unique for c in checked], ""
+
+
+# Index values that break naive checks: int32 wrap-arounds, int64 extremes, the bounds.
+NASTY = [-1, 2**31 - 1, -(2**31), 2**31 - 5, 2**62, 2**63 - 1, -(2**63), -(2**62)]
+
+
+@st.composite
+def patch_sets(draw: st.DrawFn) -> list[CheckpointWeightPatch]:
+    patches = []
+    for k in range(draw(st.integers(1, 6))):
+        numel = draw(st.integers(1, 60))
+        nnz = draw(st.integers(0, numel))
+        chosen = sorted(draw(st.sets(st.integers(0, numel - 1), min_size=nnz, max_size=nnz)))
+        index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int16]))
+        indices = list(chosen)
+        values = [float(draw(st.integers(-3, 3))) for _ in indices]
+        attack = draw(
+            st.sampled_from(["none", "none", "range", "nasty", "swap", "repeat", "reserved"])
+        )
+        if indices and attack == "range":
+            at = draw(st.integers(0, len(indices) - 1))
+            indices[at] = draw(st.sampled_from([-1, numel, numel + 1]))
+        elif indices and attack == "nasty":
+            at = draw(st.integers(0, len(indices) - 1))
+            nasty = draw(st.sampled_from(NASTY))
+            if index_dtype == torch.int32 and not -(2**31) <= nasty < 2**31:
+                nasty = 2**31 - 1
+            indices[at] = nasty
+        elif len(indices) > 1 and attack in ("swap", "repeat"):
+            at = draw(st.integers(1, len(indices) - 1))
+            if attack == "swap":
+                indices[at - 1], indices[at] = indices[at], indices[at - 1]
+            else:
+                indices[at] = indices[at - 1]
+        elif values and attack == "reserved":
+            at = draw(st.integers(0, len(values) - 1))
+            values[at] = float("nan") if dtype.is_floating_point else -32768.0
+        patches.append(
+            CheckpointWeightPatch(
+                f"p{k}",
+                (numel,),
+                dtype,
+                torch.tensor(values, dtype=torch.float64).to(dtype),
+                torch.tensor(indices, dtype=index_dtype),
+            )
+        )
+    return patches
+
+
+@given(patches=patch_sets(), strategy=st.sampled_from([Auto(), BoolMask()]))
+def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
+    patches: list[CheckpointWeightPatch], strategy: object
+) -> None:
+    with small_blocks():
+        assert fast(patches, strategy) == exact(patches, strategy)
+    # And with the real sizes (one batch, one block).
+    assert fast(patches, strategy) == exact(patches, strategy)
+
+
+def test_a_step_back_exactly_at_a_block_boundary_is_seen() -> None:
+    indices = torch.arange(0, 40, dtype=torch.int32)
+    indices[14] = indices[13]  # block 2 starts at 14 with block=7: the boundary step
+    patch = CheckpointWeightPatch("w", (64,), torch.float32, torch.ones(40), indices)
+    with small_blocks():
+        with pytest.raises(InvalidPatchError, match="duplicate indices"):
+            validate_patches([patch])
+        back = indices.clone()
+        back[14], back[13] = 12, 13
+        assert (
+            check_patches(
+                [patch._replace(indices=back)], strategy=Auto(), validate_unique_indices=False
+            )[0].sorted_unique
+            is False
+        )
+
+
+def test_int32_differences_that_wrap_do_not_pass_for_increasing() -> None:
+    # Every difference of this sequence, computed in int32, is positive.
+    wraps = torch.tensor([5, 2**31 - 1, -(2**31) + 2, 10], dtype=torch.int32)
+    patch = CheckpointWeightPatch("w", (20,), torch.float32, torch.ones(4), wraps)
+    for sizes in ({}, {"block": 2, "batched": 1}):
+        with small_blocks(**sizes), pytest.raises(InvalidPatchError, match="out of range"):
+            validate_patches([patch])
+
+
+def test_int64_differences_that_wrap_do_not_pass_for_increasing() -> None:
+    wraps = torch.tensor([-1 + 1, 3 * 2**61, -3 * 2**61, 5], dtype=torch.int64)
+    patch = CheckpointWeightPatch("w", (10,), torch.float32, torch.ones(4), wraps)
+    other = CheckpointWeightPatch("v", (10,), torch.float32, torch.ones(1), torch.tensor([2]))
+    for batch in ([patch], [patch, other], [other, patch]):
+        with pytest.raises(InvalidPatchError, match="out of range"):
+            validate_patches(batch)
+
+
+def test_a_declared_shape_beyond_int64_arithmetic_takes_the_exact_checks() -> None:
+    big = CheckpointWeightPatch(
+        "w", (2**31, 2**31 + 1), torch.float32, torch.ones(2), torch.tensor([0, 2**62 + 7])
+    )
+    assert _patch._all_valid(check_structural([big]), Auto()) is None
+    assert validate_patches([big])[0] == big
+
+
+def test_a_shape_no_tensor_can_hold_is_refused_with_its_reason() -> None:
+    huge = CheckpointWeightPatch(
+        "w", (2**40, 2**40), torch.float32, torch.ones(2), torch.tensor([0, 2**62])
+    )
+    with pytest.raises(InvalidPatchError, match=r"'w'.*more than a tensor can hold"):
+        validate_patches([huge])
+    dense = huge._replace(shape=(2**32, 2**32), indices=None)
+    with pytest.raises(InvalidPatchError, match="more than a tensor can hold"):
+        validate_patches([dense])
+
+
+def check_structural(patches: list[CheckpointWeightPatch]) -> list[_patch.CheckedPatch]:
+    return [
+        _patch.CheckedPatch._make(k, p, _patch.numel_of(p.shape)) for k, p in enumerate(patches)
+    ]
+
+
+@pytest.mark.parametrize("block", [0, 3, 7])
+def test_a_nan_in_any_block_is_refused(block: int) -> None:
+    values = torch.ones(21)
+    values[block * 3 % 21] = float("nan")
+    patch = CheckpointWeightPatch("w", (30,), torch.float32, values, torch.arange(21))
+    with small_blocks(block=3, batched=4), pytest.raises(InvalidPatchError, match="NaN"):
+        validate_patches([patch])
+
+
+# ----------------------------------------------------------------------------------- replay
+
+
+@given(data=st.data(), tp=st.sampled_from([(1, 0), (2, 1)]))
+def test_replay_across_many_blocks_equals_the_loader_path(
+    data: st.DataObject, tp: tuple[int, int]
+) -> None:
+    from tests.support.builders import patch_sequences
+
+    with small_blocks(block=5, batched=3, few=1):
+        model = packed_tp_model(tp_size=tp[0], tp_rank=tp[1], dtype=torch.bfloat16)
+        model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+        reference = copy.deepcopy(model)
+        routes = RouteCache()
+        for _ in range(3):
+            patches = data.draw(patch_sequences(model.checkpoint_specs(), max_size=4))
+            load_checkpoint_weight_patches(model, patches, routes=routes)
+            load_checkpoint_weight_patches(reference, patches)
+            assert_same_state(state(model), state(reference))
+
+
+WIDTHS = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.float8_e4m3fn,
+    torch.int16,
+    torch.bfloat16,
+    torch.float16,
+    torch.int32,
+    torch.float32,
+    torch.uint32,
+    torch.int64,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+@pytest.mark.parametrize("dtype", WIDTHS, ids=str)
+@pytest.mark.parametrize("count", [3, 5000])
+def test_write_at_moves_exact_bits_for_every_dtype(dtype: torch.dtype, count: int) -> None:
+    generator = torch.Generator().manual_seed(count)
+    raw = torch.randint(0, 256, (16 * 10_000 * 2,), dtype=torch.uint8, generator=generator)
+    width = torch.empty((), dtype=dtype).element_size()
+    flat = raw[: 10_000 * width].view(dtype).clone()
+    source = raw[10_000 * width : 20_000 * width].view(dtype)[:count].clone()
+    positions = torch.randperm(10_000, generator=generator)[:count]
+    expected = flat.view(torch.uint8).view(-1, width).clone()
+    expected[positions] = source.view(torch.uint8).view(-1, width)
+    _bits.write_at(flat, positions, source)
+    assert torch.equal(flat.view(torch.uint8).view(-1, width), expected)
+    other = torch.float64 if dtype != torch.float64 else torch.float32
+    with pytest.raises(TypeError, match="destination"):  # a bit view would write garbage
+        _bits.write_at(flat, positions, torch.zeros(count, dtype=other))
+
+
+def test_threads_replaying_at_once_keep_their_own_scratch() -> None:
+    """Each thread's block buffers are its own: concurrent replays never mix positions."""
+    models = [packed_tp_model(tp_size=2, tp_rank=1, dtype=torch.float32) for _ in range(4)]
+    checkpoint = random_checkpoint(models[0].checkpoint_specs())
+    for model in models:
+        model.load_weights(checkpoint.items())
+    references = [copy.deepcopy(m) for m in models]
+    specs = models[0].checkpoint_specs()
+    name, spec = next((n, s) for n, s in specs.items() if len(s.shape) == 2)
+    numel = spec.shape[0] * spec.shape[1]
+
+    def patch_for(thread: int, round_: int) -> CheckpointWeightPatch:
+        generator = torch.Generator().manual_seed(thread * 100 + round_)
+        indices = torch.randperm(numel, generator=generator)[: numel // 2].sort().values
+        values = torch.randn(indices.numel(), generator=generator).to(spec.dtype)
+        return CheckpointWeightPatch(name, spec.shape, spec.dtype, values, indices)
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(models))
+
+    def work(thread: int) -> None:
+        try:
+            routes = RouteCache()
+            start.wait()
+            for round_ in range(20):
+                load_checkpoint_weight_patches(
+                    models[thread], [patch_for(thread, round_)], routes=routes
+                )
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    with small_blocks(block=64, batched=16, few=1):
+        workers = [threading.Thread(target=work, args=(t,)) for t in range(len(models))]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    assert not errors
+    for thread, reference in enumerate(references):
+        for round_ in range(20):
+            load_checkpoint_weight_patches(reference, [patch_for(thread, round_)])
+        assert_same_state(state(models[thread]), state(reference))

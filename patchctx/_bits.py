@@ -46,9 +46,24 @@ def indexable(tensor: torch.Tensor) -> torch.Tensor:
 # Integers of each element width: moving bits through them is exact for every dtype.
 _WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-
 # Up to this many positions, one ``index_copy_`` (no views to make) is the cheaper call.
 _FEW = 4096
+
+# Per dtype: the integer view `write_at` writes through with ``scatter_`` on CPU (None: a
+# 16-byte element, ``index_copy_`` only), and the view ``index_copy_`` needs (None: itself).
+_WRITE_VIEWS: dict[torch.dtype, tuple[torch.dtype | None, torch.dtype | None]] = {}
+
+
+def _write_views(dtype: torch.dtype) -> tuple[torch.dtype | None, torch.dtype | None]:
+    views = _WRITE_VIEWS.get(dtype)
+    if views is None:
+        probe = torch.empty(0, dtype=dtype)
+        indexed = indexable(probe).dtype
+        views = _WRITE_VIEWS[dtype] = (
+            _WIDTH_INTS.get(probe.element_size()),
+            None if indexed == dtype else indexed,
+        )
+    return views
 
 
 def write_at(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
@@ -59,14 +74,16 @@ def write_at(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) 
     density; ``scatter_`` on bf16 or fp16 themselves is 10-1000x slower). For a few positions,
     elsewhere, and for 16-byte elements, ``index_copy_`` through `indexable`.
     """
-    if values.dtype != flat.dtype:  # a bit view of other-width values would write garbage
-        raise TypeError(f"write_at: values are {values.dtype}, the destination {flat.dtype}")
-    if flat.device.type == "cpu" and positions.shape[0] > _FEW:
-        bits = _WIDTH_INTS.get(flat.element_size())
-        if bits is not None:
-            flat.view(bits).scatter_(0, positions, values.view(bits))
-            return
-    indexable(flat).index_copy_(0, positions, indexable(values))
+    dtype = flat.dtype
+    if values.dtype != dtype:  # a bit view of other-width values would write garbage
+        raise TypeError(f"write_at: values are {values.dtype}, the destination {dtype}")
+    bits, indexed = _write_views(dtype)
+    if bits is not None and positions.shape[0] > _FEW and flat.is_cpu:
+        flat.view(bits).scatter_(0, positions, values.view(bits))
+    elif indexed is None:
+        flat.index_copy_(0, positions, values)
+    else:
+        flat.view(indexed).index_copy_(0, positions, values.view(indexed))
 
 
 def scatter_flat(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:

@@ -419,41 +419,43 @@ def _all_valid(
 ) -> dict[int, torch.Tensor] | None:
     """Whether every sparse patch is in the producer format and carries no reserved value.
 
-    Returns the int64 positions of the patches checked in a batch (by their index in
-    `checked`), or `None` when some patch has an index out of range, indices that are not
-    strictly increasing, or a reserved value (the exact checks then find which).
+    Returns the int64 positions of the small patches (by their index in `checked`), or `None`
+    when some patch has an index out of range, indices that are not strictly increasing, or a
+    reserved value (the exact checks then find which). One host read per device.
 
-    One host read per device. Small patches: their indices are concatenated once with a
-    ``-1`` before and the tensor's numel after each, so every index is in range and strictly
-    increasing exactly when the only non-positive differences of the concatenation are the
-    ``K - 1`` steps from one patch's numel down to the next one's ``-1`` (the extremes are read
-    too: values beyond the numels could overflow a difference). Large patches: per block of
-    `BLOCK` indices, the extremes, the smallest difference (into a reused buffer) and the
-    strategy's reserved-value reduction; no temporary larger than a block.
+    Small patches with indices of one dtype are checked together (`_batch_flags`). Large
+    patches: per block of `BLOCK` indices, the extremes, the smallest step (into a reused
+    buffer) and the strategy's reserved-value reduction; no temporary exceeds a block.
     """
-    by_device: dict[torch.device, list[int]] = {}
+    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    large: dict[torch.device, list[int]] = {}
     for k, item in enumerate(checked):
-        if item.patch.indices is not None:
-            if item.numel >= _FAST_NUMEL_LIMIT:
-                return None
-            by_device.setdefault(item.patch.values.device, []).append(k)
+        indices = item._patch.indices
+        if indices is None:
+            continue
+        if item._numel >= _FAST_NUMEL_LIMIT:
+            return None
+        device = item._patch.values.device
+        if indices.shape[0] > _BATCHED_UP_TO:
+            large.setdefault(device, []).append(k)
+        else:
+            groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)
     positions: dict[int, torch.Tensor] = {}
-    for device, ks in by_device.items():
-        small = [k for k in ks if checked[k].patch.indices.numel() <= _BATCHED_UP_TO]  # type: ignore[union-attr]
-        large = [k for k in ks if checked[k].patch.indices.numel() > _BATCHED_UP_TO]  # type: ignore[union-attr]
+    for device in {*groups, *large}:
         flags: list[torch.Tensor] = []  # 0-d tensors, read in one go
         checks: list[tuple[str, int]] = []  # how to judge each flag on the host
+        small = [k for ks in groups.get(device, {}).values() for k in ks]
         if len(small) == 1:  # one patch: its int64 positions, checked like a large one
             (k,) = small
-            item = checked[k]
-            indices = item._patch.indices.to(device)  # type: ignore[union-attr]
+            indices = checked[k]._patch.indices.to(device)  # type: ignore[union-attr]
             positions[k] = indices if indices.dtype == torch.long else indices.long()
-            _blocked_flags(item, positions[k], device, strategy, flags, checks)
-        elif small:
-            _batch_flags(
-                [checked[k] for k in small], device, strategy, flags, checks, positions, small
-            )
-        for k in large:
+            _blocked_flags(checked[k], positions[k], device, strategy, flags, checks)
+        else:
+            for ks in groups.get(device, {}).values():
+                _batch_flags(checked, ks, device, flags, checks, positions)
+            if small:
+                _reserved_flags(checked, small, device, strategy, flags, checks)
+        for k in large.get(device, ()):
             indices = checked[k]._patch.indices.to(device)  # type: ignore[union-attr]
             _blocked_flags(checked[k], indices, device, strategy, flags, checks)
         values = _host_ints(torch.stack(flags)) if flags else []
@@ -468,45 +470,78 @@ def _all_valid(
 
 
 def _batch_flags(
-    items: list[CheckedPatch],
+    checked: list[CheckedPatch],
+    keys: list[int],
+    device: torch.device,
+    flags: list[torch.Tensor],
+    checks: list[tuple[str, int]],
+    positions: dict[int, torch.Tensor],
+) -> None:
+    """`_all_valid` for small patches whose indices share a dtype: a fixed number of operations.
+
+    The indices are concatenated once, in their dtype (a mixed-dtype ``torch.cat`` converts
+    piece by piece, 20x slower). All of them are in range and each patch's strictly increasing
+    exactly when: the smallest is at least 0, each patch's last is below its numel, and every
+    non-positive step of the concatenation is a step from one patch to the next. Steps between
+    values that are all at least 0 cannot wrap. One conversion of the concatenation gives every
+    patch's int64 positions.
+    """
+    parts: list[torch.Tensor] = []
+    sizes: list[int] = []
+    lasts: list[int] = []  # position of each non-empty patch's last index in the concatenation
+    limits: list[int] = []
+    end = 0
+    for k in keys:
+        indices = checked[k]._patch.indices
+        assert indices is not None
+        if indices.device != device:
+            indices = indices.to(device)
+        parts.append(indices)
+        count = indices.shape[0]
+        sizes.append(count)
+        end += count
+        if count:
+            lasts.append(end - 1)
+            limits.append(checked[k]._numel)
+    flat = torch.cat(parts)
+    if end:
+        nonpositive = torch.diff(flat) <= 0
+        # The steps from one patch's last index to the next one's first may go down.
+        between = torch.tensor(lasts[:-1], dtype=torch.long, device=device)
+        last = flat.index_select(0, torch.tensor(lasts, dtype=torch.long, device=device))
+        top = torch.tensor(limits, dtype=torch.long, device=device)
+        flags += (
+            nonpositive.sum() - nonpositive.index_select(0, between).sum(),
+            flat.min(),
+            (last >= top).sum(),
+        )
+        checks += (("eq", 0), ("ge", 0), ("eq", 0))
+    pieces = flat.long().split_with_sizes(sizes)
+    for k, piece in zip(keys, pieces, strict=True):
+        positions[k] = piece
+
+
+def _reserved_flags(
+    checked: list[CheckedPatch],
+    keys: list[int],
     device: torch.device,
     strategy: CopyStrategy,
     flags: list[torch.Tensor],
     checks: list[tuple[str, int]],
-    positions: dict[int, torch.Tensor],
-    keys: list[int],
 ) -> None:
-    """`_all_valid` for small patches: a fixed number of operations for all of them."""
-    numels = [item.numel for item in items]
-    edges = (
-        torch.tensor(
-            [bound for numel in numels for bound in (-1, numel)], dtype=torch.long, device=device
-        )
-        .view(-1, 1)
-        .unbind(0)
-    )
-    parts: list[torch.Tensor] = []
-    sizes: list[int] = []
-    for j, item in enumerate(items):
-        indices = item.patch.indices.to(device)  # type: ignore[union-attr]
-        parts += (edges[2 * j], indices, edges[2 * j + 1])
-        sizes += (1, indices.numel(), 1)
-    flat = torch.cat(parts)  # int64: the indices cannot overflow below
-    steps = torch.diff(flat)
-    low, high = torch.aminmax(flat)
-    flags += ((steps <= 0).sum(), low, high)
-    checks += (("eq", len(items) - 1), ("ge", -1), ("le", max(numels)))
-    pieces = flat.split_with_sizes(sizes)
-    for j, key in enumerate(keys):
-        positions[key] = pieces[3 * j + 1]
+    """`_all_valid` for the values of small patches: one reduction per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for item in items:
+    for k in keys:
+        patch = checked[k]._patch
+        values, dtype = patch.values, patch.dtype
         # Cast one by one, as staging does: a joint cast could round twice.
-        dtype = item.patch.dtype
-        by_dtype.setdefault(dtype, []).append(item.patch.values.to(device=device, dtype=dtype))
-    for dtype, values in by_dtype.items():
-        joined = values[0] if len(values) == 1 else torch.cat(values)
-        flags.append(strategy.reserved_values(joined, dtype))
+        if values.dtype != dtype or values.device != device:
+            values = values.to(device=device, dtype=dtype)
+        by_dtype.setdefault(dtype, []).append(values)
+    for dtype, joined in by_dtype.items():
+        flags.append(
+            strategy.reserved_values(joined[0] if len(joined) == 1 else torch.cat(joined), dtype)
+        )
         checks.append(("eq", 0))
 
 
@@ -522,7 +557,9 @@ def _blocked_flags(
     values = item.patch.values
     count = indices.numel()
     size = block_size()
-    steps = scratch(device, indices.dtype, min(count, size))  # a later block: size steps
+    # A reused buffer only for long patches: for a few indices, slicing it costs more than a
+    # fresh allocation. (A later block has `size` steps.)
+    steps = scratch(device, indices.dtype, min(count, size)) if count > _BATCHED_UP_TO else None
     for begin, end in blocks(0, count):
         whole = end - begin == count  # one block: no slicing (each slice is an operation)
         block = indices if whole else indices[begin:end]
@@ -533,7 +570,10 @@ def _blocked_flags(
         # extremes are in range: differences of in-range indices cannot overflow.
         window = block if begin == 0 else indices[begin - 1 : end]
         if window.numel() > 1:
-            flags.append(torch.diff(window, out=steps[: window.numel() - 1]).min())
+            if steps is None:
+                flags.append(torch.diff(window).min())
+            else:
+                flags.append(torch.diff(window, out=steps[: window.numel() - 1]).min())
             checks.append(("ge", 1))
         flags.append(
             strategy.reserved_values(values if whole else values[begin:end], item.patch.dtype)

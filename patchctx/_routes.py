@@ -106,6 +106,7 @@ class Segment:
     _plan: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
     _direct: bool = field(init=False, repr=False, compare=False)
     _span: tuple[int, int] = field(init=False, repr=False, compare=False)
+    _shift: int | None = field(init=False, repr=False, compare=False)
     _high: int = field(init=False, repr=False, compare=False)  # highest target offset
 
     def __post_init__(self) -> None:
@@ -120,6 +121,10 @@ class Segment:
             self.source.contiguous_run() and self.target.contiguous_run(),
         )
         object.__setattr__(self, "_span", self.source.span())
+        # Direct segments: storage position = checkpoint index - shift.
+        object.__setattr__(
+            self, "_shift", self.source.offset - self.target.offset if self._direct else None
+        )
         object.__setattr__(self, "_high", self.target.span()[1])
 
     def live(self, tensor: torch.Tensor | None) -> bool:
@@ -503,17 +508,34 @@ def replay(
     per million positions.
     """
     source = positions if positions is not None else indices
+    source_device = source.device
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    last = route._numel - 1
     for segment in route.segments:
         target = tensors[segment.tensor_name]
         device = target.device
-        if device == source.device and device == values.device:
+        if device == source_device and device == values.device:
             device_indices, device_values = source, values
         else:
             if device not in on_device:
                 on_device[device] = (source.to(device), values.to(device))
             device_indices, device_values = on_device[device]
         flat = storage_flat(target)
+        count = device_indices.shape[0]
+        if (
+            sorted_unique
+            and segment._shift == 0
+            and segment._span[0] == 0
+            and segment._span[1] == last
+            and count <= block_size()
+            and device_indices.dtype == torch.long
+            and device_values.dtype == route.dtype == segment.dtype
+            and undo is None
+        ):
+            # The commonest replay of all (a small patch to a tensor loaded whole, its positions
+            # already int64): one write.
+            write_at(flat, device_indices, device_values)
+            continue
         if not (sorted_unique and segment._direct):
             found, picked = segment.positions(device_indices, sorted_unique=sorted_unique)
             if found.numel():
@@ -530,8 +552,8 @@ def replay(
             start, stop = 0, device_indices.numel()  # the whole tensor: no search, no read
         else:
             start, stop = segment.covered(device_indices)
-        shift = segment.source.offset - segment.target.offset
-        count = device_indices.numel()
+        shift = segment._shift
+        assert shift is not None  # a direct segment
         for begin, end in blocks(start, stop):
             whole = begin == 0 and end == count  # no slicing (each slice is an operation)
             block = device_indices if whole else device_indices[begin:end]
@@ -539,7 +561,11 @@ def replay(
                 at = block
             else:
                 buffer = scratch(device, torch.long, min(block_size(), stop - start))
-                at = torch.sub(block, shift, out=buffer[: end - begin])
+                at = buffer[: end - begin]
+                if shift:
+                    torch.sub(block, shift, out=at)
+                else:
+                    at.copy_(block)  # int32 to int64: a copy is cheaper than a subtraction
             update = device_values if whole else device_values[begin:end]
             if update.dtype != route.dtype:
                 update = update.to(dtype=route.dtype)

@@ -208,6 +208,10 @@ def _int_capable(dtype: torch.dtype) -> bool:
         return False
 
 
+# The bits of +infinity in the 16-bit floats; a NaN's bits (sign cleared) are above them.
+_HALF_NAN = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
 @functools.cache
 def _reduces(dtype: torch.dtype, reduction: str) -> bool:
     """Whether this torch build implements `reduction` (amin/amax) for `dtype` on CPU."""
@@ -260,7 +264,15 @@ class NaNMask:
 
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         values = values.to(dtype=dtype)
-        if values.numel() and _reduces(dtype, "amax"):
+        if not values.numel():
+            return torch.zeros((), dtype=torch.bool, device=values.device)
+        half = _HALF_NAN.get(dtype)
+        if half is not None:
+            # bf16 / fp16: a NaN's bits without the sign exceed those of infinity. Two integer
+            # passes cost a third of the float amax (which converts every element).
+            magnitude = torch.bitwise_and(values.view(torch.int16), 0x7FFF)
+            return magnitude.amax() > half
+        if _reduces(dtype, "amax"):
             # amax propagates NaN: one reduction, no temporary (isnan().any() makes a mask).
             return torch.isnan(values.amax())
         return torch.isnan(values).any()

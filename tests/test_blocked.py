@@ -25,6 +25,7 @@ from patchctx import (
     BoolMask,
     CheckpointWeightPatch,
     InvalidPatchError,
+    NaNMask,
     RouteCache,
     _bits,
     _blocks,
@@ -297,3 +298,16 @@ def test_threads_replaying_at_once_keep_their_own_scratch() -> None:
         for round_ in range(20):
             load_checkpoint_weight_patches(reference, [patch_for(thread, round_)])
         assert_same_state(state(models[thread]), state(reference))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_16_bit_nan_check_by_bits_agrees_with_isnan_on_every_bit_pattern(
+    dtype: torch.dtype,
+) -> None:
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    strategy = NaNMask()
+    found = [bool(strategy.reserved_values(every[i : i + 1], dtype)) for i in range(2**16)]
+    assert found == torch.isnan(every).tolist()
+    assert bool(strategy.reserved_values(every, dtype))
+    assert not bool(strategy.reserved_values(every[~torch.isnan(every)], dtype))
+    assert not bool(strategy.reserved_values(every[:0], dtype))

@@ -233,8 +233,8 @@ def test_sorted_indices_need_one_host_read_for_the_whole_call(
 
     monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
     validate_patches(patches)
-    # One read for all ten: the concatenation's non-positive steps and extremes, and the
-    # reserved values of the one dtype.
+    # One read for all ten: the concatenation's non-positive steps within patches, its
+    # minimum, the last indices at or beyond their numel, and the one dtype's reserved values.
     assert reads == [4]
     assert sorts == []  # sorted input is validated in O(nnz), without a sort
 

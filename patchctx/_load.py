@@ -17,7 +17,7 @@ from patchctx._errors import InvalidPatchError, LoaderContractError, PatchProble
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
 from patchctx._ordering import InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, check_patches
-from patchctx._routes import Route, RouteCache, replay
+from patchctx._routes import Route, RouteCache, replay, replay_bounds
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
@@ -171,6 +171,8 @@ class _Loader:
         self.chunk_nbytes = 0
         # Routes being verified in the current chunk: name -> the route to compare with.
         self.verifying: dict[str, Route] = {}
+        # Replays gathered since the last loader call (route, patch), run by `flush`.
+        self.pending: list[tuple[Route, CheckedPatch]] = []
 
     @property
     def index(self) -> ModelIndex:
@@ -210,9 +212,10 @@ class _Loader:
             if route is not None and self.routes._due_for_verification(name):
                 self.verifying[name] = route  # through the loader this time, then compared
             elif route is not None:
-                self.flush()
-                self._replay(route, item)
+                self._load_chunk()
+                self.pending.append((route, item))  # replayed at the next flush, in order
                 return
+        self._replay_pending()  # earlier replays happen before this patch's loader call
         size = item.staged_nbytes
         if self.chunk and (
             name in self.chunk_names
@@ -226,7 +229,32 @@ class _Loader:
         self.chunk_names.add(name)
         self.chunk_nbytes += size
 
-    def _replay(self, route: Route, item: CheckedPatch) -> None:
+    def _replay_pending(self) -> None:
+        """Replay the patches gathered since the last loader call, in order.
+
+        Their partly covered segments are searched first, all together (`replay_bounds`):
+        one host read per device for the whole run of replays, none inside it.
+        """
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        bounds = replay_bounds(
+            [
+                (
+                    route,
+                    item._positions if item._positions is not None else item.patch.indices,
+                    item.sorted_unique,
+                )
+                for route, item in pending
+                if item.patch.indices is not None
+            ]
+        )
+        for (route, item), found in zip(pending, bounds, strict=True):
+            self._replay(route, item, found)
+
+    def _replay(
+        self, route: Route, item: CheckedPatch, bounds: list[tuple[int, int] | None] | None
+    ) -> None:
         assert self.routes is not None and item.patch.indices is not None
         if self.protect:
             for segment in route.segments:
@@ -241,11 +269,17 @@ class _Loader:
             sorted_unique=item.sorted_unique,
             undo=self.undo if self.atomic else None,
             positions=item._positions,
+            bounds=bounds,
         )
         self.names |= route.reported
         self.routes.stats.replayed += 1
 
     def flush(self) -> None:
+        """Apply everything gathered: pending replays, or the chunk (never both at once)."""
+        self._replay_pending()
+        self._load_chunk()
+
+    def _load_chunk(self) -> None:
         """Load the gathered chunk in one loader call; keep the routes it proves."""
         if not self.chunk:
             return

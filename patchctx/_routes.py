@@ -26,7 +26,7 @@ from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError
 from patchctx._undo import UndoLog, storage_flat
 
-__all__ = ["Geometry", "LiveTensors", "Route", "RouteCache", "Segment"]
+__all__ = ["Geometry", "LiveTensors", "Route", "RouteCache", "Segment", "replay", "replay_bounds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +142,33 @@ class Segment:
 
     def covered(self, indices: torch.Tensor) -> tuple[int, int]:
         """The slice of sorted `indices` that falls inside the source view's span."""
-        low, high = self._span
-        bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
-        start, stop = torch.searchsorted(indices, bounds).tolist()
+        start, stop = self.search(indices).tolist()
         return int(start), int(stop)
 
+    def search(self, indices: torch.Tensor) -> torch.Tensor:
+        """`covered` as a 2-element tensor on the indices' device (no host synchronisation).
+
+        Bounds beyond the index dtype's range are settled here: no int32 index can reach a
+        span that starts above 2**31 - 1, and every one is below a span end above it.
+        """
+        low, high = self._span
+        count = indices.shape[0]
+        top = torch.iinfo(indices.dtype).max
+        if low > top:
+            return torch.full((2,), count, dtype=torch.long, device=indices.device)
+        if high >= top:
+            bounds = torch.tensor([low, count], dtype=torch.long, device=indices.device)
+            start = torch.searchsorted(indices, bounds[:1].to(indices.dtype))
+            return torch.cat([start, bounds[1:]])
+        bounds = torch.tensor([low, high + 1], dtype=indices.dtype, device=indices.device)
+        return torch.searchsorted(indices, bounds)
+
     def positions(
-        self, indices: torch.Tensor, *, sorted_unique: bool
+        self,
+        indices: torch.Tensor,
+        *,
+        sorted_unique: bool,
+        covered: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, slice | torch.Tensor]:
         """Storage positions for the checkpoint `indices` this segment covers.
 
@@ -157,15 +177,15 @@ class Segment:
         """
         low, high = self.source.span()
         if sorted_unique:
-            start, stop = self.covered(indices)
+            start, stop = covered if covered is not None else self.covered(indices)
             picked: slice | torch.Tensor = slice(start, stop)
-            covered = indices[start:stop]
+            inside = indices[start:stop]
         else:
             picked = (indices >= low) & (indices <= high)
-            covered = indices[picked]
+            inside = indices[picked]
         # One pass into a fresh int64 tensor (never the caller's): 8 bytes per covered index.
         shift = self.source.offset - self.target.offset if self._direct else self.source.offset
-        shifted = torch.sub(covered, shift, out=torch.empty_like(covered, dtype=torch.long))
+        shifted = torch.sub(inside, shift, out=torch.empty_like(inside, dtype=torch.long))
         if self._direct:
             return shifted, picked
         # General strided view: decompose (index - offset) greedily by source stride.
@@ -497,6 +517,7 @@ def replay(
     sorted_unique: bool,
     undo: UndoLog | None = None,
     positions: torch.Tensor | None = None,
+    bounds: list[tuple[int, int] | None] | None = None,
 ) -> None:
     """Write a sparse patch along `route`: O(nnz), in place, casting as the loader path does.
 
@@ -505,13 +526,17 @@ def replay(
     `positions` are the indices as int64 on the values' device when validation made them
     (small patches); long ones are converted block by block (`BLOCK` positions, into one
     reused buffer per thread), so memory stays O(block) and the work is a few operations
-    per million positions.
+    per million positions. `bounds`: per segment, the covered slice of the sorted indices if
+    the caller found it already (`replay_bounds`, one host read for many replays).
     """
     source = positions if positions is not None else indices
     source_device = source.device
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     last = route._numel - 1
-    for segment in route.segments:
+    for number, segment in enumerate(route.segments):
+        covered = bounds[number] if bounds is not None else None
+        if covered is None and segment._span == (0, last):
+            covered = (0, source.shape[0])  # the whole tensor: every index, no search
         target = tensors[segment.tensor_name]
         device = target.device
         if device == source_device and device == values.device:
@@ -537,7 +562,9 @@ def replay(
             write_at(flat, device_indices, device_values)
             continue
         if not (sorted_unique and segment._direct):
-            found, picked = segment.positions(device_indices, sorted_unique=sorted_unique)
+            found, picked = segment.positions(
+                device_indices, sorted_unique=sorted_unique, covered=covered
+            )
             if found.numel():
                 chosen = indexable(device_values)[picked].view(device_values.dtype)
                 update = chosen.to(dtype=route.dtype).to(dtype=segment.dtype)
@@ -548,10 +575,7 @@ def replay(
         # The common case: sorted indices, a contiguous run onto a contiguous run. Binary search
         # the covered slice, then shift it block by block (no copy at all when the shift is 0
         # and the indices are already int64).
-        if segment._span == (0, route._numel - 1):
-            start, stop = 0, device_indices.numel()  # the whole tensor: no search, no read
-        else:
-            start, stop = segment.covered(device_indices)
+        start, stop = covered if covered is not None else segment.covered(device_indices)
         shift = segment._shift
         assert shift is not None  # a direct segment
         for begin, end in blocks(start, stop):
@@ -574,3 +598,43 @@ def replay(
             if undo is not None:
                 undo.save_positions(target, at)
             write_at(flat, at, update)
+
+
+def replay_bounds(
+    replays: list[tuple[Route, torch.Tensor, bool]],
+) -> list[list[tuple[int, int] | None] | None]:
+    """The covered slices of every partly covered segment of many replays, read at once.
+
+    For each ``(route, indices, sorted_unique)``, per segment: the slice of the sorted indices
+    it covers, or `None` where it covers the whole tensor (or the indices are unsorted). One
+    host read per device for all of them; `replay` would otherwise read each on its own, a
+    device synchronisation each.
+    """
+    searches: dict[torch.device, list[torch.Tensor]] = {}
+    wanted: list[list[tuple[torch.device, int] | None] | None] = []
+    for route, indices, sorted_unique in replays:
+        if not sorted_unique:
+            wanted.append(None)
+            continue
+        last = route._numel - 1
+        slots: list[tuple[torch.device, int] | None] = []
+        for segment in route.segments:
+            if segment._span == (0, last):
+                slots.append(None)
+                continue
+            found = searches.setdefault(indices.device, [])
+            slots.append((indices.device, len(found)))
+            found.append(segment.search(indices))
+        wanted.append(slots)
+    read = {device: torch.stack(found).tolist() for device, found in searches.items()}
+    return [
+        None
+        if slots is None
+        else [None if slot is None else _pair(read[slot[0]][slot[1]]) for slot in slots]
+        for slots in wanted
+    ]
+
+
+def _pair(values: list[int]) -> tuple[int, int]:
+    start, stop = values
+    return int(start), int(stop)

@@ -11,9 +11,11 @@ any block, huge declared shapes.
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -311,3 +313,47 @@ def test_the_16_bit_nan_check_by_bits_agrees_with_isnan_on_every_bit_pattern(
     assert bool(strategy.reserved_values(every, dtype))
     assert not bool(strategy.reserved_values(every[~torch.isnan(every)], dtype))
     assert not bool(strategy.reserved_values(every[:0], dtype))
+
+
+def test_a_call_of_many_replays_reads_the_host_twice_whatever_their_number() -> None:
+    """Validation reads once; the covered slices of every partly covered segment are found
+    together, once; the replays themselves never synchronise (on CUDA, a read is a sync)."""
+    model = packed_tp_model(tp_size=2, tp_rank=1, dtype=torch.float32)
+    model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+    routes = RouteCache()
+    specs = model.checkpoint_specs()
+
+    def patches(seed: int) -> list[CheckpointWeightPatch]:
+        made = []
+        for name, spec in specs.items():
+            numel = math.prod(spec.shape)
+            generator = torch.Generator().manual_seed(seed)
+            indices = torch.randperm(numel, generator=generator)[: numel // 3].sort().values
+            values = torch.randn(indices.numel(), generator=generator).to(spec.dtype)
+            made.append(CheckpointWeightPatch(name, spec.shape, spec.dtype, values, indices))
+        return made
+
+    load_checkpoint_weight_patches(model, patches(0), routes=routes)
+    assert len(routes) == len(specs)
+    reads: list[str] = []
+    original_tolist, original_item = torch.Tensor.tolist, torch.Tensor.item
+
+    def tolist(self: torch.Tensor) -> Any:
+        reads.append("tolist")
+        return original_tolist(self)
+
+    def item(self: torch.Tensor) -> Any:
+        reads.append("item")
+        return original_item(self)
+
+    reference = copy.deepcopy(model)
+    for seed in (1, 2):
+        with pytest.MonkeyPatch.context() as patcher:
+            patcher.setattr(torch.Tensor, "tolist", tolist)
+            patcher.setattr(torch.Tensor, "item", item)
+            load_checkpoint_weight_patches(model, patches(seed), routes=routes)
+        assert reads == ["tolist", "tolist"], reads
+        reads.clear()
+        load_checkpoint_weight_patches(reference, patches(seed))
+    assert routes.stats.replayed == 2 * len(specs)
+    assert_same_state(state(model), state(reference))

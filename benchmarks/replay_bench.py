@@ -1,0 +1,352 @@
+"""Steady-state replay against its lower bounds, its fixed costs, and its behaviour under load.
+
+Three tables, each measured side by side in one process, methods interleaved (the order
+rotates from round to round), min and median of the rounds:
+
+1. **Density sweep** (one torch thread): one packed-QKV tensor-parallel slice and its MLP
+   weight (``benchmarks.patch_bench.PackedSlice``) at each hidden size, dtype and density.
+   ``replay`` is a whole ``load_checkpoint_weight_patches`` call with a warm ``RouteCache``
+   (validation included); ``index_copy_`` and ``scatter_`` are the bare writes of positions
+   and values computed beforehand (the issue's lower bound is ``index_copy_``; ``scatter_`` on
+   an integer view is faster on CPU, and replay uses it there); ``dense`` loads the full
+   patched tensors through the loader with plain copies.
+2. **Fixed costs** (one thread): N tensors of 256x256 bf16 at 0.1 %: replay per tensor in
+   one call of N patches, a call of one patch, a dense reload per tensor, the bare write per
+   tensor; with vLLM's own function beside them when vLLM is importable.
+3. **Contention** (two threads): hidden 4096 at 10 %, quiet and with competing busy
+   processes started by the script (one per core), replay and the bare write, and the ratio
+   loaded / quiet.
+
+Run ``python -m benchmarks.replay_bench`` (about three minutes on 2 CPU cores), ``--quick`` for
+a smoke run, ``--json PATH`` for the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.baseline import vllm_function
+from benchmarks.patch_bench import DTYPES, PackedSlice, progress, random_patches
+from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
+from patchctx._bits import write_at
+from patchctx._model import model_tensors
+from patchctx._strategies import indexable
+from patchctx._undo import storage_flat
+
+
+@dataclass
+class Row:
+    table: str  # "sweep", "fixed", "contention"
+    case: str  # what the row measures (hidden/dtype/density, or the fixed-cost case)
+    method: str
+    min_us: float
+    median_us: float
+    note: str = ""
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+def interleaved(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each method, the order rotating from round to round.
+
+    Each method runs once first, unmeasured: first-use costs (allocator growth, caches) are
+    not what a worker applying update after update pays.
+    """
+    names = list(calls)
+    for name in names:
+        calls[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _plan(
+    routes: RouteCache, patches: list[CheckpointWeightPatch], tensors: dict[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Storage positions and cast values of every segment, computed ahead of the bare writes."""
+    plan = []
+    for patch in patches:
+        route = routes._route(patch.name)
+        assert route is not None and patch.indices is not None
+        for segment in route.segments:
+            flat = storage_flat(tensors[segment.tensor_name])
+            positions, picked = segment.positions(patch.indices, sorted_unique=True)
+            plan.append((flat, positions, patch.values[picked].to(segment.dtype)))
+    return plan
+
+
+def _index_copies(plan: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    for flat, positions, values in plan:
+        indexable(flat).index_copy_(0, positions, indexable(values))
+
+
+def _scatters(plan: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    for flat, positions, values in plan:
+        write_at(flat, positions, values)  # scatter_ through an integer view on CPU
+
+
+def _dense(model: Any, checkpoint: dict[str, torch.Tensor]) -> None:
+    model.load_weights(checkpoint.items())
+
+
+# ----------------------------------------------------------------------------------- sweep
+
+
+def sweep(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for hidden in args.hidden:
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            progress(f"sweep: hidden {hidden} {dtype_name}")
+            base = PackedSlice(hidden, 2, 0, dtype, "cpu")
+            checkpoint = {
+                name: (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+                for name, shape in base.shapes.items()
+            }
+            base.load_weights(checkpoint.items())
+            models = {m: copy.deepcopy(base) for m in ("replay", "bare", "dense")}
+            routes = RouteCache()
+            first = random_patches(base.shapes, dtype, 0.001, generator, "cpu")
+            load_checkpoint_weight_patches(models["replay"], first, routes=routes)
+            bare = model_tensors(models["bare"])
+            for density in args.densities:
+                patches = random_patches(base.shapes, dtype, density, generator, "cpu")
+                plan = _plan(routes, patches, bare)
+                calls: dict[str, Callable[[], object]] = {
+                    "replay": partial(
+                        load_checkpoint_weight_patches, models["replay"], patches, routes=routes
+                    ),
+                    "index_copy_": partial(_index_copies, plan),
+                    "scatter_": partial(_scatters, plan),
+                    "dense": partial(_dense, models["dense"], checkpoint),
+                }
+                times = interleaved(calls, args.rounds)
+                nnz = sum(p.values.numel() for p in patches)
+                numel = sum(math.prod(s) for s in base.shapes.values())
+                case = f"h{hidden} {dtype_name} {nnz / numel:.2%}"
+                low = min(times["index_copy_"])
+                for method, seconds in times.items():
+                    note = f"{min(seconds) / low:.2f}x index_copy_" if method == "replay" else ""
+                    rows.append(Row("sweep", case, method, *_us(seconds), note))
+    return rows
+
+
+# ----------------------------------------------------------------------------- fixed costs
+
+
+class Many(nn.Module):
+    """N small weights, each loaded by a plain ``copy_`` (models with many small tensors)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.ws = nn.ParameterList(
+            nn.Parameter(torch.zeros(256, 256, dtype=torch.bfloat16), requires_grad=False)
+            for _ in range(count)
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        names = set()
+        for name, tensor in weights:
+            self.ws[int(name[1:])].copy_(tensor)
+            names.add(name)
+        return names
+
+
+def fixed_costs(args: argparse.Namespace) -> list[Row]:
+    count = args.many
+    progress(f"fixed costs: {count} tensors of 256x256 bf16 at 0.1 %")
+    shapes = {f"w{i}": (256, 256) for i in range(count)}
+    generator = torch.Generator().manual_seed(1)
+    models = {m: Many(count) for m in ("replay", "one", "bare", "dense", "vllm")}
+    routes = {m: RouteCache() for m in ("replay", "one")}
+    for method in routes:
+        first = random_patches(shapes, torch.bfloat16, 0.001, generator, "cpu")
+        load_checkpoint_weight_patches(models[method], first, routes=routes[method])
+    checkpoint = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    theirs = vllm_function()
+    bare = model_tensors(models["bare"])
+    rounds: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        patches = random_patches(shapes, torch.bfloat16, 0.001, generator, "cpu")
+        plan = _plan(routes["replay"], patches, bare)
+        one = patches[:50]
+        calls: dict[str, Callable[[], object]] = {
+            "replay, per tensor": partial(
+                load_checkpoint_weight_patches, models["replay"], patches, routes=routes["replay"]
+            ),
+            "dense reload, per tensor": partial(_dense, models["dense"], checkpoint),
+            "bare index write, per tensor": partial(_scatters, plan),
+            "call of one patch": partial(_one_by_one, models["one"], one, routes["one"]),
+        }
+        if theirs is not None:
+            calls["vLLM's function, call of one patch"] = partial(
+                _theirs_one_by_one, theirs, models["vllm"], one
+            )
+        for method, seconds in interleaved(calls, 1).items():
+            per = len(one) if "call of one" in method else count
+            rounds.setdefault(method, []).append(seconds[0] / per)
+    return [Row("fixed", f"{count} x 256x256 bf16, 0.1 %", m, *_us(s)) for m, s in rounds.items()]
+
+
+def _one_by_one(model: Any, patches: list[CheckpointWeightPatch], routes: RouteCache) -> None:
+    for patch in patches:
+        load_checkpoint_weight_patches(model, [patch], routes=routes)
+
+
+def _theirs_one_by_one(theirs: Any, model: nn.Module, patches: list[Any]) -> None:
+    for patch in patches:
+        theirs(model, [patch])
+
+
+# ------------------------------------------------------------------------------ contention
+
+
+def _spin(stop: Any) -> None:  # pragma: no cover - a child process
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+def contention(args: argparse.Namespace) -> list[Row]:
+    progress("contention: hidden 4096 bf16 at 10 %, 2 threads, quiet then loaded")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(2)
+        base = PackedSlice(args.contention_hidden, 2, 0, torch.bfloat16, "cpu")
+        base.load_weights(
+            (name, torch.zeros(shape, dtype=torch.bfloat16)) for name, shape in base.shapes.items()
+        )
+        models = {m: copy.deepcopy(base) for m in ("replay", "bare")}
+        routes = RouteCache()
+        first = random_patches(base.shapes, torch.bfloat16, 0.001, generator, "cpu")
+        load_checkpoint_weight_patches(models["replay"], first, routes=routes)
+        patches = random_patches(base.shapes, torch.bfloat16, 0.10, generator, "cpu")
+        plan = _plan(routes, patches, model_tensors(models["bare"]))
+        calls: dict[str, Callable[[], object]] = {
+            "replay": partial(
+                load_checkpoint_weight_patches, models["replay"], patches, routes=routes
+            ),
+            "bare index write": partial(_scatters, plan),
+        }
+        quiet = interleaved(calls, args.rounds)
+        context = multiprocessing.get_context("spawn")
+        stop = context.Event()
+        spinners = [context.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count() or 2)]
+        for spinner in spinners:
+            spinner.start()
+        try:
+            time.sleep(0.5)
+            loaded = interleaved(calls, args.rounds)
+        finally:
+            stop.set()
+            for spinner in spinners:
+                spinner.join()
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for method in calls:
+        rows.append(Row("contention", "quiet", method, *_us(quiet[method])))
+        ratio = statistics.median(loaded[method]) / statistics.median(quiet[method])
+        note = f"{ratio:.1f}x quiet (medians), {len(spinners)} busy processes"
+        rows.append(Row("contention", "loaded", method, *_us(loaded[method]), note))
+    return rows
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _us(seconds: list[float]) -> tuple[float, float]:
+    return min(seconds) * 1e6, statistics.median(seconds) * 1e6
+
+
+def table(rows: list[Row]) -> str:
+    titles = {
+        "sweep": "density sweep, 1 thread: one call applying a patch to each of 4 tensors (ms)",
+        "fixed": "fixed costs, 1 thread (µs)",
+        "contention": "contention, 2 threads: one call at 10 % (ms)",
+    }
+    lines = []
+    for kind, title in titles.items():
+        chosen = [r for r in rows if r.table == kind]
+        if not chosen:
+            continue
+        scale = 1.0 if kind == "fixed" else 1e-3
+        lines += ["", title, f"{'case':>28}  {'method':<36}{'min':>10}{'median':>10}  note"]
+        for row in chosen:
+            lines.append(
+                f"{row.case:>28}  {row.method:<36}{row.min_us * scale:>10.2f}"
+                f"{row.median_us * scale:>10.2f}  {row.note}"
+            )
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",")]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=_ints, default=[1024, 4096, 8192])
+    parser.add_argument("--dtypes", type=lambda t: t.split(","), default=["bf16", "fp32"])
+    parser.add_argument(
+        "--densities",
+        type=_floats,
+        default=[0.0001, 0.001, 0.01, 0.03, 0.1, 0.3, 0.5],
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--many", type=int, default=200)
+    parser.add_argument("--contention-hidden", type=int, default=4096)
+    parser.add_argument(
+        "--tables", type=lambda t: t.split(","), default=["sweep", "fixed", "contention"]
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.hidden, args.dtypes, args.densities = [256], ["bf16"], [0.01, 0.3]
+        args.rounds, args.many, args.contention_hidden = 2, 20, 256
+    torch.set_num_threads(1)
+    rows: list[Row] = []
+    for kind, run in (("sweep", sweep), ("fixed", fixed_costs), ("contention", contention)):
+        if kind in args.tables:
+            rows += run(args)
+    header = (
+        f"replay benchmark: torch {torch.__version__}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {args.rounds} rounds, min and median"
+    )
+    print(header + "\n" + table(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"header": header, "rows": [asdict(r) for r in rows]}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

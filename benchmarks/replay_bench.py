@@ -13,8 +13,8 @@ rotates from round to round), min and median of the rounds:
 2. **Fixed costs** (one thread): N tensors of 256x256 bf16 at 0.1 %: replay per tensor in
    one call of N patches, a call of one patch, a dense reload per tensor, the bare write per
    tensor; with vLLM's own function beside them when vLLM is importable.
-3. **Contention** (two threads): hidden 4096 at 10 %, quiet and with competing busy
-   processes started by the script (one per core), replay and the bare write, and the ratio
+3. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
+   process started by the script (``--spinners``), replay and the bare write, and the ratio
    loaded / quiet.
 
 Run ``python -m benchmarks.replay_bench`` (about three minutes on 2 CPU cores), ``--quick`` for
@@ -254,7 +254,7 @@ def contention(args: argparse.Namespace) -> list[Row]:
         quiet = interleaved(calls, args.rounds)
         context = multiprocessing.get_context("spawn")
         stop = context.Event()
-        spinners = [context.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count() or 2)]
+        spinners = [context.Process(target=_spin, args=(stop,)) for _ in range(args.spinners)]
         for spinner in spinners:
             spinner.start()
         try:
@@ -323,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--many", type=int, default=200)
     parser.add_argument("--contention-hidden", type=int, default=4096)
+    parser.add_argument(
+        "--spinners", type=int, default=1, help="busy processes competing in the contention table"
+    )
     parser.add_argument(
         "--tables", type=lambda t: t.split(","), default=["sweep", "fixed", "contention"]
     )

@@ -24,6 +24,7 @@ from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteCache, RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
+from patchctx._warm import WarmReport, WarmRow
 
 __version__ = "0.1.0"
 """The version of this patchctx, a PEP 440 string."""
@@ -58,6 +59,8 @@ __all__ = [
     "RouteStats",
     "SingleCall",
     "SupportsLoadWeights",
+    "WarmReport",
+    "WarmRow",
     "__version__",
     "audit",
     "diff_state_dicts",

@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError
 from patchctx._undo import UndoLog, storage_flat
+
+if TYPE_CHECKING:
+    from patchctx._warm import WarmReport, WarmSpec
 
 __all__ = ["Geometry", "LiveTensors", "Route", "RouteCache", "Segment", "replay", "replay_bounds"]
 
@@ -347,6 +350,75 @@ class RouteCache:
         finally:
             self._verify_all = False
         return sorted(self._mismatches)
+
+    def warm(
+        self,
+        model: Any,
+        specs: Iterable[WarmSpec],
+        *,
+        protect: Mapping[str, str] | None = None,
+    ) -> WarmReport:
+        """Learn the routes of `specs` now, by a dry run of the loader: nothing written or staged.
+
+        The model's ``load_weights`` receives, for each ``(name, shape, dtype)``, a tensor with
+        that checkpoint shape and dtype that holds no values (it wraps a meta tensor, so no
+        checkpoint-sized memory is allocated). Its views and its ``copy_`` into the model are
+        recorded as a patch load records them, and no write is performed: weights stay bit for
+        bit as they were. A name learnt here gets exactly the route its first sparse patch would
+        record, so that patch already replays in O(nnz). A loader that needs values (``item()``,
+        a data-dependent shape), or does anything a dry run cannot mirror exactly, is reported
+        per name and left to the first sparse patch, which records its route as before.
+        Learnt routes are stored as if recorded (``stats.recorded``); `verify` checks them.
+
+        Pass canonical names (tied aliases resolved), with the shape and dtype the trainer will
+        send: a patch of another shape or dtype drops the route and records a new one.
+
+        Args:
+            model: The model this cache belongs to (a cache bound to another model starts over).
+            specs: The checkpoint tensors: name, full shape and dtype, as for `audit`.
+            protect: Tensors that must not be written, with the reason, as for
+                `load_checkpoint_weight_patches`: a name whose loader writes one is not learnt.
+
+        Returns:
+            One row per name: ``learned``, ``unlearnable`` (no route exists: the loader does
+            not copy a view of it) or ``deferred`` (the first sparse patch decides), with the
+            reason. A name found unlearnable also loses a route cached before.
+
+        Examples:
+            >>> import torch
+            >>> from patchctx import CheckpointWeightPatch, RouteCache
+            >>> from patchctx import load_checkpoint_weight_patches
+            >>> class Model(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.w = torch.nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+            ...         self.s = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+            ...     def load_weights(self, weights):
+            ...         for name, tensor in weights:
+            ...             if name == "w":  # rank 1 of 2: rows 2 and 3
+            ...                 self.w.copy_(tensor.narrow(0, 2, 2))
+            ...             else:  # a scalar read out of torch, as vLLM's default loader does
+            ...                 self.s.fill_(tensor.item())
+            ...         return {name for name, _ in weights}
+            >>> model, routes = Model(), RouteCache()
+            >>> report = routes.warm(model, [("w", (4, 4), torch.float32),
+            ...                              ("s", (1,), torch.float32)])
+            >>> print(report)
+            name  status       reason
+            ----  -----------  ------
+            w     learned
+            s     unlearnable  the loader reads its values (.item()); a route exists only \
+for a loader that copies views
+            1 learned, 1 unlearnable, 0 deferred
+            >>> patch = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.tensor([7.0]),
+            ...                               torch.tensor([13]))
+            >>> _ = load_checkpoint_weight_patches(model, [patch], routes=routes)
+            >>> routes.stats.replayed, routes.stats.loader_calls, model.w[1].tolist()
+            (1, 0, [0.0, 7.0, 0.0, 0.0])
+        """
+        from patchctx._warm import warm
+
+        return warm(self, model, specs, protect=protect)
 
     def __len__(self) -> int:
         return len(self._routes)

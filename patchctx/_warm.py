@@ -1,0 +1,779 @@
+"""`RouteCache.warm`: routes learnt by a dry run of the loader, with nothing written or staged.
+
+A route records where a loader's ``copy_`` of a *view* of the checkpoint tensor lands (see
+`patchctx._routes`). Recording one needs no values, only the views' sizes, strides and offsets.
+So a warm-up hands the loader, for each checkpoint name, a *dry* tensor: it has the checkpoint
+shape and dtype and claims the model's device, but what it wraps is a meta tensor (no memory).
+It follows the loader only as far as a dry run can follow it exactly:
+
+- views of it (narrow, select, slices, transpose, view, ``.data``...) are taken of the meta
+  tensor, so their sizes, strides and offsets are those the loader's views would have;
+- a ``copy_`` of it into a parameter or buffer goes to the `Recorder` a patch load uses, after
+  the same admission checks (`WriteLedger`), and is not performed;
+- layout copies, casts and pointwise computations are computed on meta; as in a patch load,
+  their results can never be a route;
+- what needs values (``item()``, ``tolist()``, a data-dependent shape, raw storage) or what a
+  dry run cannot mirror exactly stops the run.
+
+The loader's own plain writes into the model (a constant fill of padding, say) are checked
+and logged as a patch load logs them, then skipped. A run that reads back bytes it skipped
+writing could behave differently from a real load: it stops too.
+
+Every name ends up in one of three states: ``learned`` (a route, exactly the one the first
+sparse patch would record), ``unlearnable`` (the dry run saw the loader do something that
+rules a route out, so a patch load would not record one either) or ``deferred`` (the dry run
+could not follow the loader; nothing is learnt, and the first sparse patch records the route
+through the loader as before, when the loader allows one).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from patchctx import _swap
+from patchctx._arguments import name_map
+from patchctx._errors import (
+    InvalidPatchError,
+    InvalidPatchTypeError,
+    LoaderContractError,
+    PatchProblem,
+)
+from patchctx._guard import _CONSTANT, _PURE_WRITES, _RESHAPING
+from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
+from patchctx._recording import Recorder
+from patchctx._routes import Route
+from patchctx._snapshot import Snapshot
+from patchctx._staged import (
+    _LAYOUT,
+    _LIKE,
+    _MOVES,
+    Provenance,
+    Root,
+    StagedTensor,
+    _accumulates,
+    _reads,
+    _tensors,
+    written_arguments,
+)
+from patchctx._undo import UndoLog
+from patchctx._writes import ModelIndex, WriteLedger, _Masked, span_of, storage_key
+
+if TYPE_CHECKING:
+    from patchctx._routes import RouteCache
+
+__all__ = ["WarmReport", "WarmRow", "WarmSpec", "warm"]
+
+aten = torch.ops.aten
+
+WarmStatus = Literal["learned", "unlearnable", "deferred"]
+WarmSpec = tuple[str, Sequence[int], torch.dtype]
+"""A checkpoint tensor to learn: name, full checkpoint shape, checkpoint dtype."""
+
+_STATUSES: tuple[WarmStatus, ...] = ("learned", "unlearnable", "deferred")
+
+
+@dataclass(frozen=True, slots=True)
+class WarmRow:
+    """What `RouteCache.warm` did for one checkpoint name.
+
+    Attributes:
+        name: The checkpoint name.
+        status: ``"learned"`` (the cache holds its route now: the first sparse patch to it
+            replays in O(nnz)), ``"unlearnable"`` (the loader does something that rules a
+            route out, such as a cast before ``copy_`` or an indexed write: sparse patches
+            to it always go through the loader, or are refused; `audit` says which) or
+            ``"deferred"`` (a dry run cannot follow the loader for it; the first sparse patch
+            goes through the loader and records the route there, if there is one).
+        reason: Why the name was not learnt; empty when it was.
+
+    Examples:
+        >>> from patchctx import WarmRow
+        >>> WarmRow("lm_head.weight", "deferred", "the loader reads a value with .item()")
+        WarmRow(name='lm_head.weight', status='deferred', reason='the loader reads a value \
+with .item()')
+    """
+
+    name: str
+    status: WarmStatus
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WarmReport:
+    """The result of `RouteCache.warm`: one row per checkpoint name, in the order given.
+
+    Printing it shows a table.
+
+    Examples:
+        >>> from patchctx import WarmReport, WarmRow
+        >>> report = WarmReport((WarmRow("a", "learned"), WarmRow("b", "deferred", "why")))
+        >>> report.counts()
+        {'learned': 1, 'unlearnable': 0, 'deferred': 1}
+        >>> report.names("deferred")
+        ['b']
+    """
+
+    rows: tuple[WarmRow, ...]
+
+    def counts(self) -> dict[str, int]:
+        """How many names have each status (all three keys present)."""
+        counted = Counter(row.status for row in self.rows)
+        return {status: counted.get(status, 0) for status in _STATUSES}
+
+    def names(self, status: WarmStatus) -> list[str]:
+        """The names with `status`."""
+        return [row.name for row in self.rows if row.status == status]
+
+    def __str__(self) -> str:
+        width = max([len("name"), *(len(row.name) for row in self.rows)])
+        lines = [f"{'name':<{width}}  {'status':<11}  reason", f"{'-' * width}  {'-' * 11}  ------"]
+        lines += [
+            f"{row.name:<{width}}  {row.status:<11}  {row.reason}".rstrip() for row in self.rows
+        ]
+        lines.append(", ".join(f"{n} {status}" for status, n in self.counts().items()))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the dry run
+
+
+class _Stop(BaseException):
+    """Ends a dry run that can no longer follow the loader exactly.
+
+    A `BaseException`, so that a loader's ``except Exception`` does not swallow it; one that
+    swallows it anyway changes nothing, since the reason was recorded before it was raised.
+    """
+
+
+class _DryLedger(WriteLedger):
+    """The `WriteLedger` of a dry run: the same admission and overlap checks, no undo log.
+
+    It also keeps the run's verdicts: names settled without a route, and why the run stopped.
+    """
+
+    def __init__(self, index: ModelIndex, names: frozenset[str]) -> None:
+        super().__init__(index, UndoLog(), Recorder(), log_plain=False, loading=names)
+        self.settled: dict[str, tuple[WarmStatus, str]] = {}
+        self.stopped: tuple[WarmStatus, str] | None = None
+
+    def settle(self, names: Iterable[str], status: WarmStatus, reason: str) -> None:
+        for name in names:
+            self.settled.setdefault(name, (status, reason))
+
+    def halt(self, status: WarmStatus, reason: str, names: Iterable[str] = ()) -> None:
+        """Record why the run cannot go on: `names` get the verdict, the run is stopped."""
+        self.settle(names, status, reason)
+        if self.stopped is None:
+            self.stopped = (status, reason)
+
+    def stop(self, status: WarmStatus, reason: str, names: Iterable[str] = ()) -> NoReturn:
+        self.halt(status, reason, names)
+        raise _Stop(reason)
+
+    def log_masked(
+        self,
+        destination: torch.Tensor,
+        update: torch.Tensor | None,
+        source: StagedTensor | None,
+        names: frozenset[str],
+        *,
+        dense: bool = False,
+    ) -> None:
+        """A write of dry data into a model tensor: remembered and recorded, not performed."""
+        with self._lock:
+            owner = self.index.owner(destination)
+            key = storage_key(destination)
+            if owner is None or key is None:  # admitted writes always have both
+                self.stop("deferred", "a write of it reached no model tensor", names)
+            span = span_of(destination, key)
+            self.masked.append(_Masked(span, owner.name, names))
+            if threading.get_ident() != self.thread:
+                self.recorder.unprovable(names, "the loader wrote it from another thread")
+            elif source is None:
+                self.recorder.unprovable(names, "the loader wrote it with an indexed write")
+            else:
+                self.recorder.segment(source, destination, owner.name, key, owner.tensor, span)
+
+
+def _label(names: frozenset[str]) -> str:
+    return ", ".join(map(repr, sorted(names)))
+
+
+class DryTensor(StagedTensor):
+    """A checkpoint tensor with a shape, a dtype and a device but no values (see module doc).
+
+    It wraps a meta tensor; its provenance (`Provenance.root`) makes a ``copy_`` of a view of
+    it a route segment, exactly as for staged data.
+    """
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, prov: Provenance, device: torch.device) -> DryTensor:
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=device,
+            layout=data.layout,
+            requires_grad=False,
+        )
+        wrapper._data = data
+        wrapper._update = data  # a dry tensor has no mask: nothing is ever merged
+        wrapper._prov = prov
+        if prov.ledger is not None:
+            prov.ledger.born.add(wrapper)
+        return wrapper
+
+    def __init__(self, data: torch.Tensor, prov: Provenance, device: torch.device) -> None:
+        pass
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (
+            f"DryTensor({_label(self._prov.names)}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+    def _ledger(self) -> _DryLedger:
+        ledger = self._prov.ledger
+        assert isinstance(ledger, _DryLedger)
+        return ledger
+
+    def _refuse_read(self, what: str) -> NoReturn:
+        self._ledger().stop(
+            "unlearnable",
+            f"the loader reads its values ({what}); a route exists only for a loader that "
+            "copies views",
+            self._prov.names,
+        )
+
+    def tolist(self) -> NoReturn:
+        self._refuse_read(".tolist()")
+
+    def numpy(self, *, force: bool = False) -> NoReturn:
+        self._refuse_read(".numpy()")
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        self._refuse_read("pickling")
+
+    def _no_storage(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse_read("raw memory access: storage, data_ptr, DLPack")
+
+    untyped_storage = _no_storage
+    storage = _no_storage
+    _typed_storage = _no_storage
+    data_ptr = _no_storage
+    __dlpack__ = _no_storage
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        was_inside = _swap.is_bypassed()
+        try:  # our own work on meta tensors is never a masked region's business
+            _swap.bypass()
+            return _dispatch(func, args, kwargs or {})
+        finally:
+            _swap.end_bypass(was_inside)
+
+
+def _twin(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with `tensor`'s sizes, strides and dtype (no storage offset)."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, DryTensor):
+        return value._data
+    if isinstance(value, torch.Tensor) and not value.is_meta:
+        return _twin(value)
+    return value
+
+
+def _on_meta(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, torch.device | None]:
+    """Run `func` on the meta counterparts of its arguments; also the device it asked for."""
+    meta_args, meta_kwargs = tree_map(_meta, args), tree_map(_meta, kwargs)
+    asked = meta_kwargs.get("device")
+    if asked is not None:
+        meta_kwargs["device"] = torch.device("meta")
+    return func(*meta_args, **meta_kwargs), None if asked is None else torch.device(asked)
+
+
+def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensors = _tensors((args, kwargs))
+    dry = [t for t in tensors if isinstance(t, DryTensor)]
+    ledger = dry[0]._ledger()
+    names = frozenset().union(*(t._prov.names for t in dry))
+    if any(isinstance(t, StagedTensor) and not isinstance(t, DryTensor) for t in tensors) or any(
+        t._ledger() is not ledger for t in dry
+    ):
+        ledger.stop("deferred", f"the loader mixes it with data of another load ({func})", names)
+    written = written_arguments(func)
+    if written:
+        targets: list[torch.Tensor] = []
+        for position, name in written:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            targets.extend(_tensors(value))
+        if any(isinstance(t, DryTensor) for t in targets):
+            return _write_into_dry(func, args, kwargs, targets, ledger, names)
+        return _write_into_plain(func, args, kwargs, targets, ledger, names)
+    if func.overloadpacket is aten._local_scalar_dense:
+        dry[0]._refuse_read(".item()")
+    if func.is_view:
+        return _view(func, args, kwargs, dry[0], ledger, names)
+    return _compute(func, args, kwargs, dry[0], ledger, names)
+
+
+def _meta_result(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ledger: _DryLedger,
+    names: frozenset[str],
+) -> tuple[Any, torch.device | None]:
+    try:
+        return _on_meta(func, args, kwargs)
+    except _Stop:
+        raise
+    except Exception as error:
+        ledger.stop(
+            "deferred", f"a dry run cannot follow {func} on it ({type(error).__name__})", names
+        )
+
+
+def _wrap(result: Any, wrap: Callable[[torch.Tensor], DryTensor]) -> Any:
+    if isinstance(result, torch.Tensor):
+        return wrap(result)
+    if isinstance(result, (list, tuple)):
+        return type(result)(_wrap(item, wrap) for item in result)
+    return result
+
+
+def _only_tensors(result: Any) -> bool:
+    if isinstance(result, torch.Tensor):
+        return True
+    return isinstance(result, (list, tuple)) and all(_only_tensors(item) for item in result)
+
+
+def _view(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    source: DryTensor,
+    ledger: _DryLedger,
+    names: frozenset[str],
+) -> Any:
+    """A view: taken of the meta tensor, so its geometry is the real one; the root goes along."""
+    prov = source._prov
+    if func is aten.view.dtype:
+        dtype = args[1] if len(args) > 1 else kwargs["dtype"]
+        if dtype.itemsize != source.dtype.itemsize:
+            ledger.unprovable(names, f"the loader reinterpreted it as {dtype}")
+            prov = prov.derived()
+    result, _ = _meta_result(func, args, kwargs, ledger, names)
+    return _wrap(result, lambda data: DryTensor(data, prov, source.device))
+
+
+def _compute(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    source: DryTensor,
+    ledger: _DryLedger,
+    names: frozenset[str],
+) -> Any:
+    """A computation on dry data: computed on meta, never a route (as in a patch load)."""
+    result, device = _meta_result(func, args, kwargs, ledger, names)
+    if not _only_tensors(result):
+        source._refuse_read(f"{func} returns {type(result).__name__}")
+    packet = func.overloadpacket
+    if packet not in _LAYOUT and packet not in _LIKE and torch.Tag.pointwise not in func.tags:
+        ledger.unprovable(names, f"the loader computed {func} from it")
+    prov = Provenance(names, ledger)
+    return _wrap(result, lambda data: DryTensor(data, prov, device or source.device))
+
+
+def _write_into_dry(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    targets: list[torch.Tensor],
+    ledger: _DryLedger,
+    names: frozenset[str],
+) -> Any:
+    """The loader changes dry data itself: it may go on, but no route of it can be proven."""
+    for target in targets:
+        if isinstance(target, DryTensor) and target._prov.root is not None:
+            target._prov.root.tampered = True
+    ledger.unprovable(names, f"the loader modified it with {func}")
+    if any(not isinstance(t, DryTensor) for t in targets):
+        ledger.stop("unlearnable", f"the loader writes it and a plain tensor with {func}", names)
+    back = {id(t._data): t for t in targets if isinstance(t, DryTensor)}
+    result, _ = _meta_result(func, args, kwargs, ledger, names)
+    prov = Provenance(names, ledger)
+    device = targets[0].device
+
+    def wrap(data: torch.Tensor) -> torch.Tensor:
+        same = back.get(id(data))  # an in-place result is the dry tensor written into
+        return DryTensor(data, prov, device) if same is None else same
+
+    if isinstance(result, torch.Tensor):
+        return wrap(result)
+    if isinstance(result, (list, tuple)):
+        return type(result)(wrap(r) if isinstance(r, torch.Tensor) else r for r in result)
+    return result
+
+
+def _write_into_plain(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    targets: list[torch.Tensor],
+    ledger: _DryLedger,
+    names: frozenset[str],
+) -> Any:
+    """Dry data written into a plain tensor: checked and recorded as in a patch load, skipped."""
+    packet = func.overloadpacket
+    if len(targets) != 1:
+        ledger.stop("unlearnable", f"the loader writes it with {func}", names)
+    target = targets[0]
+    in_place = bool(args) and args[0] is target
+    how = "copy_" if packet is aten.copy_ else str(func)
+    if ledger.index.owner(target) is None:
+        ledger.stop(
+            "unlearnable",
+            f"the loader writes it with {how} into a tensor that is not a parameter or buffer "
+            "of the model (a temporary): a patch load refuses that",
+            names,
+        )
+    try:
+        ledger.admit(target, names, how, dense=False)
+    except LoaderContractError as error:
+        ledger.stop("unlearnable", str(error), names)
+    if packet is aten.copy_ and in_place:
+        source = args[1]
+        if not isinstance(source, DryTensor):
+            ledger.stop("unlearnable", f"the loader copies with dry arguments ({func})", names)
+        try:
+            fits = torch.broadcast_shapes(source.shape, target.shape) == target.shape  # type: ignore[no-untyped-call]
+        except RuntimeError:
+            fits = False
+        if not fits:
+            ledger.stop(
+                "unlearnable",
+                f"the loader copies it ({tuple(source.shape)}) into a tensor of shape "
+                f"{tuple(target.shape)}, which it does not broadcast to",
+                names,
+            )
+        ledger.log_masked(target, None, source, names)
+        return target
+    if packet in _MOVES and in_place and not _accumulates(func, args, kwargs):
+        moved = _MOVES[packet]
+        if any(isinstance(a, DryTensor) for i, a in enumerate(args) if i and i not in moved):
+            ledger.stop("unlearnable", f"the loader indexes with it ({func})", names)
+        _meta_result(func, args, kwargs, ledger, names)  # raises where the real write would
+        ledger.log_masked(target, None, None, names)
+        return target
+    if not in_place and torch.Tag.pointwise in func.tags and not _reads(target, args, kwargs):
+        fresh = torch.empty(0, dtype=target.dtype, device="meta")
+        fresh_args, fresh_kwargs = list(args), dict(kwargs)
+        for position, name in written_arguments(func):
+            if position < len(fresh_args):
+                fresh_args[position] = fresh
+            else:
+                fresh_kwargs[name] = fresh
+        _meta_result(func, tuple(fresh_args), fresh_kwargs, ledger, names)
+        if fresh.shape != target.shape:
+            ledger.stop(
+                "unlearnable",
+                f"the loader writes {tuple(fresh.shape)} values with {func} into a tensor of "
+                f"shape {tuple(target.shape)} (it would be resized)",
+                names,
+            )
+        ledger.log_masked(target, None, None, names)
+        return target
+    return ledger.stop(
+        "unlearnable",
+        f"the loader writes it into a tensor with {func}, which reads or accumulates what the "
+        "tensor held: a patch load refuses that (or, for a patch that changes every element, "
+        "writes it without a route)",
+        names,
+    )
+
+
+class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The loader's plain operations in a dry run (its thread): model writes checked, skipped."""
+
+    def __init__(self, ledger: _DryLedger) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ledger = ledger
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        tensors = _tensors((args, kwargs))
+        if any(isinstance(t, StagedTensor) for t in tensors):
+            return func(*args, **kwargs)  # the dry data handles it
+        ledger = self.ledger
+        written = written_arguments(func)
+        targets: list[torch.Tensor] = []
+        for position, name in written:
+            targets.extend(_tensors(args[position] if position < len(args) else kwargs.get(name)))
+        if not func.is_view:
+            pure_write = func.overloadpacket in _PURE_WRITES
+            for tensor in tensors:
+                if not pure_write or all(tensor is not t for t in targets):
+                    self._read(tensor, func)
+        owned = [(t, ledger.index.owner(t)) for t in targets]
+        model_targets = [(t, owner) for t, owner in owned if owner is not None]
+        if not model_targets:
+            return func(*args, **kwargs)
+        labels = ", ".join(repr(owner.name) for _, owner in model_targets)
+        if func.overloadpacket in _RESHAPING:
+            ledger.stop(
+                "unlearnable",
+                f"the loader calls {func} on {labels}, changing its shape, strides or storage: "
+                "a patch load refuses that",
+            )
+        if torch.Tag.out in func.tags or len(targets) != 1 or written[0][0] != 0:
+            ledger.stop("deferred", f"a dry run does not skip the loader's {func} into {labels}")
+        try:
+            func(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # raises where it would
+        except Exception as error:
+            ledger.stop(
+                "deferred", f"a dry run cannot follow {func} into {labels} ({type(error).__name__})"
+            )
+        try:
+            ledger.plain_write(targets[0], str(func), constant=func in _CONSTANT)
+        except LoaderContractError as error:
+            ledger.stop("unlearnable", str(error), ledger.loading)
+        return args[0]  # the write is skipped
+
+    def _read(self, tensor: torch.Tensor, func: torch._ops.OpOverload) -> None:
+        """The loader reads `tensor`: bytes a dry run did not write would read differently."""
+        ledger = self.ledger
+        key = storage_key(tensor)
+        if key is None or not (ledger.masked or ledger.plain):
+            return
+        span = span_of(tensor, key)
+        for earlier in ledger.masked:
+            if earlier.span.overlaps(span):
+                ledger.settle(
+                    earlier.names,
+                    "unlearnable",
+                    "the loader reads the weight back after writing it (a tied or derived copy "
+                    "that replay would not update)",
+                )
+                ledger.stop(
+                    "deferred",
+                    f"the loader reads {earlier.owner!r} back with {func} after writing it",
+                )
+        for write in ledger.plain:
+            if write.span.overlaps(span):
+                ledger.stop(
+                    "deferred",
+                    f"the loader reads {write.owner!r} back with {func} after its own write "
+                    f"({write.how}), which a dry run skips",
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    routes: dict[str, Route]
+    verdicts: dict[str, tuple[WarmStatus, str]]  # the names without a route, and why
+    stopped: tuple[WarmStatus, str] | None  # why the run ended early (then: no routes)
+
+
+def _dry_run(
+    module: torch.nn.Module,
+    index: ModelIndex,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    device: torch.device,
+) -> _Outcome:
+    """One dry call of ``module.load_weights`` with every spec; no model tensor is written."""
+    ledger = _DryLedger(index, frozenset(name for name, _, _ in specs))
+    snapshot = Snapshot(module)
+    weights: list[tuple[str, torch.Tensor]] = []
+    for name, shape, dtype in specs:
+        data = torch.empty(shape, dtype=dtype, device="meta")
+        weights.append(
+            (name, DryTensor(data, Provenance(frozenset({name}), ledger, Root(data)), device))
+        )
+        ledger.recorder.expect(name)
+    loaded: object = None
+    regions = _swap.suspend()
+    try:
+        with _DryGuard(ledger):
+            loaded = module.load_weights(weights)  # type: ignore[operator]
+    except _Stop:
+        pass
+    except Exception as error:
+        ledger.halt("deferred", f"the loader raised {type(error).__name__}: {error}")
+    finally:
+        ledger.open = False
+        _swap.resume(regions)
+    changed = snapshot.restore()
+    if changed:
+        ledger.halt(
+            "unlearnable",
+            f"the loader replaced, reshaped or added {', '.join(map(repr, changed))}: a patch "
+            "load refuses that",
+        )
+    weights.clear()
+    gc.collect()  # a reference cycle may be all that keeps a dry tensor alive
+    kept: set[str] = set()
+    for tensor in list(ledger.born):
+        kept |= tensor._prov.names
+    if kept:
+        ledger.halt(
+            "unlearnable",
+            f"the loader kept {_label(frozenset(kept))} after returning (a cache, an "
+            "attribute): a patch load refuses that",
+            kept,
+        )
+    names = [name for name, _, _ in specs]
+    if ledger.stopped is not None:
+        verdicts = {name: ledger.settled.get(name, ledger.stopped) for name in names}
+        return _Outcome({}, verdicts, ledger.stopped)
+    try:
+        reported = set() if loaded is None else set(loaded)  # type: ignore[call-overload]
+    except TypeError:
+        reported = set()
+    routes = ledger.recorder.routes(
+        {name: (shape, dtype) for name, shape, dtype in specs},
+        other_writes=[write.how for write in ledger.other_writes()],
+        constant_spans=ledger.constant_spans(),
+        reported=reported,
+    )
+    verdicts = {
+        name: ledger.settled.get(name, ("unlearnable", ledger.recorder.reasons.get(name, "")))
+        for name in names
+        if name not in routes
+    }
+    return _Outcome(routes, verdicts, None)
+
+
+def _learn(
+    module: torch.nn.Module,
+    index: ModelIndex,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    device: torch.device,
+) -> dict[str, Route | tuple[WarmStatus, str]]:
+    """Every name's route or verdict: one dry call for all, else one per name, then together.
+
+    A dry call with every name is what the first real update does (the checks between names,
+    such as two names writing the same bytes, need them in one call). When it stops, each
+    name runs alone to say which one stops it, and the names learnt alone run together again.
+    """
+    whole = _dry_run(module, index, specs, device)
+    if whole.stopped is None or len(specs) == 1:
+        return {**whole.verdicts, **whole.routes}
+    found: dict[str, Route | tuple[WarmStatus, str]] = {}
+    alone: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for spec in specs:
+        one = _dry_run(module, index, [spec], device)
+        found.update(one.verdicts)
+        if spec[0] in one.routes:
+            found[spec[0]] = one.routes[spec[0]]
+            alone.append(spec)
+    if len(alone) > 1:
+        together = _dry_run(module, index, alone, device)
+        if together.stopped is not None:
+            reason = f"learnt alone, but not together with the others: {together.stopped[1]}"
+            found.update({name: ("deferred", reason) for name, _, _ in alone})
+        else:
+            found.update({**together.verdicts, **together.routes})
+    return found
+
+
+def _checked_specs(specs: object) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    checked: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    problems = []
+    if not isinstance(specs, Iterable) or isinstance(specs, (str, bytes)):
+        raise InvalidPatchTypeError(
+            [
+                PatchProblem(
+                    None,
+                    "",
+                    f"RouteCache.warm takes (name, shape, dtype) specs; you supplied {specs!r:.80}",
+                    is_type_error=True,
+                )
+            ]
+        )
+    for position, spec in enumerate(specs):
+        try:
+            name, shape, dtype = spec
+            dims = tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            problems.append(
+                PatchProblem(position, "", f"is not a (name, shape, dtype) spec: {spec!r:.80}")
+            )
+            continue
+        if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
+            problems.append(
+                PatchProblem(
+                    position, str(name), f"needs a str name and a torch.dtype: {spec!r:.80}"
+                )
+            )
+        elif any(d < 0 for d in dims):
+            problems.append(PatchProblem(position, name, f"has a negative dimension {dims}"))
+        elif any(name == other for other, _, _ in checked):
+            problems.append(PatchProblem(position, name, "is listed twice"))
+        else:
+            checked.append((name, dims, dtype))
+    if problems:
+        raise InvalidPatchError(problems)
+    return checked
+
+
+def warm(
+    cache: RouteCache,
+    model: SupportsLoadWeights,
+    specs: Iterable[WarmSpec],
+    *,
+    protect: Mapping[str, str] | None = None,
+) -> WarmReport:
+    """`RouteCache.warm` (documented there)."""
+    check_model(model, "RouteCache.warm")
+    protected = name_map(protect, "protect= maps tensor names to the reason they are protected")
+    checked = _checked_specs(specs)
+    index = ModelIndex(model_tensors(model), protected)
+    module = as_module(model)
+    device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
+    cache._bind(model)
+    found: dict[str, Route | tuple[WarmStatus, str]] = {}
+    if checked:
+        with torch.no_grad():
+            found = _learn(module, index, checked, device)
+    rows = []
+    for name, _, _ in checked:
+        verdict = found[name]
+        if isinstance(verdict, Route):
+            cache._store(verdict)
+            rows.append(WarmRow(name, "learned"))
+            continue
+        status, reason = verdict
+        if status == "unlearnable":
+            cache.invalidate(name)  # a route cached before is not what the loader does now
+        rows.append(WarmRow(name, status, reason))
+    return WarmReport(tuple(rows))

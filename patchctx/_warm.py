@@ -627,6 +627,8 @@ def _dry_run(
             loaded = module.load_weights(weights)  # type: ignore[operator]
     except _Stop:
         pass
+    except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
+        ledger.halt("unlearnable", f"the loader refused it: {error}")
     except Exception as error:
         ledger.halt("deferred", f"the loader raised {type(error).__name__}: {error}")
     finally:

@@ -24,6 +24,7 @@ from patchctx import (
     PatchError,
     PatchProblem,
     RouteCache,
+    WarmReport,
     audit,
     load_checkpoint_weight_patches,
     validate_patches,
@@ -167,6 +168,37 @@ class WorkerPatcher:
             expected=base_version,
             found=self.version,
         )
+
+    def warm(
+        self, model: torch.nn.Module, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]
+    ) -> WarmReport:
+        """Learn the routes of `specs` before the first update (`RouteCache.warm`).
+
+        As `apply` would load them: tied aliases resolved to their canonical name (learnt
+        once), weights the engine transformed refused. A name learnt with a route that writes
+        a parameter counts as consumed, so the first update skips its `audit` too (which
+        stages the whole tensor); a route that writes nothing on this rank does not.
+
+        Returns:
+            One row per canonical name.
+        """
+        protect = transformed_weights(model)
+        aliases = tied_aliases(model)
+        canonical: dict[str, tuple[str, Sequence[int], torch.dtype]] = {}
+        names: dict[str, set[str]] = {}
+        for name, shape, dtype in specs:
+            target = aliases.get(name, name)
+            canonical.setdefault(target, (target, shape, dtype))
+            names.setdefault(target, {target}).add(name)
+        with refusing_transformed(model, protect):
+            report = self.routes.warm(
+                cast("SupportsLoadWeights", model), list(canonical.values()), protect=protect
+            )
+        for row in report.rows:
+            route = self.routes._route(row.name)
+            if row.status == "learned" and route is not None and route.segments:
+                self.consumed |= names[row.name]
+        return report
 
     def _refuse_unconsumed(
         self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]

@@ -41,6 +41,7 @@ from patchctx.vllm._transport import (
     Transport,
     check_received,
 )
+from patchctx.vllm._warmup import warm_at_start
 
 __all__ = [
     "VLLM_START_VERSION",
@@ -402,6 +403,9 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         self.pending: list[PatchPayload] = []
         self.last_stats: dict[str, Any] | None = None
         self.applier = "patchctx"
+        # Every checkpoint name's route, learnt now by a dry run of the loaders (nothing is
+        # written), so the first update already replays in O(nnz); `None` if not warmed.
+        self.warm_report = warm_at_start(self.patcher, model, vllm_config, self.rank)
         # vLLM's worker, to keep its "update in progress" flag the same on every worker when
         # only the last one raises (see `agree`), and to let a new trainer close an update a
         # dead one left open. `None` when not created by a vLLM worker.

@@ -48,6 +48,16 @@ def _options(options: object) -> dict[str, Any]:
     return chosen
 
 
+def _parsed_specs(specs: Sequence[Sequence[Any]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    parsed = []
+    for spec in specs:
+        name, shape, dtype = spec
+        if dtype not in DTYPES:
+            raise InvalidPatchError(f"{name!r}: unknown dtype name {dtype!r}")
+        parsed.append((str(name), tuple(int(d) for d in shape), DTYPES[dtype]))
+    return parsed
+
+
 class PatchWorkerExtension:
     """A vLLM worker extension: apply encoded patches to the worker's model, keep versions.
 
@@ -70,7 +80,9 @@ class PatchWorkerExtension:
 
     Methods (called by name through ``llm.collective_rpc``): ``patchctx_apply_patches(payload,
     options)`` (used by `apply_patches`), ``patchctx_set_weight_version(version)``,
-    ``patchctx_weight_version()`` and ``patchctx_audit(specs)`` (`audit_model` on the worker,
+    ``patchctx_weight_version()``, ``patchctx_warm(specs=None)`` (`RouteCache.warm` on the worker:
+    routes learnt before the first update, from the checkpoint's safetensors headers by
+    default) and ``patchctx_audit(specs)`` (`audit_model` on the worker,
     with specs as ``[name, shape, dtype name]`` lists; returns ``[name, status, reason]``
     rows). All names start with ``patchctx_``: vLLM refuses an extension whose attribute names
     clash with the worker's.
@@ -142,13 +154,23 @@ class PatchWorkerExtension:
 
     def patchctx_audit(self, specs: Sequence[Sequence[Any]]) -> list[list[str]]:
         """`audit_model` on this worker's model; specs are ``[name, shape, dtype name]``."""
-        parsed = []
-        for spec in specs:
-            name, shape, dtype = spec
-            if dtype not in DTYPES:
-                raise InvalidPatchError(f"{name!r}: unknown dtype name {dtype!r}")
-            parsed.append((str(name), tuple(int(d) for d in shape), DTYPES[dtype]))
-        report = audit_model(self._patchctx_model(), parsed)
+        report = audit_model(self._patchctx_model(), _parsed_specs(specs))
+        return [[row.name, row.status, row.reason] for row in report.rows]
+
+    def patchctx_warm(self, specs: Sequence[Sequence[Any]] | None = None) -> list[list[str]]:
+        """Learn routes before the first update (`RouteCache.warm`: nothing is written).
+
+        Specs are ``[name, shape, dtype name]`` lists; `None` (the default) reads every
+        tensor of the checkpoint the engine loaded from its safetensors headers. Returns
+        ``[name, status, reason]`` rows (status ``learned``, ``unlearnable`` or ``deferred``).
+        """
+        if specs is None:
+            from patchctx.vllm._warmup import checkpoint_specs
+
+            parsed = checkpoint_specs(getattr(self, "vllm_config", None))
+        else:
+            parsed = _parsed_specs(specs)
+        report = self._patchctx_worker().warm(self._patchctx_model(), parsed)
         return [[row.name, row.status, row.reason] for row in report.rows]
 
     def patchctx_apply_patches(

@@ -539,13 +539,15 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         targets: list[torch.Tensor] = []
         for position, name in written:
             targets.extend(_tensors(args[position] if position < len(args) else kwargs.get(name)))
-        if not func.is_view:
-            pure_write = func.overloadpacket in _PURE_WRITES
-            for tensor in tensors:
-                if not pure_write or all(tensor is not t for t in targets):
-                    self._read(tensor, func)
         owned = [(t, ledger.index.owner(t)) for t in targets]
         model_targets = [(t, owner) for t, owner in owned if owner is not None]
+        if not func.is_view:
+            # A model tensor written here is checked as a write (`plain_write` refuses what a
+            # patch load refuses), and the write is skipped: what it reads does not matter.
+            skip = targets if func.overloadpacket in _PURE_WRITES else [t for t, _ in model_targets]
+            for tensor in tensors:
+                if all(tensor is not t for t in skip):
+                    self._read(tensor, func)
         if not model_targets:
             return func(*args, **kwargs)
         labels = ", ".join(repr(owner.name) for _, owner in model_targets)
@@ -613,6 +615,13 @@ def _dry_run(
     """One dry call of ``module.load_weights`` with every spec; no model tensor is written."""
     ledger = _DryLedger(index, frozenset(name for name, _, _ in specs))
     snapshot = Snapshot(module)
+    # Submodules by (parent, attribute): `Snapshot` puts back tensors and removes additions,
+    # but a submodule replaced under its own name would stay replaced.
+    children = [
+        (parent, attr, child)
+        for _, parent in module.named_modules(remove_duplicate=False)
+        for attr, child in parent._modules.items()
+    ]
     weights: list[tuple[str, torch.Tensor]] = []
     for name, shape, dtype in specs:
         data = torch.empty(shape, dtype=dtype, device="meta")
@@ -635,6 +644,10 @@ def _dry_run(
         ledger.open = False
         _swap.resume(regions)
     changed = snapshot.restore()
+    for parent, attr, child in children:
+        if parent._modules.get(attr) is not child:
+            parent._modules[attr] = child
+            changed.append(attr)
     if changed:
         ledger.halt(
             "unlearnable",

@@ -351,6 +351,19 @@ def test_protected_tensors_and_masked_regions() -> None:
         assert routes.warm(model, [("w", (4, 6), torch.float32)]).names("learned") == ["w"]
 
 
+def test_a_submodule_replaced_under_its_own_name_is_put_back() -> None:
+    def load(m: Loader, name: str, w: torch.Tensor) -> None:
+        m.sub = nn.Linear(6, 4)  # replaces the existing submodule
+        m.weight.data.copy_(w)
+
+    model = Loader(load)
+    model.sub = nn.Linear(6, 4)
+    sub, before = model.sub, state(model)
+    (row,) = RouteCache().warm(model, [("w", (4, 6), torch.float32)]).rows
+    assert model.sub is sub and row.status == "unlearnable" and "'sub'" in row.reason
+    assert_same_state(state(model), before)
+
+
 def test_specs_are_checked() -> None:
     model = Loader(_chunks)
     with pytest.raises(InvalidPatchError, match="listed twice"):

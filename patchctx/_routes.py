@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from patchctx._errors import InvalidPatchError
 from patchctx._undo import UndoLog, storage_flat
 
 if TYPE_CHECKING:
-    from patchctx._warm import WarmReport, WarmSpec
+    from patchctx._warm import WarmReport
 
 __all__ = ["Geometry", "LiveTensors", "Route", "RouteCache", "Segment", "replay", "replay_bounds"]
 
@@ -354,7 +354,7 @@ class RouteCache:
     def warm(
         self,
         model: Any,
-        specs: Iterable[WarmSpec],
+        specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
         *,
         protect: Mapping[str, str] | None = None,
     ) -> WarmReport:

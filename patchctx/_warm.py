@@ -70,15 +70,13 @@ from patchctx._writes import ModelIndex, WriteLedger, _Masked, span_of, storage_
 if TYPE_CHECKING:
     from patchctx._routes import RouteCache
 
-__all__ = ["WarmReport", "WarmRow", "WarmSpec", "warm"]
+__all__ = ["WarmReport", "WarmRow", "warm"]
 
 aten = torch.ops.aten
 
-WarmStatus = Literal["learned", "unlearnable", "deferred"]
-WarmSpec = tuple[str, Sequence[int], torch.dtype]
-"""A checkpoint tensor to learn: name, full checkpoint shape, checkpoint dtype."""
+_Status = Literal["learned", "unlearnable", "deferred"]
 
-_STATUSES: tuple[WarmStatus, ...] = ("learned", "unlearnable", "deferred")
+_STATUSES: tuple[_Status, ...] = ("learned", "unlearnable", "deferred")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +101,7 @@ with .item()')
     """
 
     name: str
-    status: WarmStatus
+    status: Literal["learned", "unlearnable", "deferred"]
     reason: str = ""
 
 
@@ -129,7 +127,7 @@ class WarmReport:
         counted = Counter(row.status for row in self.rows)
         return {status: counted.get(status, 0) for status in _STATUSES}
 
-    def names(self, status: WarmStatus) -> list[str]:
+    def names(self, status: Literal["learned", "unlearnable", "deferred"]) -> list[str]:
         """The names with `status`."""
         return [row.name for row in self.rows if row.status == status]
 
@@ -162,20 +160,20 @@ class _DryLedger(WriteLedger):
 
     def __init__(self, index: ModelIndex, names: frozenset[str]) -> None:
         super().__init__(index, UndoLog(), Recorder(), log_plain=False, loading=names)
-        self.settled: dict[str, tuple[WarmStatus, str]] = {}
-        self.stopped: tuple[WarmStatus, str] | None = None
+        self.settled: dict[str, tuple[_Status, str]] = {}
+        self.stopped: tuple[_Status, str] | None = None
 
-    def settle(self, names: Iterable[str], status: WarmStatus, reason: str) -> None:
+    def settle(self, names: Iterable[str], status: _Status, reason: str) -> None:
         for name in names:
             self.settled.setdefault(name, (status, reason))
 
-    def halt(self, status: WarmStatus, reason: str, names: Iterable[str] = ()) -> None:
+    def halt(self, status: _Status, reason: str, names: Iterable[str] = ()) -> None:
         """Record why the run cannot go on: `names` get the verdict, the run is stopped."""
         self.settle(names, status, reason)
         if self.stopped is None:
             self.stopped = (status, reason)
 
-    def stop(self, status: WarmStatus, reason: str, names: Iterable[str] = ()) -> NoReturn:
+    def stop(self, status: _Status, reason: str, names: Iterable[str] = ()) -> NoReturn:
         self.halt(status, reason, names)
         raise _Stop(reason)
 
@@ -599,11 +597,19 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 )
 
 
+def _kept(ledger: _DryLedger) -> set[str]:
+    """The names of the dry tensors still alive (the loader kept them)."""
+    kept: set[str] = set()
+    for tensor in list(ledger.born):
+        kept |= tensor._prov.names
+    return kept
+
+
 @dataclass(frozen=True, slots=True)
 class _Outcome:
     routes: dict[str, Route]
-    verdicts: dict[str, tuple[WarmStatus, str]]  # the names without a route, and why
-    stopped: tuple[WarmStatus, str] | None  # why the run ended early (then: no routes)
+    verdicts: dict[str, tuple[_Status, str]]  # the names without a route, and why
+    stopped: tuple[_Status, str] | None  # why the run ended early (then: no routes)
 
 
 def _dry_run(
@@ -655,10 +661,10 @@ def _dry_run(
             "load refuses that",
         )
     weights.clear()
-    gc.collect()  # a reference cycle may be all that keeps a dry tensor alive
-    kept: set[str] = set()
-    for tensor in list(ledger.born):
-        kept |= tensor._prov.names
+    kept = _kept(ledger)
+    if kept:
+        gc.collect()  # a reference cycle may be all that keeps a dry tensor alive
+        kept = _kept(ledger)
     if kept:
         ledger.halt(
             "unlearnable",
@@ -693,7 +699,7 @@ def _learn(
     index: ModelIndex,
     specs: list[tuple[str, tuple[int, ...], torch.dtype]],
     device: torch.device,
-) -> dict[str, Route | tuple[WarmStatus, str]]:
+) -> dict[str, Route | tuple[_Status, str]]:
     """Every name's route or verdict: one dry call for all, else one per name, then together.
 
     A dry call with every name is what the first real update does (the checks between names,
@@ -703,7 +709,7 @@ def _learn(
     whole = _dry_run(module, index, specs, device)
     if whole.stopped is None or len(specs) == 1:
         return {**whole.verdicts, **whole.routes}
-    found: dict[str, Route | tuple[WarmStatus, str]] = {}
+    found: dict[str, Route | tuple[_Status, str]] = {}
     alone: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for spec in specs:
         one = _dry_run(module, index, [spec], device)
@@ -764,7 +770,7 @@ def _checked_specs(specs: object) -> list[tuple[str, tuple[int, ...], torch.dtyp
 def warm(
     cache: RouteCache,
     model: SupportsLoadWeights,
-    specs: Iterable[WarmSpec],
+    specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
     *,
     protect: Mapping[str, str] | None = None,
 ) -> WarmReport:
@@ -776,7 +782,7 @@ def warm(
     module = as_module(model)
     device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
     cache._bind(model)
-    found: dict[str, Route | tuple[WarmStatus, str]] = {}
+    found: dict[str, Route | tuple[_Status, str]] = {}
     if checked:
         with torch.no_grad():
             found = _learn(module, index, checked, device)

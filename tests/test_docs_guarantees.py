@@ -41,6 +41,7 @@ GUARANTEE_FILES: dict[str, str | None] = {
     "tests/test_swap.py": "docs/guarantees.md",
     "tests/test_faults.py": "docs/guarantees.md",
     "tests/test_routes.py": "docs/guarantees.md",
+    "tests/test_warm.py": "docs/guarantees.md",
     "tests/test_audit.py": "docs/guarantees.md",
     "tests/test_diff.py": "docs/guarantees.md",
     "tests/test_blocked.py": "docs/guarantees.md",

@@ -311,7 +311,7 @@ def test_a_loader_that_raises_for_one_name_does_not_stop_the_others() -> None:
     assert model.calls == 1 + 3 + 1
 
 
-def test_two_names_writing_the_same_bytes_are_learnt_alone_but_not_together() -> None:
+def test_two_names_writing_the_same_bytes_in_one_call_are_not_learnt() -> None:
     def load(m: Loader, name: str, w: torch.Tensor) -> None:
         m.weight.data.copy_(w)
 

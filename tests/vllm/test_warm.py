@@ -13,6 +13,7 @@ import base64
 import functools
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,34 @@ def test_the_backend_warms_at_engine_start_and_the_first_update_replays(
     assert _engine(tmp_path / "missing").warm_report is None
     monkeypatch.setenv("PATCHCTX_VLLM_WARM", "0")
     assert _engine(tmp_path).warm_report is None
+
+
+def test_an_engine_with_the_backend_warms_at_start_and_its_first_update_replays(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A real in-process ``LLM`` with the ``patchctx`` backend: every sparse patch of the
+    first update replays a route learnt at engine start, and generations match
+    ``transformers`` on the identically patched checkpoint."""
+    from patchctx.vllm import LLMWeightSyncClient, PatchctxTrainerEngine, PatchctxTrainerInitInfo
+    from tests.vllm.support.engine import (
+        assert_same_generations,
+        hf_greedy,
+        running_engine,
+        vllm_greedy,
+    )
+    from tests.vllm.test_engine import patched_checkpoint, update
+
+    model_dir = checkpoints["qwen2"]
+    patches = update(model_dir, seed=5)
+    config: dict[str, Any] = {"weight_transfer_config": {"backend": "patchctx"}}
+    with running_engine(model_dir, keep_layout=True, **config) as llm:
+        trainer = PatchctxTrainerEngine.trainer_init(
+            PatchctxTrainerInitInfo(rank=0, transport="inline"), client=LLMWeightSyncClient(llm)
+        )
+        trainer.send_weights(patches)
+        (stats,) = llm.collective_rpc("patchctx_last_update")
+        after = vllm_greedy(llm)
+    sparse_patches = sum(p.indices is not None for p in patches)
+    assert sparse_patches > 0 and stats["replayed"] == sparse_patches, stats
+    assert stats["through_loader"] == len(patches) - sparse_patches, stats
+    assert_same_generations(after, hf_greedy(patched_checkpoint(model_dir, patches, tmp_path)))

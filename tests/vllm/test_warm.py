@@ -157,3 +157,21 @@ def test_an_engine_with_the_backend_warms_at_start_and_its_first_update_replays(
     assert sparse_patches > 0 and stats["replayed"] == sparse_patches, stats
     assert stats["through_loader"] == len(patches) - sparse_patches, stats
     assert_same_generations(after, hf_greedy(patched_checkpoint(model_dir, patches, tmp_path)))
+
+
+def test_the_worker_extension_warms_on_demand(tmp_path: Path) -> None:
+    from tests.vllm.support.patches import ModelWorker, patchctx_load
+
+    save_file({"w": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    worker = ModelWorker(Model())
+    assert worker.patchctx_warm([["w", [4, 4], "float32"]]) == [["w", "learned", ""]]
+    worker = ModelWorker(Model())
+    worker.vllm_config = SimpleNamespace(  # type: ignore[attr-defined]  # vLLM's worker has it
+        model_config=SimpleNamespace(model=str(tmp_path))
+    )
+    assert worker.patchctx_warm() == [["w", "learned", ""]]
+    patch = CheckpointWeightPatch(
+        "w", (4, 4), torch.float32, torch.tensor([5.0]), torch.tensor([9])
+    )
+    stats = patchctx_load(worker, [patch])
+    assert stats["replayed"] == 1 and stats["loader_calls"] == 0

@@ -59,7 +59,16 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        except LoaderContractError as error:
+            if all(error is not known for known in self.ledger.refusals):
+                self.ledger.refusals.append(error)  # even if the loader catches it
+            raise
+
+    def _dispatch(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         tensors = _tensors((args, kwargs))
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the staged data handles it

@@ -173,6 +173,12 @@ def run_loader(
         finally:
             call.leave()  # every cleanup runs twice, at different lines (module doc)
         names = set() if loaded is None else set(loaded)
+        if call.ledger.refusals:
+            first = call.ledger.refusals[0]
+            raise type(first)(
+                f"the loader caught patchctx's refusal and carried on, so what it did next "
+                f"rests on data it could not see: {first}"
+            ) from first
         changed = call.snapshot.restore()
         if changed:
             raise _rebound(changed)

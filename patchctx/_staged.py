@@ -57,6 +57,9 @@ aten = torch.ops.aten
 class Ledger(Protocol):
     """What a load session does with the writes of its staged data (see `patchctx._writes`)."""
 
+    # Refusals raised for this load, kept even when the loader catches them.
+    refusals: list[LoaderContractError]
+
     def admit(
         self, destination: torch.Tensor, names: frozenset[str], how: str, *, dense: bool
     ) -> bool:
@@ -333,10 +336,12 @@ class StagedTensor(torch.Tensor):
 
     def _require_all_changed(self, what: str) -> None:
         if bool((self._update == KEEP).any()):
-            raise UnchangedValueRead(
-                f"{what} of staged data of {_label(self._prov.names)}: it holds positions the "
-                "patch does not change, whose values patchctx does not know; only positions a "
-                "patch changes can leave torch"
+            raise self._noted(
+                UnchangedValueRead(
+                    f"{what} of staged data of {_label(self._prov.names)}: it holds positions the "
+                    "patch does not change, whose values patchctx does not know; only positions a "
+                    "patch changes can leave torch"
+                )
             )
         if self._prov.ledger is not None:
             self._prov.ledger.unprovable(self._prov.names, f"the loader read values with {what}")
@@ -359,15 +364,19 @@ class StagedTensor(torch.Tensor):
         return array if dtype is None else array.astype(dtype)
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
-        raise LoaderContractError(
-            f"pickling staged data of {_label(self._prov.names)} (pickle, torch.save, "
-            "multiprocessing): it would turn the 'keep' marks into plain numbers"
+        raise self._noted(
+            LoaderContractError(
+                f"pickling staged data of {_label(self._prov.names)} (pickle, torch.save, "
+                "multiprocessing): it would turn the 'keep' marks into plain numbers"
+            )
         )
 
     def _no_storage(self, *args: object, **kwargs: object) -> NoReturn:
-        raise LoaderContractError(
-            f"raw memory access to staged data of {_label(self._prov.names)} (storage, "
-            "data_ptr, DLPack): the bytes alone do not say which positions the patch changes"
+        raise self._noted(
+            LoaderContractError(
+                f"raw memory access to staged data of {_label(self._prov.names)} (storage, "
+                "data_ptr, DLPack): the bytes alone do not say which positions the patch changes"
+            )
         )
 
     untyped_storage = _no_storage
@@ -392,8 +401,20 @@ class StagedTensor(torch.Tensor):
             result = _dispatch(func, args, kwargs or {})
             end_bypass(was_inside)
             return result
+        except LoaderContractError as error:
+            for tensor in _tensors((args, kwargs or {})):
+                if isinstance(tensor, StagedTensor):
+                    tensor._noted(error)
+            raise
         finally:
             end_bypass(was_inside)  # a second reset, for an exception that cut the first
+
+    def _noted(self, error: LoaderContractError) -> LoaderContractError:
+        """`error`, remembered by the load this staged data belongs to (see `WriteLedger`)."""
+        ledger = self._prov.ledger
+        if ledger is not None and all(error is not known for known in ledger.refusals):
+            ledger.refusals.append(error)
+        return error
 
 
 def _provenance(staged: list[StagedTensor]) -> Provenance:

@@ -149,6 +149,9 @@ class WriteLedger:
         self.compact = compact
         self.thread = threading.get_ident()
         self.open = True
+        # Every refusal raised during the load, in any thread: a loader that catches one and
+        # carries on has acted on data it could not see, so the load fails all the same.
+        self.refusals: list[LoaderContractError] = []
         self.plain: list[_Plain] = []
         self.masked: list[_Masked] = []
         self.born: weakref.WeakSet[StagedTensor] = weakref.WeakSet()

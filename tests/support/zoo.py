@@ -14,6 +14,7 @@ Each entry also says what happens for float32: ``"masked"`` (the dense truth) or
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import io
@@ -388,6 +389,58 @@ entry("copy-of-numpy", "refused", "`p.data.copy_(torch.from_numpy(w.numpy()))`")
 entry("copy-of-pickle-roundtrip", "refused", "`p.data.copy_(pickle.loads(pickle.dumps(w)))`")(
     lambda m, w: m.weight.data.copy_(pickle.loads(pickle.dumps(w)))
 )
+
+
+# -- loaders that catch patchctx's refusal and carry on --------------------------------------
+# The refusal is not the loader's to swallow: what it does next rests on data it could not see
+# (a branch on a value, a fallback copy), so the load fails all the same.
+
+
+@entry(
+    "branch-on-item-swallowing-the-refusal",
+    "refused",
+    "`try: big = w.view(-1)[0].item() > 0` `except Exception: big = False`, then a copy",
+)
+def _branch_on_item(m: ZooLayer, w: torch.Tensor) -> None:
+    try:
+        big = bool(w.reshape(-1)[0].item() > 0)
+    except Exception:
+        big = False
+    m.weight.data.copy_(w * 2 if big else w)
+
+
+@entry(
+    "add_-swallowing-the-refusal",
+    "refused",
+    "`try: p.data.add_(w)` `except Exception: p.data.copy_(w)`",
+)
+def _add_swallowed(m: ZooLayer, w: torch.Tensor) -> None:
+    try:
+        m.weight.data.add_(w)
+    except Exception:
+        m.weight.data.copy_(w)
+
+
+@entry(
+    "tolist-in-a-thread-swallowing-the-refusal",
+    "refused",
+    "another thread's `w.tolist()` fails and is ignored, then `p.data.copy_(w)`",
+)
+def _tolist_thread_swallowed(m: ZooLayer, w: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):
+        _in_thread(lambda: w.tolist())
+    m.weight.data.copy_(w)
+
+
+@entry(
+    "resize-swallowing-the-refusal",
+    "refused",
+    "`try: p.data.resize_(...)` `except Exception: pass`, then `p.data.copy_(w)`",
+)
+def _resize_swallowed(m: ZooLayer, w: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):
+        m.weight.data.resize_(2 * w.numel())
+    m.weight.data.copy_(w)
 
 
 @entry("copy-of-torch.save-load", "refused", "`torch.save(w, buffer)`, then `torch.load`")

@@ -32,12 +32,18 @@ class UpdateCost:
     """Estimated seconds of a tensor's update, sparse or dense, for choosing between them.
 
     For a tensor of `numel` elements of `element_size` bytes, `nnz` of them changed, and a
-    sparse patch of `sparse_bytes` on the wire (values and positions, see `wire_sizes`)::
+    sparse patch of `sparse_bytes` on the wire (values and positions in their smallest
+    encoding, see `wire_sizes`)::
 
         sparse = sparse_seconds_per_patch + nnz * sparse_seconds_per_element
+                 + [numel * bitmask_seconds_per_element, when the positions are a bitmask]
                  + sparse_bytes / link_bytes_per_second
         dense  = dense_seconds_per_patch + numel * element_size * dense_seconds_per_byte
                  + numel * element_size / link_bytes_per_second
+
+    A bitmask is decoded by scanning every bit of it, so its cost grows with the tensor, not
+    with the changes; on a CPU that scan costs more per element than a dense copy, so a
+    tensor whose positions are smallest as a bitmask goes dense unless the link is slow.
 
     The defaults are what `benchmarks.wire_bench` measured on the 2-core CPU machine patchctx
     is developed on (torch 2.13, one thread, routes recorded: replay in the steady state; a
@@ -47,7 +53,8 @@ class UpdateCost:
 
     Attributes:
         link_bytes_per_second: The bandwidth from trainer to worker (`math.inf`: free).
-        sparse_seconds_per_element: Applying one changed element by route replay.
+        sparse_seconds_per_element: Decoding and applying one changed element (route replay).
+        bitmask_seconds_per_element: Decoding a bitmask, per element of the tensor.
         dense_seconds_per_byte: Applying one byte of a dense patch (a copy through the loader).
         sparse_seconds_per_patch: The fixed cost of one sparse patch.
         dense_seconds_per_patch: The fixed cost of one dense patch.
@@ -64,10 +71,11 @@ class UpdateCost:
     """
 
     link_bytes_per_second: float = 10e9
-    sparse_seconds_per_element: float = 4.0e-9
+    sparse_seconds_per_element: float = 1.2e-8
+    bitmask_seconds_per_element: float = 3.0e-9
     dense_seconds_per_byte: float = 1.0e-10
-    sparse_seconds_per_patch: float = 50e-6
-    dense_seconds_per_patch: float = 20e-6
+    sparse_seconds_per_patch: float = 130e-6
+    dense_seconds_per_patch: float = 150e-6
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,16 +97,19 @@ class UpdateCost:
         if problems:
             raise InvalidPatchError(problems)
 
-    def sparse_seconds(self, nnz: int, sparse_bytes: int) -> float:
-        """Estimated seconds to send and apply a sparse patch of `nnz` elements.
+    def sparse_seconds(self, nnz: int, sparse_bytes: int, *, bitmask_numel: int = 0) -> float:
+        """Estimated seconds to send, decode and apply a sparse patch of `nnz` elements.
 
         Args:
             nnz: Changed elements.
             sparse_bytes: Its size on the wire (values and positions).
+            bitmask_numel: The tensor's elements when the positions travel as a bitmask
+                (every bit is decoded), else 0.
         """
         return (
             self.sparse_seconds_per_patch
             + nnz * self.sparse_seconds_per_element
+            + bitmask_numel * self.bitmask_seconds_per_element
             + sparse_bytes / self.link_bytes_per_second
         )
 
@@ -116,9 +127,20 @@ class UpdateCost:
             + nbytes / self.link_bytes_per_second
         )
 
-    def prefers_sparse(self, *, numel: int, nnz: int, element_size: int, sparse_bytes: int) -> bool:
-        """Whether the sparse patch is estimated strictly faster than the dense one."""
-        return self.sparse_seconds(nnz, sparse_bytes) < self.dense_seconds(numel, element_size)
+    def prefers_sparse(
+        self, *, numel: int, nnz: int, element_size: int, sparse_bytes: int, bitmask: bool = False
+    ) -> bool:
+        """Whether the sparse patch is estimated strictly faster than the dense one.
+
+        Args:
+            numel: Elements of the tensor.
+            nnz: Changed elements.
+            element_size: Bytes per value.
+            sparse_bytes: The sparse patch's size on the wire.
+            bitmask: Whether its positions travel as a bitmask.
+        """
+        sparse = self.sparse_seconds(nnz, sparse_bytes, bitmask_numel=numel if bitmask else 0)
+        return sparse < self.dense_seconds(numel, element_size)
 
     @classmethod
     def calibrate(
@@ -136,9 +158,11 @@ class UpdateCost:
         of it and of a 256-element tensor give `dense_seconds_per_byte` and the fixed cost.
         A one-element sparse patch through a `RouteCache` (route recorded first) gives the
         sparse fixed cost; `sparse_seconds_per_element` is the cost above it per element of a
-        sparse patch at the density where sparse and dense cross (replay gets cheaper per
+        sparse patch (its positions decoded from their smallest encoding, then replayed, as a
+        worker receives it) at the density where sparse and dense cross (replay gets cheaper per
         element as density grows, so the estimate is made exact where the choice turns): a
         first measurement at 5%, a second at the crossing it predicts (within 0.5%..50%).
+        Decoding a bitmask with a tenth of its bits set gives `bitmask_seconds_per_element`.
         Each is the fastest of `repeats` runs, so run it on a quiet machine, with the thread
         count the worker uses. It takes a second or two on a CPU at the defaults.
 
@@ -194,6 +218,12 @@ def _fastest(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
 def _measure_costs(
     *, numel: int, dtype: torch.dtype, device: torch.device | str, repeats: int
 ) -> dict[str, float]:
+    from patchctx._encoding import (
+        WireEncoding,
+        decode_positions,
+        encode_positions,
+        positions_summary,
+    )
     from patchctx._load import load_checkpoint_weight_patches
     from patchctx._patch import CheckpointWeightPatch
     from patchctx._routes import RouteCache
@@ -224,10 +254,18 @@ def _measure_costs(
         )
 
     def sparse_time(nnz: int) -> float:
+        # what the receiver does: decode the positions (smallest encoding), then replay
         patch = sparse_patch(nnz)
-        return _fastest(
-            lambda: load_checkpoint_weight_patches(model, [patch], routes=routes), where, repeats
-        )
+        assert patch.indices is not None
+        summary = positions_summary(patch.indices, numel)
+        encoding, _ = summary.smallest()
+        data = encode_positions(patch.indices, summary, encoding)
+
+        def receive() -> None:
+            indices = decode_positions(data, numel, nnz, encoding)
+            load_checkpoint_weight_patches(model, [patch._replace(indices=indices)], routes=routes)
+
+        return _fastest(receive, where, repeats)
 
     load_checkpoint_weight_patches(model, [sparse_patch(1)], routes=routes)  # records the route
     sparse_fixed = sparse_time(1)
@@ -237,6 +275,19 @@ def _measure_costs(
     # Replay's cost per element falls with density (positions share cache lines), so the chord
     # from the fixed cost is taken where sparse and dense cross: a first guess at 5%, then
     # where that guess says they cross.
+    # A bitmask's decode, per element of the tensor (a tenth of it set).
+    mask_positions = sparse_patch(numel // 10).indices
+    assert mask_positions is not None
+    summary = positions_summary(mask_positions, numel)
+    mask = encode_positions(mask_positions, summary, WireEncoding.BITMASK)
+    per_bit = (
+        _fastest(
+            lambda: decode_positions(mask, numel, numel // 10, WireEncoding.BITMASK),
+            where,
+            repeats,
+        )
+        / numel
+    )
     nnz = numel // 20
     for _ in range(2):
         per_element = max(sparse_time(nnz) - sparse_fixed, 0.0) / nnz
@@ -244,6 +295,7 @@ def _measure_costs(
         nnz = int(min(max(crossing, numel / 200), numel / 2))
     return {
         "sparse_seconds_per_element": max(per_element, 0.0),
+        "bitmask_seconds_per_element": per_bit,
         "dense_seconds_per_byte": max(per_byte, 0.0),
         "sparse_seconds_per_patch": sparse_fixed,
         "dense_seconds_per_patch": dense_fixed,

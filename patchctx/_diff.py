@@ -19,6 +19,7 @@ from patchctx._arguments import density, instance_of
 from patchctx._cost import UpdateCost
 from patchctx._encoding import (
     PositionsSummary,
+    WireEncoding,
     count_escapes,
     index_dtype,
     wire_sizes,
@@ -49,8 +50,13 @@ def sparse_nbytes(nnz: int, numel: int, element_size: int, escapes: int) -> int:
 
     `escapes` is the number of its gaps that need an escape (see `patchctx._encoding`).
     """
+    return _sparse_wire(nnz, numel, element_size, escapes)[1]
+
+
+def _sparse_wire(nnz: int, numel: int, element_size: int, escapes: int) -> tuple[WireEncoding, int]:
     summary = PositionsSummary(numel, nnz, True, True, escapes, index_dtype(numel).itemsize)
-    return nnz * element_size + summary.smallest()[1]
+    encoding, positions = summary.smallest()
+    return encoding, nnz * element_size + positions
 
 
 def _max_escapes(nnz: int, numel: int) -> int:
@@ -96,11 +102,15 @@ def choose_sparse(
         return False
 
     def wins(escaped: int) -> bool:
-        size = sparse_nbytes(nnz, numel, element_size, escaped)
+        encoding, size = _sparse_wire(nnz, numel, element_size, escaped)
         if cost is None:
             return size < numel * element_size
         return cost.prefers_sparse(
-            numel=numel, nnz=nnz, element_size=element_size, sparse_bytes=size
+            numel=numel,
+            nnz=nnz,
+            element_size=element_size,
+            sparse_bytes=size,
+            bitmask=encoding is WireEncoding.BITMASK,
         )
 
     if not callable(escapes):
@@ -534,8 +544,10 @@ def diff_state_dicts(
        ``sparse_bytes < numel * value bytes``, where ``sparse_bytes`` is
        ``nnz * value bytes`` plus the smallest encoding of the positions (`wire_sizes`:
        ``indices``, ``gaps`` or ``bitmask``). With `cost`: sparse when
-       ``cost.sparse_seconds(nnz, sparse_bytes) < cost.dense_seconds(numel, value bytes)``
-       (`UpdateCost`: wire time at its link bandwidth plus estimated apply time).
+       ``cost.sparse_seconds(nnz, sparse_bytes, bitmask_numel=...) <
+       cost.dense_seconds(numel, value bytes)``
+       (`UpdateCost`: wire time at its link bandwidth plus estimated decode and apply time;
+       ``bitmask_numel`` is ``numel`` when the smallest encoding is the bitmask, else 0).
        Otherwise dense.
 
     So `dense_above` is a cap that holds whatever `cost` says, and the strategy's fallbacks
@@ -594,13 +606,10 @@ def diff_state_dicts(
         w tensor([6], dtype=torch.int32) tensor([0.5000], dtype=torch.bfloat16)
         b tensor([1], dtype=torch.int32) tensor([-0.], dtype=torch.bfloat16)
 
-        By estimated time instead of size, with `UpdateCost`: tiny tensors go dense (a sparse
-        patch's fixed cost outweighs copying a few values), and so do dense changes to large
-        ones, whose replay would be slower than a copy:
+        By estimated time instead of size, with `UpdateCost`: dense changes to large tensors go
+        dense, their replay being slower than a copy:
 
         >>> from patchctx import UpdateCost
-        >>> [p.indices is None for p in diff_state_dicts(old, new, cost=UpdateCost())]
-        [True, True]
         >>> old = {"big": torch.zeros(2**20)}
         >>> new = {"big": torch.zeros(2**20)}
         >>> new["big"][::1000] = 1.0  # 0.1% changed

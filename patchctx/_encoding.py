@@ -298,25 +298,26 @@ def _little_endian(values: torch.Tensor, width: int) -> torch.Tensor:
     return ((values.unsqueeze(1) >> shifts) & 0xFF).to(torch.uint8).reshape(-1)
 
 
-def _from_little_endian(raw: torch.Tensor, width: int, *, signed: bool = False) -> torch.Tensor:
-    """Undo `_little_endian`, as int64.
+def _from_little_endian(
+    raw: torch.Tensor, width: int, *, signed: bool = False, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """Undo `_little_endian`: a new tensor of `dtype` (int32 or int64).
 
-    Unsigned (a uint64 at 2**63 or above comes out negative) or, with `signed`, two's
+    Unsigned (a uint64 at 2**63 or above comes out negative in int64) or, with `signed`, two's
     complement.
     """
     if sys.byteorder == "little":
         if raw.storage_offset() % width:
             raw = raw.clone()  # `view` needs an aligned start; only short tables get here
-        wide = raw.view(_SIGNED[width]).to(torch.int64)
-    else:
-        shifts = torch.arange(0, 8 * width, 8, dtype=torch.int64, device=raw.device)
-        wide = (raw.view(-1, width).to(torch.int64) << shifts).sum(dim=1)
-        if signed and width < 8:
-            wide = wide - ((wide >> (8 * width - 1)) << (8 * width))
+        wide = raw.view(_SIGNED[width]).to(dtype)  # a new tensor whenever it is changed below
+        if not signed and width < dtype.itemsize:
+            wide.bitwise_and_(_UNSIGNED_MASK[width])
         return wide
-    if not signed and width < 8:
-        wide = wide & _UNSIGNED_MASK[width]
-    return wide
+    shifts = torch.arange(0, 8 * width, 8, dtype=torch.int64, device=raw.device)
+    wide = (raw.view(-1, width).to(torch.int64) << shifts).sum(dim=1)
+    if signed and width < 8:
+        wide = wide - ((wide >> (8 * width - 1)) << (8 * width))
+    return wide.to(dtype)
 
 
 def encode_positions(
@@ -412,7 +413,7 @@ def decode_positions(
                 f"{count} {chosen} indices take {count * width} bytes, the stream has "
                 f"{data.numel()}"
             )
-        return _from_little_endian(data, width, signed=True).to(chosen)
+        return _from_little_endian(data, width, signed=True, dtype=chosen)
     if encoding is WireEncoding.GAPS:
         return _decode_gaps(data, numel, count)
     if encoding is WireEncoding.BITMASK:
@@ -431,8 +432,10 @@ def _decode_gaps(data: torch.Tensor, numel: int, count: int) -> torch.Tensor:
         if data.numel():
             raise MalformedPositions(f"an empty gap stream has {data.numel()} bytes, not 0")
         return torch.empty(0, dtype=out_dtype, device=data.device)
-    words = _from_little_endian(data[: 2 * count], 2)
-    escaped = words == ESCAPE
+    # The positions are built in place in one tensor of the output dtype: gap - 1, then the
+    # gap, then its running sum, then the position.
+    positions = _from_little_endian(data[: 2 * count], 2, dtype=out_dtype)
+    escaped = positions == ESCAPE
     escapes = int(escaped.sum())
     width = _escape_width(numel)
     expected = 2 * count + width * escapes
@@ -441,23 +444,31 @@ def _decode_gaps(data: torch.Tensor, numel: int, count: int) -> torch.Tensor:
             f"a gap stream of {count} positions with {escapes} escapes is {expected} bytes, "
             f"this one is {data.numel()}"
         )
-    table = _from_little_endian(data[2 * count :], width)
-    gaps = words.masked_scatter(escaped, table) if escapes else words
-    positions = torch.cumsum(gaps + 1, 0) - 1
-    # Gaps are at least 1, so the positions increase unless the sum wraps around int64, which
-    # (each gap below 2**62) first shows as a negative position.
-    checks = [positions.min() >= 0, positions[-1] < numel]
     if escapes:
-        checks += [table.min() >= ESCAPE, table.max() < numel]
-    ok = [bool(v) for v in torch.stack(checks).tolist()]
-    if not all(ok[2:]):
-        raise MalformedPositions(
-            f"an escape must hold a gap of at least {ESCAPE} and below the tensor's {numel} "
-            "elements"
-        )
-    if not all(ok[:2]):
+        table = _from_little_endian(data[2 * count :], width)
+        low, high = (int(v) for v in torch.stack(list(table.aminmax())).tolist())
+        if low < ESCAPE or high >= numel:  # uint64 entries over 2**63 read as negative
+            raise MalformedPositions(
+                f"an escape must hold a gap of at least {ESCAPE} and below the tensor's "
+                f"{numel} elements"
+            )
+        positions.masked_scatter_(escaped, table.to(out_dtype))
+    del escaped
+    positions.add_(1)
+    positions.cumsum_(0)
+    positions.sub_(1)
+    # Gaps are at least 1 and below 2**31 (2**62 for int64), so the positions increase unless
+    # the sum wraps around, which first shows as a negative position.
+    low, last = (int(v) for v in torch.stack([positions.min(), positions[-1]]).tolist())
+    if low < 0 or last >= numel:
         raise MalformedPositions(f"the gaps reach past the tensor's {numel} elements")
-    return positions.to(out_dtype)
+    return positions
+
+
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """For each byte value, its 8 bits (least significant first) as bools packed in an int64."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return bits.to(torch.bool).contiguous().view(torch.int64).view(-1).to(device)
 
 
 def _decode_bitmask(data: torch.Tensor, numel: int, count: int) -> torch.Tensor:
@@ -471,15 +482,21 @@ def _decode_bitmask(data: torch.Tensor, numel: int, count: int) -> torch.Tensor:
     if spare and int(data[-1]) >> (8 - spare):
         raise MalformedPositions(f"the bitmask sets a bit past the tensor's {numel} elements")
     out = torch.empty(count, dtype=out_dtype, device=data.device)
-    bit = torch.arange(8, dtype=torch.int64, device=data.device)
+    table = _bit_table(data.device)
+    # Sparse masks (by the announced count) unpack only their non-zero bytes.
+    sparse = 32 * count < numel
     filled = 0
     for start in range(0, nbytes, BITMASK_BLOCK_BYTES):
         block = data[start : start + BITMASK_BLOCK_BYTES]
-        occupied = block.nonzero().view(-1)
-        if occupied.numel() == 0:
-            continue
-        set_bits = ((block[occupied].to(torch.int64).unsqueeze(1) >> bit) & 1).bool()
-        found = ((occupied + start).unsqueeze(1) * 8 + bit)[set_bits]
+        if sparse:
+            occupied = block.nonzero().view(-1)
+            if occupied.numel() == 0:
+                continue
+            bits = table[block[occupied].long()].view(torch.bool).view(-1, 8).nonzero()
+            found = (occupied[bits[:, 0]] + start) * 8 + bits[:, 1]
+        else:
+            found = table[block.long()].view(torch.bool).nonzero().view(-1)
+            found += 8 * start
         if filled + found.numel() > count:
             raise MalformedPositions(f"the bitmask sets more than the {count} bits announced")
         out[filled : filled + found.numel()] = found

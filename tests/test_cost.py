@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ NUMEL = 2**20
 APPLY_ONLY = UpdateCost(
     link_bytes_per_second=math.inf,
     sparse_seconds_per_element=1e-9,
+    bitmask_seconds_per_element=0.0,
     dense_seconds_per_byte=1e-10,
     sparse_seconds_per_patch=0.0,
     dense_seconds_per_patch=0.0,
@@ -68,6 +70,20 @@ def test_dense_above_the_crossover_and_sparse_below(dtype: torch.dtype, crossove
     assert is_sparse(*changed_at(above, dtype))
 
 
+def test_a_bitmask_costs_its_decode_per_element_of_the_tensor() -> None:
+    # 10% changed: positions are smallest as a bitmask (1/8 byte per element, not 2 * 10%)
+    old, new = changed_at(round(NUMEL * 0.1))
+    assert is_sparse(old, new, cost=APPLY_ONLY)
+    scan = UpdateCost(**{**asdict(APPLY_ONLY), "bitmask_seconds_per_element": 1e-10})
+    assert not is_sparse(old, new, cost=scan)  # 0.1 ns per element scanned tips it
+    # 1% changed: gaps are smaller, so the bitmask's cost does not apply
+    old, new = changed_at(round(NUMEL * 0.01))
+    assert is_sparse(old, new, cost=scan)
+    assert scan.sparse_seconds(10, 100, bitmask_numel=1000) == pytest.approx(
+        10 * 1e-9 + 1000 * 1e-10
+    )
+
+
 def test_a_slow_link_favours_the_smaller_payload() -> None:
     # at 30% in bf16 replay is slower than a copy, but over a 100 MB/s link the bitmask
     # payload (0.125 + 2 * 0.3 bytes per element) beats 2 bytes per element
@@ -76,6 +92,7 @@ def test_a_slow_link_favours_the_smaller_payload() -> None:
     slow = UpdateCost(
         link_bytes_per_second=1e8,
         sparse_seconds_per_element=1e-9,
+        bitmask_seconds_per_element=0.0,
         dense_seconds_per_byte=1e-10,
     )
     assert is_sparse(old, new, cost=slow)

@@ -51,14 +51,16 @@ COSTS: list[UpdateCost | None] = [
 ]
 
 
-def sparse_wire_bytes(positions: torch.Tensor, numel: int, element_size: int) -> int:
+def sparse_wire_bytes(positions: torch.Tensor, numel: int, element_size: int) -> tuple[int, bool]:
     """The documented size of a sparse patch, computed here from its definition: the values
-    plus the smallest of int32 indices, uint16 gaps with uint32 escapes, and a bitmask."""
+    plus the smallest of int32 indices, uint16 gaps with uint32 escapes, and a bitmask (ties
+    to the first); and whether that is the bitmask."""
     nnz = positions.numel()
     gaps_minus_one = torch.diff(positions, prepend=torch.tensor([-1])) - 1
     escapes = int((gaps_minus_one >= 0xFFFF).sum())
-    encodings = (4 * nnz, 2 * nnz + 4 * escapes, (numel + 7) // 8)
-    return nnz * element_size + min(encodings)
+    encodings = [4 * nnz, 2 * nnz + 4 * escapes, (numel + 7) // 8]
+    smallest = min(encodings)
+    return nnz * element_size + smallest, encodings.index(smallest) == 2
 
 
 def load_cast(
@@ -106,11 +108,12 @@ def assert_smallest_correct(
         positions = changed.nonzero().view(-1)
         changed_values = gather(after.reshape(-1), positions)
         element = after.element_size()
-        sparse_bytes = sparse_wire_bytes(positions, numel, element)
+        sparse_bytes, bitmask = sparse_wire_bytes(positions, numel, element)
         cheaper = (
             sparse_bytes < numel * element
             if cost is None
-            else cost.sparse_seconds(nnz, sparse_bytes) < cost.dense_seconds(numel, element)
+            else cost.sparse_seconds(nnz, sparse_bytes, bitmask_numel=numel * bitmask)
+            < cost.dense_seconds(numel, element)
         )
         expect_sparse = (
             strategy.unsupported_reason(receiver) is None

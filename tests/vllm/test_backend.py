@@ -374,7 +374,7 @@ def test_every_transport_carries_every_position_encoding(tmp_path: Any) -> None:
     assert [wire_encoding(p) for p in patches] == [*list(WireEncoding)[1:], WireEncoding.DENSE]
     payload = encode_patches(patches, target_version="9")
     wire: queue.Queue[torch.Tensor] = queue.Queue()
-    pairs = [
+    pairs: list[tuple[Any, Any]] = [
         (InlineTransport(limit=4 << 20), InlineTransport(limit=4 << 20)),
         (SharedMemoryTransport(str(tmp_path)), SharedMemoryTransport(str(tmp_path))),
         (NCCLTransport(Loopback(wire, sender=True)), NCCLTransport(Loopback(wire, sender=False))),

@@ -10,6 +10,7 @@ import json
 import math
 import pickle
 import struct
+from typing import Any
 
 import pytest
 
@@ -213,15 +214,13 @@ def test_every_encoding_travels_and_decodes_to_the_same_positions(
     patch = sparse_patch(numel, positions, DTYPES[dtype_name])
     assert wire_encoding(patch) is encoding
     data = encode_patches([patch])
-    header = header_of(data)
-    assert (
-        header["patches"][0]["indices"]["encoding"]
-        == {  # type: ignore[index]
-            WireEncoding.INDICES: "int32",
-            WireEncoding.GAPS: "gaps",
-            WireEncoding.BITMASK: "bitmask",
-        }[encoding]
-    )
+    block: Any = header_of(data)["patches"]
+    expected = {
+        WireEncoding.INDICES: "int32",
+        WireEncoding.GAPS: "gaps",
+        WireEncoding.BITMASK: "bitmask",
+    }
+    assert block[0]["indices"]["encoding"] == expected[encoding]
     [got] = decode_patches(data)
     assert got.indices is not None and got.indices.dtype == torch.int32
     assert torch.equal(got.indices.long(), positions) and same(got.values, patch.values)
@@ -253,8 +252,8 @@ def test_payload_size_follows_patch_nbytes() -> None:
     small = sparse_patch(numel, torch.arange(0, numel, 1000), torch.bfloat16)
     big = sparse_patch(numel, torch.arange(0, numel, 2), torch.bfloat16)
     for patch in (small, big):
-        header = header_of(encode_patches([patch]))
-        block = header["patches"][0]["indices"]  # type: ignore[index]
+        entries: Any = header_of(encode_patches([patch]))["patches"]
+        block = entries[0]["indices"]
         assert block["nbytes"] + patch.values.numel() * 2 == patch_nbytes([patch])
     # the bitmask at 50%: 1/8 byte per element instead of 4 bytes per changed one
     assert len(encode_patches([big])) < numel // 8 + numel + 1024

@@ -331,3 +331,19 @@ def test_sizes_match_for_numel_that_is_not_a_multiple_of_8() -> None:
             numel / 8
         )
         round_trip(positions, numel, WireEncoding.BITMASK)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_encoding_and_decoding_stay_on_the_positions_device(device: str) -> None:
+    numel = 3 * 2**20
+    positions = torch.tensor([0, 70_000, 70_001, 2**21, numel - 1], device=device)
+    summary = positions_summary(positions, numel)
+    for encoding in SPARSE:
+        data = encode_positions(positions, summary, encoding)
+        assert data.device == positions.device
+        decoded = decode_positions(data, numel, positions.numel(), encoding)
+        assert decoded.device == positions.device
+        assert torch.equal(decoded.long().cpu(), positions.cpu())

@@ -259,6 +259,39 @@ def test_payload_size_follows_patch_nbytes() -> None:
     assert len(encode_patches([big])) < numel // 8 + numel + 1024
 
 
+def corrupted(patch: CheckpointWeightPatch, edit: dict[int, int]) -> bytes:
+    """`patch`'s payload with bytes of its positions block replaced (offset in the block)."""
+    data = bytearray(encode_patches([patch]))
+    size = struct.unpack_from("<I", data, 12)[0]
+    block: Any = header_of(bytes(data))["patches"]
+    start = 16 + size + block[0]["indices"]["offset"]
+    for offset, value in edit.items():
+        data[start + offset] = value
+    return bytes(data)
+
+
+def test_malformed_position_streams_are_refused_naming_the_patch() -> None:
+    bitmask = sparse_patch(10, torch.tensor([1, 2, 3, 5, 8]), torch.bfloat16)
+    assert wire_encoding(bitmask) is WireEncoding.BITMASK
+    with pytest.raises(InvalidPatchError, match=r"patches\[0\] 'layer.weight'.*past the tensor"):
+        decode_payload(corrupted(bitmask, {1: 0b100}))  # bit 10 of a 10-element tensor
+    with pytest.raises(InvalidPatchError, match="more than the 5 bits announced"):
+        decode_payload(corrupted(bitmask, {0: 0b10101110}))
+    with pytest.raises(InvalidPatchError, match="sets 4 bits, 5 were announced"):
+        decode_payload(corrupted(bitmask, {0: 0b00001110}))
+    gaps = sparse_patch(2**17, torch.tensor([5, 100_000, 100_007]), torch.bfloat16)
+    assert wire_encoding(gaps) is WireEncoding.GAPS
+    # the escape entry (after three words) made to reach past the tensor
+    with pytest.raises(InvalidPatchError, match="escape must hold a gap"):
+        decode_payload(corrupted(gaps, {6: 0xFF, 7: 0xFF, 8: 0xFF, 9: 0xFF}))
+    # a word made an escape: the stream is now too short for its escapes
+    with pytest.raises(InvalidPatchError, match="with 2 escapes is 14 bytes"):
+        decode_payload(corrupted(gaps, {4: 0xFF, 5: 0xFF}))
+    # words made larger: the positions reach past the tensor
+    with pytest.raises(InvalidPatchError, match="reach past"):
+        decode_payload(corrupted(gaps, {0: 0xFE, 1: 0xFF, 4: 0xFE, 5: 0xFF}))
+
+
 def test_huge_tensors_travel_as_gaps_without_being_allocated() -> None:
     numel = 2**40  # int64 positions, uint64 escapes
     positions = torch.tensor([0, 5, 2**33, numel - 1])

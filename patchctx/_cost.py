@@ -45,11 +45,12 @@ class UpdateCost:
     with the changes; on a CPU that scan costs more per element than a dense copy, so a
     tensor whose positions are smallest as a bitmask goes dense unless the link is slow.
 
-    The defaults are what `benchmarks.wire_bench` measured on the 2-core CPU machine patchctx
-    is developed on (torch 2.13, one thread, routes recorded: replay in the steady state; a
-    dense patch through `load_checkpoint_weight_patches`), fitted where the two cross, at
-    hidden 1024 and 4096; the link is 10 GB/s. They are a CPU's: on a GPU, or to fit your
-    model and machine, use `calibrate`.
+    The defaults are `calibrate`'s measurements on the 2-core CPU machine patchctx is
+    developed on (torch 2.13, one thread, tensors of 2**22 and 2**24 elements in bf16 and
+    fp32, rounded), checked against the rows of ``python -m benchmarks.wire_bench`` at hidden
+    1024 and 4096, where they choose within 3% of the faster of patchctx's sparse and dense
+    paths; the link is 10 GB/s. They are a loaded CPU's: on a GPU, or to fit your model and
+    machine, use `calibrate`.
 
     Attributes:
         link_bytes_per_second: The bandwidth from trainer to worker (`math.inf`: free).
@@ -62,12 +63,12 @@ class UpdateCost:
     Examples:
         >>> from patchctx import UpdateCost
         >>> cost = UpdateCost(link_bytes_per_second=1e9)
-        >>> numel = 4096 * 4096  # bf16, 1% changed: a bitmask (2 MiB) and the values
-        >>> sparse = cost.sparse_seconds(numel // 100, numel // 8 + 2 * (numel // 100))
-        >>> dense = cost.dense_seconds(numel, 2)
-        >>> sparse < dense, cost.prefers_sparse(numel=numel, nnz=numel // 100, element_size=2,
-        ...                                     sparse_bytes=numel // 8 + 2 * (numel // 100))
-        (True, True)
+        >>> numel, nnz = 4096 * 4096, 4096 * 4096 // 100  # bf16, 1% changed
+        >>> sparse_bytes = nnz * (2 + 2)  # values and uint16 gaps
+        >>> f"{cost.sparse_seconds(nnz, sparse_bytes):.4f} s, {cost.dense_seconds(numel, 2):.4f} s"
+        '0.0028 s, 0.0371 s'
+        >>> cost.prefers_sparse(numel=numel, nnz=nnz, element_size=2, sparse_bytes=sparse_bytes)
+        True
     """
 
     link_bytes_per_second: float = 10e9

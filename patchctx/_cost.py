@@ -33,13 +33,11 @@ class UpdateCost:
 
     For a tensor of `numel` elements of `element_size` bytes, `nnz` of them changed, and a
     sparse patch of `sparse_bytes` on the wire (values and positions in their smallest
-    encoding, see `wire_sizes`)::
-
-        sparse = sparse_seconds_per_patch + nnz * sparse_seconds_per_element
-                 + [numel * bitmask_seconds_per_element, when the positions are a bitmask]
-                 + sparse_bytes / link_bytes_per_second
-        dense  = dense_seconds_per_patch + numel * element_size * dense_seconds_per_byte
-                 + numel * element_size / link_bytes_per_second
+    encoding, see `wire_sizes`), the sparse estimate is `sparse_seconds_per_patch` plus
+    ``nnz * sparse_seconds_per_element``, plus ``numel * bitmask_seconds_per_element`` when
+    the positions are a bitmask, plus ``sparse_bytes / link_bytes_per_second``. The dense
+    estimate is `dense_seconds_per_patch` plus ``numel * element_size *
+    dense_seconds_per_byte`` plus ``numel * element_size / link_bytes_per_second``.
 
     A bitmask is decoded by scanning every bit of it, so its cost grows with the tensor, not
     with the changes; on a CPU that scan costs more per element than a dense copy, so a

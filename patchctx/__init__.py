@@ -7,7 +7,9 @@ keeps mapping them to runtime coordinates (tensor-parallel slices, packed parame
 
 from patchctx._audit import AuditReport, AuditRow, audit
 from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState, PerTensor, SingleCall
+from patchctx._cost import UpdateCost
 from patchctx._diff import diff_state_dicts, patch_nbytes
+from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
 from patchctx._errors import (
     InvalidPatchError,
     InvalidPatchTypeError,
@@ -59,8 +61,10 @@ __all__ = [
     "RouteStats",
     "SingleCall",
     "SupportsLoadWeights",
+    "UpdateCost",
     "WarmReport",
     "WarmRow",
+    "WireEncoding",
     "__version__",
     "audit",
     "diff_state_dicts",
@@ -68,4 +72,6 @@ __all__ = [
     "masked_copy",
     "patch_nbytes",
     "validate_patches",
+    "wire_encoding",
+    "wire_sizes",
 ]

@@ -2,29 +2,42 @@
 
 `diff_state_dicts` compares the weights a trainer last sent with the weights it has now, tensor by
 tensor, bitwise in the dtype the receiver holds, and emits one dense or sparse
-`CheckpointWeightPatch` per changed tensor. `patch_nbytes` says how many bytes a patch set puts on
-the wire.
+`CheckpointWeightPatch` per changed tensor, sparse or dense by the smaller wire size or, given an
+`UpdateCost`, by the shorter estimated update. `patch_nbytes` says how many bytes a patch set
+puts on the wire, each sparse patch in its smallest encoding (`patchctx._encoding`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias, cast
 
 import torch
 
-from patchctx._arguments import density
+from patchctx._arguments import density, instance_of
+from patchctx._cost import UpdateCost
+from patchctx._encoding import (
+    PositionsSummary,
+    WireEncoding,
+    count_escapes,
+    index_dtype,
+    wire_sizes,
+)
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._patch import CheckpointWeightPatch, PatchLike
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 
-__all__ = ["diff_state_dicts", "patch_nbytes"]
+__all__ = [
+    "choose_sparse",
+    "diff_state_dicts",
+    "index_dtype",
+    "patch_nbytes",
+    "sparse_is_smaller",
+    "sparse_nbytes",
+]
 
 _DtypeArg: TypeAlias = "torch.dtype | Mapping[str, torch.dtype] | None"
-
-# Below this many elements every flat position fits int32.
-_INT32_LIMIT = 2**31
 
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
@@ -32,15 +45,80 @@ _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
 _BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def index_dtype(numel: int) -> torch.dtype:
-    """The dtype of the flat indices of a sparse patch to a tensor of `numel` elements."""
-    return torch.int32 if numel < _INT32_LIMIT else torch.int64
+def sparse_nbytes(nnz: int, numel: int, element_size: int, escapes: int) -> int:
+    """Wire bytes of a sparse patch of `nnz` sorted positions: values and smallest encoding.
+
+    `escapes` is the number of its gaps that need an escape (see `patchctx._encoding`).
+    """
+    return _sparse_wire(nnz, numel, element_size, escapes)[1]
 
 
-def sparse_is_smaller(nnz: int, numel: int, element_size: int) -> bool:
-    """Whether `nnz` (index, value) pairs take fewer bytes than all `numel` values."""
-    index_size = 4 if index_dtype(numel) == torch.int32 else 8
-    return nnz * (index_size + element_size) < numel * element_size
+def _sparse_wire(nnz: int, numel: int, element_size: int, escapes: int) -> tuple[WireEncoding, int]:
+    summary = PositionsSummary(numel, nnz, True, True, escapes, index_dtype(numel).itemsize)
+    encoding, positions = summary.smallest()
+    return encoding, nnz * element_size + positions
+
+
+def _max_escapes(nnz: int, numel: int) -> int:
+    """At most this many gaps of `nnz` sorted positions below `numel` need an escape.
+
+    The gaps sum to at most `numel`, and an escaped one is over ``0xFFFF``.
+    """
+    return min(nnz, numel // 0x10000)
+
+
+def sparse_is_smaller(
+    nnz: int, numel: int, element_size: int, escapes: int | Callable[[], int] = 0
+) -> bool:
+    """Whether a sparse patch of `nnz` changed elements takes fewer bytes than all `numel` values.
+
+    Its size is `sparse_nbytes`: the values plus the smallest position encoding. `escapes` is
+    the number of escaped gaps of the positions, or a function that counts them, called only
+    when the answer depends on it.
+    """
+    return choose_sparse(nnz, numel, element_size, escapes=escapes, cost=None, dense_above=None)
+
+
+def choose_sparse(
+    nnz: int,
+    numel: int,
+    element_size: int,
+    *,
+    escapes: int | Callable[[], int],
+    cost: UpdateCost | None,
+    dense_above: float | None,
+) -> bool:
+    """`diff_state_dicts`' rule for a tensor whose changed values the strategy can carry.
+
+    Sparse when the density is at most `dense_above` (if given) and either, without `cost`,
+    the sparse patch's wire bytes (`sparse_nbytes`) are strictly below the dense patch's, or,
+    with `cost`, its estimated update time is strictly below the dense one's. `escapes`
+    (a count, or a function that counts) is needed only for the size of the ``gaps``
+    encoding, and asked for only when the answer depends on it.
+    """
+    if nnz == 0:
+        return True
+    if dense_above is not None and nnz > dense_above * numel:
+        return False
+
+    def wins(escaped: int) -> bool:
+        encoding, size = _sparse_wire(nnz, numel, element_size, escaped)
+        if cost is None:
+            return size < numel * element_size
+        return cost.prefers_sparse(
+            numel=numel,
+            nnz=nnz,
+            element_size=element_size,
+            sparse_bytes=size,
+            bitmask=encoding is WireEncoding.BITMASK,
+        )
+
+    if not callable(escapes):
+        return wins(escapes)
+    best, worst = wins(0), wins(_max_escapes(nnz, numel))
+    if best == worst:
+        return best
+    return wins(escapes())
 
 
 # ------------------------------------------------------------------------------- validation
@@ -121,6 +199,17 @@ def _check_strategy(strategy: object, problems: list[PatchProblem]) -> CopyStrat
     except InvalidPatchError as error:
         problems.extend(error.problems)
         return Auto()
+
+
+def _check_cost(cost: object, problems: list[PatchProblem]) -> UpdateCost | None:
+    if cost is None:
+        return None
+    try:
+        instance_of(cost, UpdateCost, "diff_state_dicts(cost=...)", "cost=UpdateCost()")
+    except InvalidPatchError as error:
+        problems.extend(error.problems)
+        return None
+    return cast(UpdateCost, cost)
 
 
 def _chosen_names(
@@ -235,6 +324,7 @@ class _Plan:
     tensors: list[tuple[str, torch.dtype]]  # (name, receiver dtype), in output order
     strategy: CopyStrategy
     dense_above: float | None
+    cost: UpdateCost | None
 
 
 def _plan(
@@ -244,6 +334,7 @@ def _plan(
     names: object,
     dense_above: object,
     strategy: object,
+    cost: object = None,
 ) -> _Plan:
     """Every check that needs no tensor data, with all problems in one report."""
     problems: list[PatchProblem] = []
@@ -260,6 +351,7 @@ def _plan(
     listed = _check_names(names, problems)
     dense_above_fraction = _check_dense_above(dense_above, problems)
     chosen_strategy = _check_strategy(strategy, problems)
+    chosen_cost = _check_cost(cost, problems)
     tensors: list[tuple[str, torch.dtype]] = []
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         if isinstance(dtype, Mapping):
@@ -297,7 +389,7 @@ def _plan(
         problems.extend(_shared_storage_problems(old, new, [name for name, _ in tensors]))
     if problems:
         raise InvalidPatchError.from_problems(problems)
-    return _Plan(tensors, chosen_strategy, dense_above_fraction)
+    return _Plan(tensors, chosen_strategy, dense_above_fraction, chosen_cost)
 
 
 # ----------------------------------------------------------------------------------- diffing
@@ -348,6 +440,7 @@ def _diff_tensor(
     dtype: torch.dtype,
     strategy: CopyStrategy,
     dense_above: float | None,
+    cost: UpdateCost | None = None,
 ) -> CheckpointWeightPatch | None:
     numel = new.numel()
     if numel == 0:
@@ -378,13 +471,20 @@ def _diff_tensor(
     if nnz == 0:
         return None
     shape = tuple(new.shape)
-    sparse = (
-        not reserved
-        and sparse_is_smaller(nnz, numel, target.element_size())
-        and (dense_above is None or nnz <= dense_above * numel)
-    )
-    if sparse:
+    positions: torch.Tensor | None = None
+
+    def escapes(changed: torch.Tensor = changed) -> int:  # only when the choice turns on it
+        nonlocal positions
         positions = torch.nonzero_static(changed, size=nnz).view(-1)
+        return _read_host(count_escapes(positions).view(1))[0]
+
+    sparse = not reserved and choose_sparse(
+        nnz, numel, target.element_size(), escapes=escapes, cost=cost, dense_above=dense_above
+    )
+    del escapes
+    if sparse:
+        if positions is None:
+            positions = torch.nonzero_static(changed, size=nnz).view(-1)
         del changed
         values = _from_bits(new_bits.index_select(0, positions), dtype)
         return CheckpointWeightPatch(name, shape, dtype, values, positions.to(index_dtype(numel)))
@@ -405,6 +505,7 @@ def diff_state_dicts(
     names: Iterable[str] | None = None,
     dense_above: float | None = None,
     strategy: CopyStrategy | None = None,
+    cost: UpdateCost | None = None,
 ) -> list[CheckpointWeightPatch]:
     """The smallest patch set that turns a receiver holding `old` into one holding `new`.
 
@@ -427,18 +528,30 @@ def diff_state_dicts(
     of their names in diff order; a receiver that holds them tied loads them once, and
     `load_checkpoint_weight_patches` takes the other name through ``aliases=``.
 
-    Unchanged tensors produce no patch. A changed tensor becomes a sparse patch (flat
-    row-major indices, sorted and unique; int32 when the tensor has fewer than 2**31 elements,
-    int64 otherwise; values in the receiver dtype) when that payload is strictly smaller than
-    the dense one, ``nnz * (index bytes + value bytes) < numel * value bytes``, and the
-    density ``nnz / numel`` is at most `dense_above`; otherwise it becomes a dense patch.
-    A tensor also goes dense when `strategy` (the one the receiver will load with) cannot
-    stage its dtype or cannot carry one of its changed values: NaN under `NaNMask` (and
-    `Auto` for floats), the sentinel under `IntSentinel` (and `Auto` for integers: the
-    dtype's minimum, or its maximum for unsigned dtypes), bool and complex under `Auto`.
-    Nothing is dropped; to keep such tensors sparse, pass ``strategy=BoolMask()`` here and to
-    `load_checkpoint_weight_patches`.
+    Unchanged tensors produce no patch. A changed tensor of `numel` elements, `nnz` of them
+    changed, becomes a dense patch (every value) or a sparse patch (flat row-major indices,
+    sorted and unique; int32 when the tensor has fewer than 2**31 elements, int64 otherwise;
+    values in the receiver dtype) by this rule, in this order:
 
+    1. Dense when `strategy` (the one the receiver will load with) cannot stage the dtype or
+       cannot carry one of the changed values: NaN under `NaNMask` (and `Auto` for floats),
+       the sentinel under `IntSentinel` (and `Auto` for integers: the dtype's minimum, or its
+       maximum for unsigned dtypes), bool and complex under `Auto`. Nothing is dropped; to
+       keep such tensors sparse, pass ``strategy=BoolMask()`` here and to
+       `load_checkpoint_weight_patches`.
+    2. Dense when `dense_above` is given and ``nnz > dense_above * numel``.
+    3. Without `cost`: sparse when its wire size is strictly below the dense one's,
+       ``sparse_bytes < numel * value bytes``, where ``sparse_bytes`` is
+       ``nnz * value bytes`` plus the smallest encoding of the positions (`wire_sizes`:
+       ``indices``, ``gaps`` or ``bitmask``). With `cost`: sparse when
+       ``cost.sparse_seconds(nnz, sparse_bytes, bitmask_numel=...) <
+       cost.dense_seconds(numel, value bytes)``
+       (`UpdateCost`: wire time at its link bandwidth plus estimated decode and apply time;
+       ``bitmask_numel`` is ``numel`` when the smallest encoding is the bitmask, else 0).
+       Otherwise dense.
+
+    So `dense_above` is a cap that holds whatever `cost` says, and the strategy's fallbacks
+    hold over both. `patch_nbytes` then counts each sparse patch in its smallest encoding.
     The diff streams tensor by tensor: at most one tensor's casts, a boolean change mask and
     one scratch tensor exist at a time, so the extra memory beyond the returned patches is
     bounded by a small multiple of the largest tensor, never by the model. The returned
@@ -461,6 +574,9 @@ def diff_state_dicts(
         dense_above: Send a tensor dense when more than this fraction of it changed, in
             (0, 1]; `None` decides by payload size alone.
         strategy: The strategy the receiver loads sparse patches with (default `Auto()`).
+        cost: Choose sparse or dense per tensor by estimated update time (`UpdateCost`,
+            e.g. ``UpdateCost()`` or ``UpdateCost.calibrate()``); `None` chooses by wire
+            size.
 
     Returns:
         One patch per changed tensor, in the order of the names diffed (`names`, or the
@@ -481,7 +597,7 @@ def diff_state_dicts(
         >>> for patch in diff_state_dicts(old, new):
         ...     print(patch.name, patch.indices, patch.values)
         w tensor([6], dtype=torch.int32) tensor([0.5000])
-        b None tensor([1.0000, -0.0000, 1.0010, 1.0000])
+        b tensor([1, 2], dtype=torch.int32) tensor([-0.0000, 1.0010])
 
         In bf16, the receiver's dtype, 1.001 rounds to 1.0 and only the sign of zero changed:
 
@@ -489,8 +605,23 @@ def diff_state_dicts(
         ...     print(patch.name, patch.indices, patch.values)
         w tensor([6], dtype=torch.int32) tensor([0.5000], dtype=torch.bfloat16)
         b tensor([1], dtype=torch.int32) tensor([-0.], dtype=torch.bfloat16)
+
+        By estimated time instead of size, with `UpdateCost`: dense changes to large tensors go
+        dense, their replay being slower than a copy:
+
+        >>> from patchctx import UpdateCost
+        >>> old = {"big": torch.zeros(2**20)}
+        >>> new = {"big": torch.zeros(2**20)}
+        >>> new["big"][::1000] = 1.0  # 0.1% changed
+        >>> [p.indices is None for p in diff_state_dicts(old, new, cost=UpdateCost())]
+        [False]
+        >>> new["big"][::3] = 1.0  # 33% changed: sparse is smaller, dense is faster
+        >>> [p.indices is None for p in diff_state_dicts(old, new, cost=UpdateCost())]
+        [True]
+        >>> [p.indices is None for p in diff_state_dicts(old, new)]
+        [False]
     """
-    plan = _plan(old, new, dtype, names, dense_above, strategy)
+    plan = _plan(old, new, dtype, names, dense_above, strategy, cost)
     patches = []
     diffed: set[tuple[object, ...]] = set()
     for name, receiver in plan.tensors:
@@ -501,7 +632,13 @@ def diff_state_dicts(
         if key is not None:
             diffed.add(key)
         patch = _diff_tensor(
-            name, before.detach(), after.detach(), receiver, plan.strategy, plan.dense_above
+            name,
+            before.detach(),
+            after.detach(),
+            receiver,
+            plan.strategy,
+            plan.dense_above,
+            plan.cost,
         )
         if patch is not None:
             patches.append(patch)
@@ -509,10 +646,14 @@ def diff_state_dicts(
 
 
 def patch_nbytes(patches: Iterable[PatchLike]) -> int:
-    """The wire size of a patch set: the bytes of every patch's values and indices.
+    """The wire size of a patch set: values, and positions in their smallest encoding.
 
-    Counts the tensors as they are (their own dtypes), not names or shapes. Divide by the
-    bytes of the full tensors to log the compression of an update.
+    A dense patch counts its values; a sparse one its values plus the smallest of its
+    position encodings (`wire_sizes`: flat ``indices``, ``gaps`` or ``bitmask``), which is
+    the one the `patchctx.vllm` codec sends. Values count in their own dtype. Names, shapes
+    and headers are not counted. Divide by the bytes of the full tensors to log the
+    compression of an update. Each sparse patch costs one pass over its indices (and one
+    host synchronisation).
 
     Args:
         patches: `CheckpointWeightPatch` objects, or any `PatchLike` (vLLM's included).
@@ -527,12 +668,7 @@ def patch_nbytes(patches: Iterable[PatchLike]) -> int:
         ...                                torch.zeros(10, dtype=torch.bfloat16),
         ...                                torch.arange(10, dtype=torch.int32))
         >>> dense = CheckpointWeightPatch("b", (8,), torch.float32, torch.zeros(8))
-        >>> patch_nbytes([sparse, dense])  # 10 * (2 + 4) + 8 * 4
-        92
+        >>> patch_nbytes([sparse, dense])  # 10 * (2 + 2), gap-coded, + 8 * 4
+        72
     """
-    total = 0
-    for patch in patches:
-        total += patch.values.numel() * patch.values.element_size()
-        if patch.indices is not None:
-            total += patch.indices.numel() * patch.indices.element_size()
-    return total
+    return sum(min(wire_sizes(patch).values()) for patch in patches)

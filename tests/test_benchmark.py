@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks import charts
 from benchmarks.patch_bench import METHODS, Row, _without_output, main, table
+from benchmarks.wire_bench import METHODS as WIRE_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,3 +159,30 @@ def test_replay_bench_quick_prints_its_three_tables_and_json(tmp_path: Path) -> 
     methods = {row["method"] for row in report["rows"] if row["table"] == "sweep"}
     assert methods == {"replay", "index_copy_", "scatter_", "dense"}
     assert all(row["min_us"] > 0 and row["median_us"] >= row["min_us"] for row in report["rows"])
+
+
+def test_wire_bench_quick_run_prints_both_tables_and_json(tmp_path: Path) -> None:
+    """A smoke run of benchmarks.wire_bench: every method and encoding in its JSON, identical
+    weights after every method, the choice's ratios present (a smoke test, not a timing)."""
+    out = tmp_path / "wire.json"
+    command = [sys.executable, "-m", "benchmarks.wire_bench", "--quick", "--densities", "0.01,0.3"]
+    result = subprocess.run(
+        [*command, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Wire bytes of one tensor's update" in result.stdout
+    assert "Total update time" in result.stdout
+    report = json.loads(out.read_text())
+    assert {row["chosen"] for row in report["bytes"]} <= {"indices", "gaps", "bitmask"}
+    for row in report["bytes"]:
+        sizes = (row["indices"], row["gaps"], row["bitmask"])
+        assert row["chosen_over_dense"] * row["dense"] == pytest.approx(min(sizes))
+    assert {row["method"] for row in report["time"]} == set(WIRE_METHODS)
+    assert all(row["identical"] is not False for row in report["time"])
+    choices = [row for row in report["time"] if row["method"] == "choice"]
+    assert choices and all(row["ratio_median"] > 0 and row["own_median"] > 0 for row in choices)

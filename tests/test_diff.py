@@ -22,6 +22,7 @@ from patchctx import (
     InvalidPatchError,
     InvalidPatchTypeError,
     NaNMask,
+    UpdateCost,
     diff_state_dicts,
     load_checkpoint_weight_patches,
     patch_nbytes,
@@ -41,6 +42,25 @@ from tests.support.models import (
 )
 
 STRATEGIES: list[CopyStrategy] = [Auto(), BoolMask()]
+# None: by wire size; a slow link: wire size dominates; a free link: apply time alone
+COSTS: list[UpdateCost | None] = [
+    None,
+    UpdateCost(),
+    UpdateCost(link_bytes_per_second=1e6),
+    UpdateCost(link_bytes_per_second=math.inf, sparse_seconds_per_patch=0.0),
+]
+
+
+def sparse_wire_bytes(positions: torch.Tensor, numel: int, element_size: int) -> tuple[int, bool]:
+    """The documented size of a sparse patch, computed here from its definition: the values
+    plus the smallest of int32 indices, uint16 gaps with uint32 escapes, and a bitmask (ties
+    to the first); and whether that is the bitmask."""
+    nnz = positions.numel()
+    gaps_minus_one = torch.diff(positions, prepend=torch.tensor([-1])) - 1
+    escapes = int((gaps_minus_one >= 0xFFFF).sum())
+    encodings = [4 * nnz, 2 * nnz + 4 * escapes, (numel + 7) // 8]
+    smallest = min(encodings)
+    return nnz * element_size + smallest, encodings.index(smallest) == 2
 
 
 def load_cast(
@@ -67,6 +87,7 @@ def assert_smallest_correct(
     patches: Sequence[CheckpointWeightPatch],
     strategy: CopyStrategy,
     dense_above: float | None,
+    cost: UpdateCost | None = None,
 ) -> None:
     """Each changed tensor has exactly one patch, with exactly the changed elements when
     sparse, and is dense exactly when the documented rule says so."""
@@ -87,10 +108,17 @@ def assert_smallest_correct(
         positions = changed.nonzero().view(-1)
         changed_values = gather(after.reshape(-1), positions)
         element = after.element_size()
+        sparse_bytes, bitmask = sparse_wire_bytes(positions, numel, element)
+        cheaper = (
+            sparse_bytes < numel * element
+            if cost is None
+            else cost.sparse_seconds(nnz, sparse_bytes, bitmask_numel=numel * bitmask)
+            < cost.dense_seconds(numel, element)
+        )
         expect_sparse = (
             strategy.unsupported_reason(receiver) is None
             and not bool(strategy.reserved_values(changed_values, receiver))
-            and nnz * (4 + element) < numel * element
+            and cheaper
             and (dense_above is None or nnz <= dense_above * numel)
         )
         if expect_sparse:
@@ -111,17 +139,20 @@ def round_trip(
     dtype: torch.dtype | Mapping[str, torch.dtype] | None,
     strategy: CopyStrategy,
     dense_above: float | None = None,
+    cost: UpdateCost | None = None,
 ) -> list[CheckpointWeightPatch]:
     """Apply diff_state_dicts(old, new) to a model holding `old`; it must then hold `new`."""
     receiver = {name: spec.dtype for name, spec in model.checkpoint_specs().items()}
     load_cast(model, old, receiver)
     reference = copy.deepcopy(model)
     load_cast(reference, new, receiver)
-    patches = diff_state_dicts(old, new, dtype=dtype, strategy=strategy, dense_above=dense_above)
+    patches = diff_state_dicts(
+        old, new, dtype=dtype, strategy=strategy, dense_above=dense_above, cost=cost
+    )
     validate_patches(patches, strategy=strategy)
     load_checkpoint_weight_patches(model, patches, strategy=strategy)
     assert_same_state(state(model), state(reference))
-    assert_smallest_correct(old, new, receiver, patches, strategy, dense_above)
+    assert_smallest_correct(old, new, receiver, patches, strategy, dense_above, cost)
     return patches
 
 
@@ -134,6 +165,7 @@ def round_trip(
     mapping=st.booleans(),
     strategy=st.sampled_from(STRATEGIES),
     dense_above=st.sampled_from([None, 0.05, 1.0]),
+    cost=st.sampled_from(COSTS),
 )
 def test_round_trip_through_packed_tp_loaders(
     data: st.DataObject,
@@ -141,6 +173,7 @@ def test_round_trip_through_packed_tp_loaders(
     mapping: bool,
     strategy: CopyStrategy,
     dense_above: float | None,
+    cost: UpdateCost | None,
 ) -> None:
     model, kwargs = data.draw(tp_models())
     receiver = kwargs["dtype"]
@@ -153,7 +186,7 @@ def test_round_trip_through_packed_tp_loaders(
         dtype = {name: spec.dtype for name, spec in specs.items()}
     elif not fp32_trainer and data.draw(st.booleans()):
         dtype = None  # each tensor's own
-    round_trip(model, old, new, dtype=dtype, strategy=strategy, dense_above=dense_above)
+    round_trip(model, old, new, dtype=dtype, strategy=strategy, dense_above=dense_above, cost=cost)
 
 
 @given(data=st.data(), strategy=st.sampled_from(STRATEGIES))
@@ -264,8 +297,9 @@ def test_dtypes_the_strategy_cannot_stage_go_dense(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "threshold"),
-    # sparse iff nnz * (4 + e) < numel * e, numel = 60
-    [(torch.float32, 30), (torch.bfloat16, 20), (torch.int8, 12), (torch.float64, 40)],
+    # numel = 60, the first nnz elements change: gaps take 2 * nnz bytes, the bitmask 8, int32
+    # indices 4 * nnz; sparse iff nnz * e + min(2 * nnz, 8) < 60 * e
+    [(torch.float32, 58), (torch.bfloat16, 56), (torch.int8, 52), (torch.float64, 59)],
 )
 def test_sparse_only_when_its_payload_is_strictly_smaller(
     dtype: torch.dtype, threshold: int
@@ -291,9 +325,10 @@ def test_dense_above_sends_denser_tensors_dense() -> None:
 def test_index_dtype_is_int32_below_2_to_the_31_elements() -> None:
     assert index_dtype(2**31 - 1) == torch.int32
     assert index_dtype(2**31) == torch.int64
-    # 8-byte indices make the sparse payload of a huge tensor bigger
-    assert sparse_is_smaller(10, 2**31 - 1, 2) and not sparse_is_smaller(2**29, 2**31, 2)
-    assert sparse_is_smaller(2**29 - 1, 2**31 - 1, 2)
+    assert sparse_is_smaller(10, 2**31 - 1, 2)
+    # a huge bf16 tensor: the bitmask (numel / 8 bytes) plus 2-byte values wins up to 15/16
+    assert sparse_is_smaller(15 * 2**27 - 1, 2**31, 2)
+    assert not sparse_is_smaller(15 * 2**27, 2**31, 2)
 
 
 # ------------------------------------------------------------------------ shapes and layouts
@@ -487,7 +522,8 @@ def test_peak_memory_is_bounded_by_one_tensor_not_the_model(receiver: torch.dtyp
     tensor_bytes = math.prod(shape) * 4
     with AllocationTracker(preexisting=[*old.values(), *new.values()]) as tracker:
         patches = diff_state_dicts(old, new, dtype=receiver)
-    result = patch_nbytes(patches)
+    held = [t for p in patches for t in (p.values, p.indices) if t is not None]
+    result = sum(t.numel() * t.element_size() for t in held)
     assert all(p.indices is not None for p in patches)
     assert tracker.live <= result + 1024  # nothing but the patches is left behind
     extra = tracker.peak - result
@@ -504,5 +540,11 @@ def test_patch_nbytes_counts_values_and_indices_as_sent() -> None:
     )
     dense = CheckpointWeightPatch("d", (2, 2), torch.float16, torch.zeros(4))  # fp32 on the wire
     assert patch_nbytes([]) == 0
-    assert patch_nbytes([sparse]) == 3 * (2 + 8)
-    assert patch_nbytes(iter([sparse, dense])) == 3 * (2 + 8) + 4 * 4
+    # int64 indices travel in the smallest encoding: three uint16 gaps (not 3 * 8, not 3 * 4)
+    assert patch_nbytes([sparse]) == 3 * (2 + 2)
+    assert patch_nbytes(iter([sparse, dense])) == 3 * (2 + 2) + 4 * 4
+    # positions out of order travel as int32 indices; positions out of range as they are
+    unordered = sparse._replace(indices=torch.tensor([2, 0, 1]))
+    assert patch_nbytes([unordered]) == 3 * (2 + 4)
+    out_of_range = sparse._replace(indices=torch.tensor([0, 1, 100]))
+    assert patch_nbytes([out_of_range]) == 3 * (2 + 8)

@@ -45,6 +45,8 @@ GUARANTEE_FILES: dict[str, str | None] = {
     "tests/test_audit.py": "docs/guarantees.md",
     "tests/test_diff.py": "docs/guarantees.md",
     "tests/test_blocked.py": "docs/guarantees.md",
+    "tests/test_encoding.py": "docs/guarantees.md",
+    "tests/test_cost.py": "docs/guarantees.md",
     "tests/test_load.py": None,
 }
 

@@ -95,6 +95,7 @@ PYTHON = Source(
         ),
         ("contextvars.ContextVar", "class", "library/contextvars.html#contextvars.ContextVar"),
         ("dataclasses.dataclass", "function", "library/dataclasses.html#dataclasses.dataclass"),
+        ("enum.Enum", "class", "library/enum.html#enum.Enum"),
         *_same_page("library/threading.html", "class", "threading.RLock", "threading.Thread"),
         ("typing.Any", "data", "library/typing.html#typing.Any"),
         *_same_page(

@@ -4,7 +4,7 @@ Layout (all integers little-endian)::
 
     offset  size  field
     0       8     magic b"PATCHCTX"
-    8       4     format version (uint32, currently 1)
+    8       4     format version (uint32, currently 2; version 1 is still read)
     12      4     header length H in bytes (uint32)
     16      H     header: UTF-8 JSON, padded with spaces so that 16 + H is a multiple of 8
     16 + H  D     data: the raw little-endian bytes of every tensor, each block starting at
@@ -13,9 +13,17 @@ Layout (all integers little-endian)::
 The header is a JSON object with exactly the keys ``base_version``, ``target_version``
 (each a string, an integer or null), ``data_bytes`` and ``patches``; each patch is an object
 with exactly ``name``, ``shape`` (list of ints), ``dtype`` (a dtype name), ``values`` and
-``indices`` (null for a dense patch); a tensor block is ``{"dtype", "offset", "numel"}``, its
-offset relative to the data section. Decoding checks every field, bound and size before it
-builds a tensor, builds tensors with ``torch.frombuffer`` (no pickle, no code), and raises
+``indices`` (null for a dense patch). ``values`` is a tensor block ``{"dtype", "offset",
+"numel"}``; ``indices`` is a positions block ``{"encoding", "offset", "nbytes"}`` whose
+encoding is ``"int32"`` or ``"int64"`` (flat indices), ``"gaps"`` or ``"bitmask"`` (the
+formats of `patchctx._encoding`), holding as many positions as there are values. Offsets are
+relative to the data section. Version 1 payloads, whose ``indices`` was a tensor block of
+int32 or int64, are still decoded.
+
+The encoder sends each sparse patch's positions in the smallest encoding (`wire_encoding`).
+Decoding checks every field, bound and size before it builds a tensor, builds tensors with
+``torch.frombuffer`` (no pickle, no code), decodes positions without a tensor of checkpoint
+size (sorted and unique for ``gaps`` and ``bitmask``, in `index_dtype`), and raises
 `InvalidPatchError` for anything malformed.
 """
 
@@ -31,13 +39,21 @@ from typing import Any, NoReturn
 
 import torch
 
+from patchctx._encoding import (
+    MalformedPositions,
+    WireEncoding,
+    decode_positions,
+    encode_positions,
+    positions_summary,
+)
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._patch import CheckpointWeightPatch
 
 __all__ = ["PatchPayload", "decode_patches", "decode_payload", "encode_patches"]
 
 MAGIC = b"PATCHCTX"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sII")  # magic, format version, header length
 _ALIGN = 8
 _MAX_DIMS = 64
@@ -71,6 +87,13 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _INDEX_DTYPES = ("int32", "int64")
+# Position encodings by their header name; the flat one is named by its dtype.
+_ENCODINGS = {
+    "int32": WireEncoding.INDICES,
+    "int64": WireEncoding.INDICES,
+    "gaps": WireEncoding.GAPS,
+    "bitmask": WireEncoding.BITMASK,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +170,10 @@ def encode_patches(
     ``b"PATCHCTX"``, format version, header length), a JSON header with every name, shape,
     dtype and byte offset, then the raw little-endian tensor data. Values keep their own dtype
     (cast to the patch's dtype only when loaded, as in `load_checkpoint_weight_patches`).
-    Tensors on another device are copied to the CPU.
+    A sparse patch's positions travel in the smallest of flat int32/int64 indices, uint16
+    gaps with escapes, and a bitmask (`wire_encoding`; `patch_nbytes` is the sum of those
+    sizes and the values'); they decode to the same positions, as `index_dtype` integers.
+    Tensors on another device are copied to the CPU (positions are encoded where they are).
 
     Args:
         patches: `CheckpointWeightPatch` objects (or any objects with the same fields).
@@ -171,7 +197,7 @@ def encode_patches(
         ...                                indices=torch.tensor([7], dtype=torch.int32))
         >>> data = encode_patches([sparse], target_version="step-12")
         >>> data[:8], len(data)
-        (b'PATCHCTX', 272)
+        (b'PATCHCTX', 280)
         >>> [patch] = decode_patches(data)
         >>> patch.name, patch.shape, patch.dtype, patch.indices.tolist(), patch.values.tolist()
         ('lm_head.weight', (4, 2), torch.bfloat16, [7], [0.5])
@@ -187,6 +213,20 @@ def encode_patches(
         raw = _host_bytes(tensor)
         size += -size % _ALIGN
         entry = {"dtype": dtype_name, "offset": size, "numel": tensor.numel()}
+        blocks.append(raw)
+        size += raw.numel()
+        return entry
+
+    def positions(indices: torch.Tensor, numel: int) -> dict[str, Any]:
+        nonlocal size
+        summary = positions_summary(indices, numel)
+        encoding, _ = summary.smallest()
+        raw = encode_positions(indices, summary, encoding).cpu()
+        name = encoding.value
+        if encoding is WireEncoding.INDICES:
+            name = "int32" if summary.flat_size() == 4 else "int64"
+        size += -size % _ALIGN
+        entry = {"encoding": name, "offset": size, "nbytes": raw.numel()}
         blocks.append(raw)
         size += raw.numel()
         return entry
@@ -226,7 +266,7 @@ def encode_patches(
         elif indices.numel() != values.numel():
             problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
         entry["values"] = block(values, values_dtype)
-        entry["indices"] = None if indices is None else block(indices, _NAMES[indices.dtype])
+        entry["indices"] = None if indices is None else positions(indices, numel)
         entries.append(entry)
     size += -size % _ALIGN
     header_text = json.dumps(
@@ -327,7 +367,31 @@ def _tensor(
     return raw.view(dtype)
 
 
-def _patch(entry: object, where: str, data: torch.Tensor) -> CheckpointWeightPatch:
+def _positions(
+    entry: object, where: str, data: torch.Tensor, numel: int, count: int
+) -> torch.Tensor:
+    """A version-2 positions block, decoded (see `patchctx._encoding` for the formats)."""
+    block = _object(entry, ("encoding", "offset", "nbytes"), where)
+    name = block["encoding"]
+    if not isinstance(name, str) or name not in _ENCODINGS:
+        raise _fail(f"{where}.encoding must be one of {', '.join(_ENCODINGS)}, got {name!r}")
+    offset = _integer(block["offset"], f"{where}.offset")
+    nbytes = _integer(block["nbytes"], f"{where}.nbytes")
+    dtype = DTYPES[name] if name in _INDEX_DTYPES else None
+    if dtype is not None and offset % dtype.itemsize:
+        raise _fail(f"{where}.offset {offset} is not a multiple of {name}'s size")
+    end = offset + nbytes
+    if end > data.numel():
+        raise _fail(f"{where} reaches byte {end} of a data section of {data.numel()} bytes")
+    try:
+        return decode_positions(data[offset:end], numel, count, _ENCODINGS[name], dtype=dtype)
+    except MalformedPositions as error:
+        raise _fail(f"{where} ({name}): {error}") from None
+
+
+def _patch(
+    entry: object, where: str, data: torch.Tensor, version: int = FORMAT_VERSION
+) -> CheckpointWeightPatch:
     fields = _object(entry, ("name", "shape", "dtype", "values", "indices"), where)
     name = fields["name"]
     if not isinstance(name, str) or not name:
@@ -351,10 +415,12 @@ def _patch(entry: object, where: str, data: torch.Tensor) -> CheckpointWeightPat
                 f"the payload has {values.numel()}"
             )
         indices = None
-    else:
+    elif version == 1:
         indices = _tensor(fields["indices"], f"{where}.indices", data, _INDEX_DTYPES)
         if indices.numel() != values.numel():
             raise _fail(f"{where}: {indices.numel()} indices for {values.numel()} values")
+    else:
+        indices = _positions(fields["indices"], f"{where}.indices", data, numel, values.numel())
     return CheckpointWeightPatch(name, dims, DTYPES[dtype_name], values, indices)
 
 
@@ -367,8 +433,9 @@ def _decode(data: object) -> PatchPayload:
     magic, version, header_size = _PREFIX.unpack_from(buffer, 0)
     if magic != MAGIC:
         raise _fail(f"not a patchctx payload ({bytes(buffer[:8])!r} is not {MAGIC!r})")
-    if version != FORMAT_VERSION:
-        raise _fail(f"payload format version {version}; this patchctx reads {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        versions = " and ".join(map(str, READABLE_VERSIONS))
+        raise _fail(f"payload format version {version}; this patchctx reads {versions}")
     start = _PREFIX.size + header_size
     if start > len(buffer):
         raise _fail(f"the header claims {header_size} bytes; only {len(buffer) - 16} follow")
@@ -396,7 +463,9 @@ def _decode(data: object) -> PatchPayload:
     base = _version(header["base_version"], "base_version")
     target = _version(header["target_version"], "target_version")
     data_section = torch.frombuffer(buffer, dtype=torch.uint8)[start:]
-    patches = tuple(_patch(entry, f"patches[{i}]", data_section) for i, entry in enumerate(entries))
+    patches = tuple(
+        _patch(entry, f"patches[{i}]", data_section, version) for i, entry in enumerate(entries)
+    )
     return PatchPayload(patches, base, target)
 
 

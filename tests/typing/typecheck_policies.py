@@ -15,10 +15,14 @@ from patchctx import (
     Coalesce,
     PerTensor,
     RouteCache,
+    UpdateCost,
+    WireEncoding,
     audit,
     diff_state_dicts,
     load_checkpoint_weight_patches,
     patch_nbytes,
+    wire_encoding,
+    wire_sizes,
 )
 
 
@@ -75,3 +79,10 @@ assert_type(audit(model, [("w", (2,), torch.float32)]), AuditReport)
 assert_type(ChunkState(1, 1, CheckedPatch._make(0, patches[0], 2), 8).next, CheckedPatch)
 assert_type(diff_state_dicts({}, {}), list[CheckpointWeightPatch])
 assert_type(patch_nbytes(patches), int)
+assert_type(diff_state_dicts({}, {}, cost=UpdateCost()), list[CheckpointWeightPatch])
+assert_type(UpdateCost.calibrate(numel=1024), UpdateCost)
+assert_type(UpdateCost().sparse_seconds(10, 60), float)
+assert_type(wire_sizes(patches[0]), dict[WireEncoding, int])
+assert_type(wire_encoding(patches[0]), WireEncoding)
+diff_state_dicts({}, {}, cost=1e9)  # type: ignore[arg-type]
+UpdateCost(1e9)  # type: ignore[call-arg]

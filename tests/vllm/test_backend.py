@@ -325,7 +325,9 @@ def test_an_update_in_chunks_is_applied_once_with_its_last_chunk() -> None:
     worker = worker_engine()
     client = LocalClient(worker)
     trainer = PatchctxTrainerEngine.trainer_init(
-        PatchctxTrainerInitInfo(transport="inline", rank=0, chunk_bytes=16), client=client
+        # each patch is 6 bytes on the wire (an fp32 value, a 2-byte bitmask): one per chunk
+        PatchctxTrainerInitInfo(transport="inline", rank=0, chunk_bytes=8),
+        client=client,
     )
     calls: list[bool] = []
     before = worker.model.w.clone()
@@ -348,3 +350,43 @@ def test_an_update_in_chunks_is_applied_once_with_its_last_chunk() -> None:
     with pytest.raises(InvalidPatchError, match="out of range"):
         trainer.send_weights(bad)
     assert worker.model.w.view(-1)[5] == 0.0
+
+
+def test_every_transport_carries_every_position_encoding(tmp_path: Any) -> None:
+    """A payload with flat, gap-coded and bitmask positions (and a dense patch) arrives
+    through inline, shared memory and NCCL (a loopback pair) and decodes to the same patches."""
+    from patchctx import WireEncoding, wire_encoding
+    from patchctx.vllm import decode_patches
+    from patchctx.vllm._transport import InlineTransport, check_received
+
+    numel = 2**20
+    patches = [
+        CheckpointWeightPatch(
+            f"w{every}",
+            (numel,),
+            torch.bfloat16,
+            torch.full((len(range(1, numel, every)),), 0.5, dtype=torch.bfloat16),
+            torch.arange(1, numel, every, dtype=torch.int32),
+        )
+        for every in (2**17, 100, 3)  # escaped gaps, short gaps, a dense bitmask
+    ]
+    patches.append(CheckpointWeightPatch("b", (4,), torch.float32, torch.arange(4.0)))
+    assert [wire_encoding(p) for p in patches] == [*list(WireEncoding)[1:], WireEncoding.DENSE]
+    payload = encode_patches(patches, target_version="9")
+    wire: queue.Queue[torch.Tensor] = queue.Queue()
+    pairs: list[tuple[Any, Any]] = [
+        (InlineTransport(limit=4 << 20), InlineTransport(limit=4 << 20)),
+        (SharedMemoryTransport(str(tmp_path)), SharedMemoryTransport(str(tmp_path))),
+        (NCCLTransport(Loopback(wire, sender=True)), NCCLTransport(Loopback(wire, sender=False))),
+    ]
+    for sender, receiver in pairs:
+        descriptor = {**sender.describe(payload), "nbytes": len(payload)}
+        descriptor["sha256"] = digest(payload)
+        sender.transmit(payload)
+        received = check_received(receiver.receive(descriptor), descriptor)
+        sender.release()
+        for got, sent in zip(decode_patches(received), patches, strict=True):
+            assert got.name == sent.name and torch.equal(got.values, sent.values)
+            assert (got.indices is None) == (sent.indices is None)
+            if got.indices is not None and sent.indices is not None:
+                assert torch.equal(got.indices, sent.indices), got.name

@@ -10,6 +10,7 @@ import json
 import math
 import pickle
 import struct
+from typing import Any
 
 import pytest
 
@@ -19,10 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patchctx import CheckpointWeightPatch, InvalidPatchError
+from patchctx import CheckpointWeightPatch, InvalidPatchError, WireEncoding, wire_encoding
+from patchctx._encoding import index_dtype
 from patchctx.vllm import PatchPayload, decode_patches, decode_payload, encode_patches
-from patchctx.vllm._codec import DTYPES, MAGIC, swap_bytes
+from patchctx.vllm._codec import DTYPES, FORMAT_VERSION, MAGIC, swap_bytes
 
+FUZZ_ROUND_TRIPS = settings(max_examples=60, deadline=None)
 FLOATS = ("float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 INTS = ("int8", "uint8", "int16", "int32", "int64", "bool")
 
@@ -48,6 +51,16 @@ def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     )
 
 
+def same_positions(got: torch.Tensor | None, sent: torch.Tensor | None, numel: int) -> bool:
+    """The positions sent, as `index_dtype(numel)` integers when they are in range (the wire
+    carries positions, not their dtype); as sent (dtype included) when some are not."""
+    if got is None or sent is None:
+        return got is None and sent is None
+    in_range = sent.numel() == 0 or bool((sent >= 0).all() and (sent < numel).all())
+    expected = sent.to(index_dtype(numel)) if in_range else sent
+    return same(got, expected)
+
+
 def assert_round_trip(patches: list[CheckpointWeightPatch], **versions: object) -> PatchPayload:
     payload = decode_payload(encode_patches(patches, **versions))  # type: ignore[arg-type]
     assert len(payload.patches) == len(patches)
@@ -55,7 +68,7 @@ def assert_round_trip(patches: list[CheckpointWeightPatch], **versions: object) 
         assert got.name == sent.name and got.shape == tuple(sent.shape)
         assert got.dtype == sent.dtype
         assert same(got.values, sent.values), got.name
-        assert same(got.indices, sent.indices), got.name
+        assert same_positions(got.indices, sent.indices, math.prod(sent.shape)), got.name
     return payload
 
 
@@ -127,7 +140,7 @@ def test_the_format_is_the_documented_layout() -> None:
     )
     data = encode_patches([patch], base_version=3, target_version=4)
     magic, version, size = struct.unpack_from("<8sII", data)
-    assert (magic, version) == (MAGIC, 1) and (16 + size) % 8 == 0
+    assert (magic, version) == (MAGIC, 2) and (16 + size) % 8 == 0
     header = json.loads(data[16 : 16 + size])
     assert header == {
         "base_version": 3,
@@ -139,13 +152,152 @@ def test_the_format_is_the_documented_layout() -> None:
                 "shape": [4],
                 "dtype": "int32",
                 "values": {"dtype": "int32", "offset": 0, "numel": 1},
-                "indices": {"dtype": "int64", "offset": 8, "numel": 1},
+                # one position of four: a 1-byte bitmask beats 2 bytes of gaps and 4 of int32
+                "indices": {"encoding": "bitmask", "offset": 8, "nbytes": 1},
             }
         ],
     }
     data_section = data[16 + size :]
     assert data_section[0:4] == (9).to_bytes(4, "little")
-    assert data_section[8:16] == (2).to_bytes(8, "little")
+    assert data_section[8:9] == bytes([0b100])
+
+
+def version_1_payload(indices: torch.Tensor) -> bytes:
+    """A payload as patchctx wrote it before positions had encodings (format version 1)."""
+    values = torch.tensor([1.5, -2.0], dtype=torch.float32)
+    header = {
+        "base_version": None,
+        "target_version": 7,
+        "data_bytes": 16,
+        "patches": [
+            {
+                "name": "w",
+                "shape": [3, 4],
+                "dtype": "float32",
+                "values": {"dtype": "float32", "offset": 0, "numel": 2},
+                "indices": {"dtype": "int32", "offset": 8, "numel": 2},
+            }
+        ],
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-(16 + len(text)) % 8)
+    data = values.numpy().tobytes() + indices.to(torch.int32).numpy().tobytes()
+    return struct.pack("<8sII", MAGIC, 1, len(text)) + text + data
+
+
+def test_version_1_payloads_are_still_read() -> None:
+    payload = decode_payload(version_1_payload(torch.tensor([11, 4])))
+    [patch] = payload.patches
+    assert payload.target_version == 7
+    assert patch.indices is not None and patch.indices.tolist() == [11, 4]
+    assert patch.indices.dtype == torch.int32 and patch.values.tolist() == [1.5, -2.0]
+
+
+# ------------------------------------------------------------------------- position encodings
+
+
+def sparse_patch(numel: int, positions: torch.Tensor, dtype: torch.dtype) -> CheckpointWeightPatch:
+    values = sample(dtype, positions.numel(), 5)
+    return CheckpointWeightPatch("layer.weight", (numel,), dtype, values, positions)
+
+
+@pytest.mark.parametrize(
+    ("every", "encoding"),
+    [(2**17, WireEncoding.INDICES), (300, WireEncoding.GAPS), (3, WireEncoding.BITMASK)],
+)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32", "int8"])
+def test_every_encoding_travels_and_decodes_to_the_same_positions(
+    every: int, encoding: WireEncoding, dtype_name: str
+) -> None:
+    numel = 2**20
+    positions = torch.arange(7, numel, every, dtype=torch.int64)
+    patch = sparse_patch(numel, positions, DTYPES[dtype_name])
+    assert wire_encoding(patch) is encoding
+    data = encode_patches([patch])
+    block: Any = header_of(data)["patches"]
+    expected = {
+        WireEncoding.INDICES: "int32",
+        WireEncoding.GAPS: "gaps",
+        WireEncoding.BITMASK: "bitmask",
+    }
+    assert block[0]["indices"]["encoding"] == expected[encoding]
+    [got] = decode_patches(data)
+    assert got.indices is not None and got.indices.dtype == torch.int32
+    assert torch.equal(got.indices.long(), positions) and same(got.values, patch.values)
+
+
+@FUZZ_ROUND_TRIPS
+@given(
+    numel=st.integers(1, 70_000),
+    density=st.sampled_from([0.0001, 0.003, 0.05, 0.5, 1.0]),
+    seed=st.integers(0, 2**16),
+    edges=st.booleans(),
+)
+def test_random_positions_round_trip_through_the_payload(
+    numel: int, density: float, seed: int, edges: bool
+) -> None:
+    chosen = torch.rand(numel, generator=torch.Generator().manual_seed(seed)) < density
+    if edges:
+        chosen[[0, -1]] = True
+    positions = chosen.nonzero().view(-1)
+    patch = sparse_patch(numel, positions.to(torch.int32), torch.bfloat16)
+    [got] = decode_patches(encode_patches([patch]))
+    assert got.indices is not None and torch.equal(got.indices, positions.to(torch.int32))
+
+
+def test_payload_size_follows_patch_nbytes() -> None:
+    from patchctx import patch_nbytes
+
+    numel = 2**20
+    small = sparse_patch(numel, torch.arange(0, numel, 1000), torch.bfloat16)
+    big = sparse_patch(numel, torch.arange(0, numel, 2), torch.bfloat16)
+    for patch in (small, big):
+        entries: Any = header_of(encode_patches([patch]))["patches"]
+        block = entries[0]["indices"]
+        assert block["nbytes"] + patch.values.numel() * 2 == patch_nbytes([patch])
+    # the bitmask at 50%: 1/8 byte per element instead of 4 bytes per changed one
+    assert len(encode_patches([big])) < numel // 8 + numel + 1024
+
+
+def corrupted(patch: CheckpointWeightPatch, edit: dict[int, int]) -> bytes:
+    """`patch`'s payload with bytes of its positions block replaced (offset in the block)."""
+    data = bytearray(encode_patches([patch]))
+    size = struct.unpack_from("<I", data, 12)[0]
+    block: Any = header_of(bytes(data))["patches"]
+    start = 16 + size + block[0]["indices"]["offset"]
+    for offset, value in edit.items():
+        data[start + offset] = value
+    return bytes(data)
+
+
+def test_malformed_position_streams_are_refused_naming_the_patch() -> None:
+    bitmask = sparse_patch(10, torch.tensor([1, 2, 3, 5, 8]), torch.bfloat16)
+    assert wire_encoding(bitmask) is WireEncoding.BITMASK
+    with pytest.raises(InvalidPatchError, match=r"patches\[0\] 'layer.weight'.*past the tensor"):
+        decode_payload(corrupted(bitmask, {1: 0b100}))  # bit 10 of a 10-element tensor
+    with pytest.raises(InvalidPatchError, match="more than the 5 bits announced"):
+        decode_payload(corrupted(bitmask, {0: 0b10101110}))
+    with pytest.raises(InvalidPatchError, match="sets 4 bits, 5 were announced"):
+        decode_payload(corrupted(bitmask, {0: 0b00001110}))
+    gaps = sparse_patch(2**17, torch.tensor([5, 100_000, 100_007]), torch.bfloat16)
+    assert wire_encoding(gaps) is WireEncoding.GAPS
+    # the escape entry (after three words) made to reach past the tensor
+    with pytest.raises(InvalidPatchError, match="escape must hold a gap"):
+        decode_payload(corrupted(gaps, {6: 0xFF, 7: 0xFF, 8: 0xFF, 9: 0xFF}))
+    # a word made an escape: the stream is now too short for its escapes
+    with pytest.raises(InvalidPatchError, match="with 2 escapes is 14 bytes"):
+        decode_payload(corrupted(gaps, {4: 0xFF, 5: 0xFF}))
+    # words made larger: the positions reach past the tensor
+    with pytest.raises(InvalidPatchError, match="reach past"):
+        decode_payload(corrupted(gaps, {0: 0xFE, 1: 0xFF, 4: 0xFE, 5: 0xFF}))
+
+
+def test_huge_tensors_travel_as_gaps_without_being_allocated() -> None:
+    numel = 2**40  # int64 positions, uint64 escapes
+    positions = torch.tensor([0, 5, 2**33, numel - 1])
+    [got] = decode_patches(encode_patches([sparse_patch(numel, positions, torch.float32)]))
+    assert got.indices is not None and got.indices.dtype == torch.int64
+    assert got.indices.tolist() == positions.tolist()
 
 
 def test_byte_swapping_for_big_endian_hosts_is_an_involution() -> None:
@@ -201,6 +353,13 @@ def valid_payload() -> bytes:
                 torch.tensor([0, 9, 31], dtype=torch.int32),
             ),
             CheckpointWeightPatch("model.norm.weight", (4,), torch.float32, torch.ones(4)),
+            CheckpointWeightPatch(  # positions as gaps
+                "model.layers.0.input_layernorm.weight",
+                (4096,),
+                torch.bfloat16,
+                torch.tensor([0.25, 4.0, -1.0], dtype=torch.bfloat16),
+                torch.tensor([3, 100, 4000], dtype=torch.int32),
+            ),
         ],
         base_version=1,
         target_version=2,
@@ -210,7 +369,7 @@ def valid_payload() -> bytes:
 def with_header(header: object, data: bytes = b"", *, raw: bytes | None = None) -> bytes:
     text = raw if raw is not None else json.dumps(header).encode()
     text += b" " * (-(16 + len(text)) % 8)
-    return struct.pack("<8sII", MAGIC, 1, len(text)) + text + data
+    return struct.pack("<8sII", MAGIC, FORMAT_VERSION, len(text)) + text + data
 
 
 def header_of(data: bytes) -> dict[str, object]:
@@ -240,7 +399,8 @@ MALFORMED = {
     "torch.save bytes": b"PK\x03\x04" + bytes(40),
     "empty": b"",
     "short prefix": MAGIC + b"\x01\x00",
-    "future format": MAGIC + struct.pack("<II", 2, 0),
+    "future format": MAGIC + struct.pack("<II", 3, 0),
+    "version 0": MAGIC + struct.pack("<II", 0, 0),
     "header past the end": MAGIC + struct.pack("<II", 1, 1 << 20) + b"{}",
     "truncated data": valid_payload()[:-8],
     "trailing bytes": valid_payload() + bytes(8),
@@ -276,13 +436,31 @@ MALFORMED = {
     "dtype not a string": edited("p['dtype'] = ['float32']"),
     "torch. prefix": edited("p['dtype'] = 'torch.float32'"),
     "values dtype unknown": edited("p['values']['dtype'] = 'complex64'"),
-    "indices of a float dtype": edited("p['indices']['dtype'] = 'float32'"),
+    "indices of a float dtype": edited("p['indices']['encoding'] = 'float32'"),
+    "indices of an unknown encoding": edited("p['indices']['encoding'] = 'rle'"),
+    "indices block of version 1": edited(
+        "p['indices'] = {'dtype': 'int32', 'offset': 8, 'numel': 3}"
+    ),
+    "indices past the end": edited("p['indices']['offset'] = 1 << 20"),
+    "indices nbytes past the end": edited("p['indices']['nbytes'] = 1 << 40"),
+    "indices truncated": edited("p['indices']['nbytes'] -= 1"),
+    "indices overlong": edited("p['indices']['nbytes'] += 1"),
+    "misaligned int32 indices": edited("p['indices'].update(encoding='int32', offset=9)"),
+    "a bitmask read as int32": edited("p['indices']['encoding'] = 'int32'"),
+    "a bitmask read as gaps": edited("p['indices']['encoding'] = 'gaps'"),
+    "gaps read as a bitmask": edited("h['patches'][2]['indices']['encoding'] = 'bitmask'"),
+    "gaps truncated": edited("h['patches'][2]['indices']['nbytes'] = 4"),
+    "gaps with a position too many": edited("h['patches'][2]['values']['numel'] = 4"),
+    "version 1 read as version 2": version_1_payload(torch.tensor([11, 4]))[:8]
+    + struct.pack("<I", 2)
+    + version_1_payload(torch.tensor([11, 4]))[12:],
     "values past the end": edited("p['values']['offset'] = 1 << 20"),
     "values numel past the end": edited("p['values']['numel'] = 1 << 40"),
     "misaligned values": edited("p['values']['offset'] = 1"),
     "negative offset": edited("p['values']['offset'] = -8"),
     "bool numel": edited("p['values']['numel'] = True"),
-    "counts differ": edited("p['indices']['numel'] = 2"),
+    "counts differ": edited("p['values']['numel'] = 2"),
+    "more values than positions": edited("p['values']['numel'] = 4"),
     "dense count differs": edited("h['patches'][1]['values']['numel'] = 3"),
     "block not an object": edited("p['values'] = [0, 3]"),
     "block with an extra key": edited("p['values']['stride'] = 1"),

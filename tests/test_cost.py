@@ -1,0 +1,215 @@
+"""UpdateCost and the sparse-or-dense decision of diff_state_dicts(cost=...)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from patchctx import (
+    Auto,
+    InvalidPatchError,
+    InvalidPatchTypeError,
+    UpdateCost,
+    diff_state_dicts,
+)
+from patchctx._diff import choose_sparse, sparse_nbytes
+
+NUMEL = 2**20
+# Apply only (a free link, no fixed costs): sparse 1 ns per changed element, dense 0.1 ns per
+# byte; so in bf16 sparse wins below 20% density, in fp32 below 40%.
+APPLY_ONLY = UpdateCost(
+    link_bytes_per_second=math.inf,
+    sparse_seconds_per_element=1e-9,
+    bitmask_seconds_per_element=0.0,
+    dense_seconds_per_byte=1e-10,
+    sparse_seconds_per_patch=0.0,
+    dense_seconds_per_patch=0.0,
+)
+
+
+def changed_at(
+    count: int, dtype: torch.dtype = torch.bfloat16, spread: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    old = {"w": torch.zeros(NUMEL, dtype=dtype)}
+    new = {"w": old["w"].clone()}
+    positions = torch.linspace(0, NUMEL - 1, count).long() if spread else torch.arange(count)
+    new["w"][positions] = 1.0
+    return old, new
+
+
+def is_sparse(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], **kwargs: object) -> bool:
+    [patch] = diff_state_dicts(old, new, **kwargs)  # type: ignore[arg-type]
+    return patch.indices is not None
+
+
+def test_estimates_are_the_documented_formulas() -> None:
+    cost = UpdateCost(
+        link_bytes_per_second=1e9,
+        sparse_seconds_per_element=2e-9,
+        dense_seconds_per_byte=3e-10,
+        sparse_seconds_per_patch=5e-6,
+        dense_seconds_per_patch=7e-6,
+    )
+    assert cost.sparse_seconds(1000, 4000) == pytest.approx(5e-6 + 1000 * 2e-9 + 4000 / 1e9)
+    assert cost.dense_seconds(10_000, 2) == pytest.approx(7e-6 + 20_000 * 3e-10 + 20_000 / 1e9)
+    assert cost.prefers_sparse(numel=10_000, nnz=1000, element_size=2, sparse_bytes=4000) == (
+        cost.sparse_seconds(1000, 4000) < cost.dense_seconds(10_000, 2)
+    )
+
+
+@pytest.mark.parametrize(("dtype", "crossover"), [(torch.bfloat16, 0.2), (torch.float32, 0.4)])
+def test_dense_above_the_crossover_and_sparse_below(dtype: torch.dtype, crossover: float) -> None:
+    below, above = round(NUMEL * crossover * 0.95), round(NUMEL * crossover * 1.05)
+    assert is_sparse(*changed_at(below, dtype), cost=APPLY_ONLY)
+    assert not is_sparse(*changed_at(above, dtype), cost=APPLY_ONLY)
+    # by size alone, both are sparse (a bitmask and the values are smaller than dense)
+    assert is_sparse(*changed_at(above, dtype))
+
+
+def test_a_bitmask_costs_its_decode_per_element_of_the_tensor() -> None:
+    # 10% changed: positions are smallest as a bitmask (1/8 byte per element, not 2 * 10%)
+    old, new = changed_at(round(NUMEL * 0.1))
+    assert is_sparse(old, new, cost=APPLY_ONLY)
+    scan = UpdateCost(**{**asdict(APPLY_ONLY), "bitmask_seconds_per_element": 1e-10})
+    assert not is_sparse(old, new, cost=scan)  # 0.1 ns per element scanned tips it
+    # 1% changed: gaps are smaller, so the bitmask's cost does not apply
+    old, new = changed_at(round(NUMEL * 0.01))
+    assert is_sparse(old, new, cost=scan)
+    assert scan.sparse_seconds(10, 100, bitmask_numel=1000) == pytest.approx(
+        10 * 1e-9 + 1000 * 1e-10
+    )
+
+
+def test_a_slow_link_favours_the_smaller_payload() -> None:
+    # at 30% in bf16 replay is slower than a copy, but over a 100 MB/s link the bitmask
+    # payload (0.125 + 2 * 0.3 bytes per element) beats 2 bytes per element
+    old, new = changed_at(round(NUMEL * 0.3))
+    assert not is_sparse(old, new, cost=APPLY_ONLY)
+    slow = UpdateCost(
+        link_bytes_per_second=1e8,
+        sparse_seconds_per_element=1e-9,
+        bitmask_seconds_per_element=0.0,
+        dense_seconds_per_byte=1e-10,
+    )
+    assert is_sparse(old, new, cost=slow)
+
+
+def test_fixed_costs_send_small_tensors_dense() -> None:
+    old = {"b": torch.zeros(64)}
+    new = {"b": torch.zeros(64)}
+    new["b"][3] = 1.0
+    assert is_sparse(old, new)  # 4 + 8 bytes against 256
+    assert is_sparse(old, new, cost=APPLY_ONLY)
+    assert not is_sparse(old, new, cost=UpdateCost(sparse_seconds_per_patch=1e-3))
+
+
+def test_dense_above_caps_what_the_cost_model_chooses() -> None:
+    old, new = changed_at(round(NUMEL * 0.05))
+    assert is_sparse(old, new, cost=APPLY_ONLY)
+    assert not is_sparse(old, new, cost=APPLY_ONLY, dense_above=0.04)
+    assert is_sparse(old, new, cost=APPLY_ONLY, dense_above=0.06)
+
+
+def test_strategy_fallbacks_win_over_the_cost_model() -> None:
+    old, new = changed_at(10)
+    new["w"][7] = float("nan")  # Auto (NaNMask for floats) cannot carry NaN
+    free_sparse = UpdateCost(sparse_seconds_per_element=0.0, sparse_seconds_per_patch=0.0)
+    assert not is_sparse(old, new, cost=free_sparse, strategy=Auto())
+
+
+def test_the_gap_escape_count_is_asked_for_only_when_the_choice_turns_on_it() -> None:
+    nnz, element = 1000, 2
+    calls: list[int] = []
+
+    def escapes(count: int) -> Callable[[], int]:
+        def ask() -> int:
+            calls.append(count)
+            return count
+
+        return ask
+
+    # sparse = fixed + (values + gaps) / (1 B/s), dense = numel * 2 / (1 B/s); the fixed cost
+    # puts the turn at 8.5 escapes (gaps are the smallest encoding here: 2 * nnz + 4 * escapes)
+    fixed = 2 * NUMEL - (nnz * element + 2 * nnz) - 4 * 8.5
+    knife_edge = UpdateCost(
+        link_bytes_per_second=1.0,
+        sparse_seconds_per_element=0.0,
+        dense_seconds_per_byte=0.0,
+        sparse_seconds_per_patch=fixed,
+        dense_seconds_per_patch=0.0,
+    )
+    for count, sparse in ((3, True), (8, True), (9, False), (16, False)):
+        chosen = choose_sparse(
+            nnz, NUMEL, element, escapes=escapes(count), cost=knife_edge, dense_above=None
+        )
+        assert chosen is sparse, count
+    assert calls == [3, 8, 9, 16]
+    # a clear case is decided without counting
+    assert choose_sparse(nnz, NUMEL, element, escapes=escapes(0), cost=None, dense_above=None)
+    assert calls == [3, 8, 9, 16]
+    assert sparse_nbytes(nnz, NUMEL, element, 5) == nnz * element + 2 * nnz + 4 * 5
+
+
+def test_the_defaults_cross_between_half_a_percent_and_a_third() -> None:
+    """The calibrated defaults, with a free link: sparse at 0.5%, dense at 33% (bf16 and
+    fp32), for a tensor of 16M elements (a hidden-4096 projection)."""
+    cost = UpdateCost(link_bytes_per_second=math.inf)
+    numel = 4096 * 4096
+    for element in (2, 4):
+        for density, sparse in ((0.005, True), (0.33, False)):
+            nnz = round(numel * density)
+            size = sparse_nbytes(nnz, numel, element, 0)
+            assert (
+                cost.prefers_sparse(numel=numel, nnz=nnz, element_size=element, sparse_bytes=size)
+                is sparse
+            ), (element, density)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"link_bytes_per_second": 0}, InvalidPatchError, "must be positive"),
+        ({"link_bytes_per_second": -1.0}, InvalidPatchError, "must be positive"),
+        ({"sparse_seconds_per_element": -1e-9}, InvalidPatchError, "finite number >= 0"),
+        ({"dense_seconds_per_byte": math.nan}, InvalidPatchError, "finite number >= 0"),
+        ({"dense_seconds_per_patch": math.inf}, InvalidPatchError, "finite number >= 0"),
+        ({"sparse_seconds_per_patch": True}, InvalidPatchTypeError, "takes a number"),
+        ({"link_bytes_per_second": "10GB/s"}, InvalidPatchTypeError, "takes a number"),
+    ],
+)
+def test_invalid_costs_are_refused(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        UpdateCost(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_free_link_and_integers_are_accepted() -> None:
+    cost = UpdateCost(link_bytes_per_second=math.inf, dense_seconds_per_patch=0)
+    assert cost.dense_seconds(10, 2) == pytest.approx(10 * 2 * cost.dense_seconds_per_byte)
+
+
+def test_diff_state_dicts_refuses_a_cost_that_is_not_an_update_cost() -> None:
+    old, new = changed_at(10)
+    with pytest.raises(InvalidPatchTypeError, match=r"write UpdateCost\(\) instead"):
+        diff_state_dicts(old, new, cost=UpdateCost)  # type: ignore[arg-type]
+    with pytest.raises(InvalidPatchTypeError, match="takes a UpdateCost instance"):
+        diff_state_dicts(old, new, cost=1e9)  # type: ignore[arg-type]
+
+
+def test_calibrate_measures_every_field_here() -> None:
+    cost = UpdateCost.calibrate(link_bytes_per_second=5e9, numel=2**16, repeats=1)
+    assert cost.link_bytes_per_second == 5e9
+    for name in (
+        "sparse_seconds_per_element",
+        "dense_seconds_per_byte",
+        "sparse_seconds_per_patch",
+        "dense_seconds_per_patch",
+    ):
+        value = getattr(cost, name)
+        assert 0 <= value < 1.0, name
+    assert cost.sparse_seconds_per_patch > 0 and cost.dense_seconds_per_patch > 0

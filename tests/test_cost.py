@@ -67,7 +67,7 @@ def test_dense_above_the_crossover_and_sparse_below(dtype: torch.dtype, crossove
     assert is_sparse(*changed_at(below, dtype), cost=APPLY_ONLY)
     assert not is_sparse(*changed_at(above, dtype), cost=APPLY_ONLY)
     # by size alone, both are sparse (a bitmask and the values are smaller than dense)
-    assert is_sparse(*changed_at(above, dtype))
+    assert is_sparse(*changed_at(above, dtype), cost=None)
 
 
 def test_a_bitmask_costs_its_decode_per_element_of_the_tensor() -> None:

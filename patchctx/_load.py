@@ -17,7 +17,7 @@ from patchctx._errors import InvalidPatchError, LoaderContractError, PatchProble
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
 from patchctx._ordering import InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, check_patches
-from patchctx._routes import Route, RouteCache, replay, replay_bounds
+from patchctx._routes import Route, RouteCache, replay, replay_bounds, replay_dense
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
@@ -187,8 +187,6 @@ class _Loader:
             return
         refused = []
         for item in items:
-            if not item.sparse:
-                continue
             route = self.routes._usable(
                 item.patch.name, item.patch.shape, item.patch.dtype, self.tensors
             )
@@ -205,11 +203,13 @@ class _Loader:
 
     def add(self, item: CheckedPatch) -> None:
         name = item.patch.name
-        if self.routes is not None and item.sparse:
+        if self.routes is not None:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
             route = self.routes._usable(name, item.patch.shape, item.patch.dtype, self.tensors)
-            if route is not None and self.routes._due_for_verification(name):
+            # A dense patch follows a known route too (the loader's copies, without the
+            # loader); only sparse loads record routes, so only they are used to verify one.
+            if route is not None and item.sparse and self.routes._due_for_verification(name):
                 self.verifying[name] = route  # through the loader this time, then compared
             elif route is not None:
                 self._load_chunk()
@@ -238,29 +238,39 @@ class _Loader:
         pending, self.pending = self.pending, []
         if not pending:
             return
-        bounds = replay_bounds(
-            [
-                (
-                    route,
-                    item._positions if item._positions is not None else item.patch.indices,
-                    item.sorted_unique,
-                )
-                for route, item in pending
-                if item.patch.indices is not None
-            ]
+        sparse = [(route, item) for route, item in pending if item.patch.indices is not None]
+        found = iter(
+            replay_bounds(
+                [
+                    (
+                        route,
+                        item._positions if item._positions is not None else item.patch.indices,
+                        item.sorted_unique,
+                    )
+                    for route, item in sparse
+                    if item.patch.indices is not None
+                ]
+            )
         )
-        for (route, item), found in zip(pending, bounds, strict=True):
-            self._replay(route, item, found)
+        for route, item in pending:
+            self._replay(route, item, next(found) if item.patch.indices is not None else None)
 
     def _replay(
         self, route: Route, item: CheckedPatch, bounds: list[tuple[int, int] | None] | None
     ) -> None:
-        assert self.routes is not None and item.patch.indices is not None
+        assert self.routes is not None
         if self.protect:
             for segment in route.segments:
                 self.index.refuse_protected(
                     self.tensors[segment.tensor_name], f"the patch to {item.patch.name!r}"
                 )
+        if item.patch.indices is None:
+            replay_dense(
+                route, item.patch.values, self.tensors, undo=self.undo if self.atomic else None
+            )
+            self.names |= route.reported
+            self.routes.stats.replayed += 1
+            return
         replay(
             route,
             item.patch.indices,

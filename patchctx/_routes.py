@@ -29,7 +29,16 @@ from patchctx._undo import UndoLog, storage_flat
 if TYPE_CHECKING:
     from patchctx._warm import WarmReport
 
-__all__ = ["Geometry", "LiveTensors", "Route", "RouteCache", "Segment", "replay", "replay_bounds"]
+__all__ = [
+    "Geometry",
+    "LiveTensors",
+    "Route",
+    "RouteCache",
+    "Segment",
+    "replay",
+    "replay_bounds",
+    "replay_dense",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,7 +566,8 @@ class RouteStats:
 
     Attributes:
         recorded: Routes recorded (first sparse patch of a name through the loader).
-        replayed: Sparse patches applied by route replay, without the loader.
+        replayed: Patches applied by route replay, without the loader (sparse ones, and
+            dense ones to a name whose route is known).
         loaded: Patches that went through the loader (dense, first-time or unprovable sparse).
         invalidated: Routes dropped because a destination was rebound or the tensor changed.
         loader_calls: Calls of the model's ``load_weights`` (one per chunk of loaded patches).
@@ -670,6 +680,31 @@ def replay(
             if undo is not None:
                 undo.save_positions(target, at)
             write_at(flat, at, update)
+
+
+def replay_dense(
+    route: Route,
+    values: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    undo: UndoLog | None = None,
+) -> None:
+    """Write a dense patch along `route`: each segment's view of it into its destination view.
+
+    What the loader would do with the full tensor (a route records only view copies, made
+    without reading values), without calling it: one strided ``copy_`` per segment, casting
+    as the loader path does (to the checkpoint dtype when staging, then by ``copy_``).
+    """
+    full = values if values.dtype == route.dtype else values.to(dtype=route.dtype)
+    for segment in route.segments:
+        target = tensors[segment.tensor_name]
+        source = full if full.device == target.device else full.to(target.device)
+        there = segment.target
+        view = torch.as_strided(target, there.size, there.stride, there.offset)
+        here = segment.source
+        if undo is not None:
+            undo.save_view(view)
+        view.copy_(torch.as_strided(source, here.size, here.stride, here.offset))
 
 
 def replay_bounds(

@@ -178,6 +178,35 @@ def test_replay_equals_the_loader_path_for_random_view_loaders(
     assert_same_state(state(model), state(reference))
 
 
+@given(chain=view_chains(), data=st.data(), atomic=st.booleans())
+def test_a_dense_patch_replays_along_the_route_as_the_loader_would_write_it(
+    chain: ViewChain, data: st.DataObject, atomic: bool
+) -> None:
+    model = ChainModel(chain)
+    spec = Spec(chain.shape, chain.checkpoint_dtype)
+    generator = torch.Generator().manual_seed(2)
+    model.load_weights([("w", random_tensor(chain.shape, chain.checkpoint_dtype, generator))])
+    routes = RouteCache()
+    first = data.draw(sparse_patch("w", spec))
+    load_checkpoint_weight_patches(
+        model,
+        [
+            CheckpointWeightPatch(
+                "w", chain.shape, chain.checkpoint_dtype, first.values, first.indices
+            )
+        ],
+        routes=routes,
+    )
+    full = random_tensor(chain.shape, chain.checkpoint_dtype, generator).reshape(-1)
+    dense = CheckpointWeightPatch("w", chain.shape, chain.checkpoint_dtype, full)
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(reference, [dense])  # the loader path
+    calls = routes.stats.loader_calls
+    load_checkpoint_weight_patches(model, [dense], routes=routes, atomic=atomic)
+    assert routes.stats.loader_calls == calls  # no loader call: the route's copies
+    assert_same_state(state(model), state(reference))
+
+
 # ------------------------------------------------------------------ whole toy models
 
 
@@ -389,7 +418,9 @@ def test_route_cache_api_and_dense_patches_invalidate_nothing() -> None:
     load_checkpoint_weight_patches(model, [dense], routes=routes)
     assert "w" in routes and torch.equal(model.weight.view(-1), torch.arange(24.0))
     load_checkpoint_weight_patches(model, [sparse_w(-1.0, 0)], routes=routes)
-    assert routes.stats.replayed == 1 and model.weight.view(-1)[0] == -1.0
+    # The dense patch followed the route too: two replays, one loader call (the recording).
+    assert routes.stats.replayed == 2 and routes.stats.loader_calls == 1
+    assert model.weight.view(-1)[0] == -1.0
     routes.invalidate("w")
     routes.invalidate("never-seen")
     assert "w" not in routes

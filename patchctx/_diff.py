@@ -15,6 +15,7 @@ from typing import TypeAlias, cast
 import torch
 
 from patchctx._arguments import density
+from patchctx._changes import ChangeScan, reserved_test
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._patch import CheckpointWeightPatch, PatchLike
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
@@ -27,9 +28,6 @@ _DtypeArg: TypeAlias = "torch.dtype | Mapping[str, torch.dtype] | None"
 _INT32_LIMIT = 2**31
 
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-
-# Integer views of the same width; the comparison and every data move happen on these bits.
-_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -303,25 +301,6 @@ def _plan(
 # ----------------------------------------------------------------------------------- diffing
 
 
-def _flat_bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as integers of the same width, flattened (a view when possible).
-
-    1-D for every dtype up to 8 bytes; ``(numel, 2)`` for complex128.
-    """
-    if tensor.dtype == torch.bool:
-        return tensor.view(torch.uint8).reshape(-1)
-    size = tensor.element_size()
-    view = _BIT_VIEWS.get(size)
-    if view is not None:
-        return tensor.view(view).reshape(-1)
-    return tensor.reshape(-1).view(torch.int64).view(-1, size // 8)
-
-
-def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Undo `_flat_bits` on a (possibly gathered) 1-D or ``(n, 2)`` integer tensor."""
-    return bits.reshape(-1).view(dtype)
-
-
 def _view_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
     """Equal for two tensors that view the same elements of one storage the same way."""
     storage = _storage(tensor)
@@ -336,11 +315,6 @@ def _view_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
     )
 
 
-def _read_host(flags: torch.Tensor) -> list[int]:
-    """The one host synchronisation of a tensor's diff."""
-    return [int(v) for v in flags.tolist()]
-
-
 def _diff_tensor(
     name: str,
     old: torch.Tensor,
@@ -352,45 +326,25 @@ def _diff_tensor(
     numel = new.numel()
     if numel == 0:
         return None
-    device = new.device
-    target = new.to(device=device, dtype=dtype)
-    new_bits = _flat_bits(target)
-    # The cast of `old` lives only for this comparison.
-    changed = _flat_bits(old.to(device=device, dtype=dtype)) != new_bits
-    if changed.ndim == 2:
-        changed = changed.any(dim=1)
-    count = changed.sum()
+    scan = ChangeScan(old, new, dtype)
     unsupported = strategy.unsupported_reason(dtype) is not None
-    if unsupported:
-        nnz = _read_host(count.view(1))[0]
-        reserved = True
-    else:
-        # Whether the changed values hold a value the strategy cannot carry, asked of a tensor
-        # whose every element is one of the changed values: the unchanged positions take the
-        # value at the first changed one. Exact for any strategy, and needs no count first.
-        first = changed.view(torch.uint8).argmax().view(1)
-        mask = changed.view(-1, 1) if new_bits.ndim == 2 else changed
-        filled = torch.where(mask, new_bits, new_bits.index_select(0, first))
-        flag = strategy.reserved_values(_from_bits(filled, dtype), dtype)
-        del filled
-        nnz, reserved_int = _read_host(torch.stack([count, flag.to(count.device, count.dtype)]))
-        reserved = bool(reserved_int)
+    counted = scan.count(None if unsupported else reserved_test(strategy, dtype))
+    nnz = counted.changed
     if nnz == 0:
         return None
+    reserved = unsupported or counted.reserved
     shape = tuple(new.shape)
     sparse = (
         not reserved
-        and sparse_is_smaller(nnz, numel, target.element_size())
+        and sparse_is_smaller(nnz, numel, dtype.itemsize)
         and (dense_above is None or nnz <= dense_above * numel)
     )
     if sparse:
-        positions = torch.nonzero_static(changed, size=nnz).view(-1)
-        del changed
-        values = _from_bits(new_bits.index_select(0, positions), dtype)
-        return CheckpointWeightPatch(name, shape, dtype, values, positions.to(index_dtype(numel)))
-    del changed
+        positions, values = scan.gather(counted, index_dtype(numel))
+        return CheckpointWeightPatch(name, shape, dtype, values, positions)
+    del scan
     # A dense patch owns its values: the trainer may keep updating `new` in place.
-    flat = target.reshape(-1)
+    flat = new.to(dtype=dtype).reshape(-1)
     if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
         flat = flat.clone()
     return CheckpointWeightPatch(name, shape, dtype, flat)

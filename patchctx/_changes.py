@@ -59,7 +59,7 @@ def bits_of(tensor: torch.Tensor) -> torch.Tensor:
     view = _BIT_VIEWS.get(size)
     if view is not None:
         return tensor.view(view)
-    return tensor.view(torch.int64).view(-1, size // 8)
+    return torch.view_as_real(tensor).view(torch.int64)  # complex128: two float64 halves
 
 
 def _bit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -249,6 +249,7 @@ class ChangeCount:
     changed: int  # elements whose bits differ
     reserved: bool  # whether a changed value is one the strategy reserves
     per_block: tuple[int, ...]  # changed elements per block, in order
+    words_per_block: tuple[int, ...] | None  # changed 8-byte words per block, when counted
 
 
 class ChangeScan:
@@ -256,19 +257,29 @@ class ChangeScan:
 
     `old` and `new` have one shape (0-d counts as one element, and an empty one is not
     scanned); the work happens on `new`'s device, `old` is brought there a block at a time.
-    The scan owns four buffers of at most one block each, reused by every block and by both
-    passes: the casts of `old` and `new` (only when a block cannot be read in place), scratch
-    for the reserved-value test (the cast of `old` when there is one) and the change mask.
+    Per block, the bits of both are XORed (nonzero where an element changed) and the result
+    converted to a boolean change mask. The scan owns at most four buffers of one block each,
+    reused by every block and by both passes: the casts of `old` and `new` (only when a block
+    cannot be read in place), the XOR (in the cast of `old` when there is one) and the mask.
 
     Args:
         old: What the receiver holds.
         new: What it should hold.
         dtype: The receiver's dtype; both sides are compared as their casts to it.
         block: Elements per block (default: `block_size` of the device).
+        words: Find the changed positions of a sparse block through the changed 8-byte words
+            first (default: on CPU, where the mask's `nonzero` costs far more per element
+            than a pass over words; accelerators run the plain path).
     """
 
     def __init__(
-        self, old: torch.Tensor, new: torch.Tensor, dtype: torch.dtype, *, block: int | None = None
+        self,
+        old: torch.Tensor,
+        new: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        block: int | None = None,
+        words: bool | None = None,
     ) -> None:
         if new.shape != old.shape:
             raise ValueError(f"shapes differ: {tuple(old.shape)} and {tuple(new.shape)}")
@@ -281,6 +292,10 @@ class ChangeScan:
         if chosen < 1:
             raise ValueError(f"block must be at least 1 element, got {chosen}")
         self.block = min(chosen, max(self.numel, 1))
+        # Elements per 8-byte word; the word path needs at least two of them per word.
+        self._per_word = 8 // dtype.itemsize if dtype.itemsize <= 4 else 0
+        use_words = self.device.type == "cpu" if words is None else words
+        self.words = use_words and self._per_word > 1
         self._buffers: dict[str, torch.Tensor] = {}
 
     # -- blocks
@@ -300,18 +315,29 @@ class ChangeScan:
         buffer.view(piece.shape).copy_(piece)
         return bits_of(buffer), True
 
-    def _compare(
+    def _xor(
         self, old_piece: torch.Tensor, new_piece: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(bits of the new piece, its change mask, a buffer of the old bits, free to reuse)."""
-        old_bits, old_owned = self._bits(old_piece, "old")
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bits of the new piece, old XOR new: per element, nonzero exactly where it changed)."""
+        old_bits, owned = self._bits(old_piece, "old")
         new_bits, _ = self._bits(new_piece, "new")
-        mask = self._buffer("mask", torch.bool)[: new_piece.numel()]
-        if new_bits.ndim == 2:
-            torch.any(torch.ne(old_bits, new_bits), dim=1, out=mask)
+        xor = old_bits if owned else bits_of(self._buffer("xor", self.dtype)[: new_piece.numel()])
+        torch.bitwise_xor(old_bits, new_bits, out=xor)
+        return new_bits, xor
+
+    def _mask(self, xor: torch.Tensor) -> torch.Tensor:
+        mask = self._buffer("mask", torch.bool)[: xor.shape[0]]
+        if xor.ndim == 2:  # complex128: changed when either half changed
+            torch.any(xor, dim=1, out=mask)
         else:
-            torch.ne(old_bits, new_bits, out=mask)
-        return new_bits, mask, old_bits if old_owned else None
+            mask.copy_(xor)  # the cast to bool is `!= 0`, and much cheaper than torch.ne
+        return mask
+
+    def _word_path(self, length: int, words: int) -> bool:
+        """Whether to go through words for a block of `length` elements, `words` changed."""
+        if not self.words or length % self._per_word:
+            return False
+        return words * 4 <= length // self._per_word  # at most a quarter of the words changed
 
     # -- passes
 
@@ -321,24 +347,28 @@ class ChangeScan:
         Args:
             reserved: The test for reserved values (`reserved_test`); `None` skips it.
         """
-        counts = []
-        flags = []
+        counts, words, flags = [], [], []
         for _, old_piece, new_piece in _pieces(self.old, self.new, self.block):
-            new_bits, mask, spare = self._compare(old_piece, new_piece)
-            count = mask.view(torch.uint8).sum(dtype=torch.int64)
+            new_bits, xor = self._xor(old_piece, new_piece)
+            mask = self._mask(xor)
+            count = torch.count_nonzero(mask)
             counts.append(count)
+            if self.words and xor.numel() % self._per_word == 0:
+                words.append(torch.count_nonzero(xor.view(torch.int64)))
+            elif self.words:
+                words.append(count)  # not read through words
             if reserved is not None:
-                scratch = spare
-                if scratch is None:
-                    scratch = bits_of(self._buffer("scratch", self.dtype)[: mask.numel()])
-                flags.append(reserved(new_bits, mask, count, scratch))
-        found = torch.stack(counts)
+                flags.append(reserved(new_bits, mask, count, xor))  # the XOR is spent
+        found = [torch.stack(counts)]
+        if words:
+            found.append(torch.stack(words))
         if flags:
-            any_reserved = torch.stack(flags).any().view(1).to(found.dtype)
-            found = torch.cat([found, any_reserved])
-        read = [int(value) for value in found.tolist()]  # the one host read
-        per_block = tuple(read[: len(counts)])
-        return ChangeCount(sum(per_block), bool(flags) and bool(read[-1]), per_block)
+            found.append(torch.stack(flags).any().view(1).to(torch.int64))
+        read = [int(value) for value in torch.cat(found).tolist()]  # the one host read
+        blocks = len(counts)
+        per_block = tuple(read[:blocks])
+        per_word = tuple(read[blocks : 2 * blocks]) if words else None
+        return ChangeCount(sum(per_block), bool(flags) and bool(read[-1]), per_block, per_word)
 
     def gather(
         self, counted: ChangeCount, index_dtype: torch.dtype
@@ -352,15 +382,35 @@ class ChangeScan:
         positions = torch.empty(total, dtype=index_dtype, device=self.device)
         trailing = (2,) if self.dtype.itemsize == 16 else ()
         values = torch.empty((total, *trailing), dtype=_bit_dtype(self.dtype), device=self.device)
+        words = counted.words_per_block or (0,) * len(counted.per_block)
         offset = 0
         pieces = _pieces(self.old, self.new, self.block)
-        for (start, old_piece, new_piece), count in zip(pieces, counted.per_block, strict=True):
+        for (start, old_piece, new_piece), count, changed_words in zip(
+            pieces, counted.per_block, words, strict=True
+        ):
             if count == 0:
                 continue
-            new_bits, mask, _ = self._compare(old_piece, new_piece)
-            local = torch.nonzero_static(mask, size=count).view(-1)
+            new_bits, xor = self._xor(old_piece, new_piece)
+            if self._word_path(xor.shape[0], changed_words):
+                local = self._through_words(xor, changed_words, count)
+            else:
+                local = torch.nonzero_static(self._mask(xor), size=count).view(-1)
             end = offset + count
             torch.add(local, start, out=positions[offset:end])
             torch.index_select(new_bits, 0, local, out=values[offset:end])
             offset = end
         return positions, values.reshape(-1).view(self.dtype)
+
+    def _through_words(self, xor: torch.Tensor, words: int, count: int) -> torch.Tensor:
+        """The changed positions of a block, found among its changed 8-byte words only."""
+        per_word = self._per_word
+        as_words = xor.view(torch.int64)
+        word_mask = self._buffer("mask", torch.bool)[: as_words.numel()]
+        word_mask.copy_(as_words)
+        changed_words = torch.nonzero_static(word_mask, size=words).view(-1)
+        elements = as_words.index_select(0, changed_words).view(xor.dtype)
+        within = torch.nonzero_static(elements.bool(), size=count).view(-1)
+        first = changed_words.mul_(per_word)
+        return first.index_select(0, within.div(per_word, rounding_mode="floor")).add_(
+            within.remainder_(per_word)
+        )

@@ -193,20 +193,20 @@ def expected_reserved(strategy: CopyStrategy, values: torch.Tensor, dtype: torch
 @given(
     pair=pairs(),
     block=st.integers(1, 11),
-    words=st.booleans(),
+    groups=st.booleans(),
     strategy=st.sampled_from(STRATEGIES),
     wide_indices=st.booleans(),
 )
 def test_blocked_scan_matches_the_whole_tensor_comparison(
     pair: tuple[torch.Tensor, torch.Tensor, torch.dtype],
     block: int,
-    words: bool,
+    groups: bool,
     strategy: CopyStrategy,
     wide_indices: bool,
 ) -> None:
     old, new, dtype = pair
     positions, values = reference(old, new, dtype)
-    scan = ChangeScan(old, new, dtype, block=block, words=words)
+    scan = ChangeScan(old, new, dtype, block=block, groups=groups)
     supported = strategy.unsupported_reason(dtype) is None
     counted = scan.count(reserved_test(strategy, dtype) if supported else None)
     index_dtype = torch.int64 if wide_indices else torch.int32
@@ -343,3 +343,23 @@ def assert_same_patches(
         if got.indices is not None and want.indices is not None:
             assert torch.equal(got.indices, want.indices)
         assert same_bits(got.values, want.values)
+
+
+@given(
+    groups=st.integers(0, 300),
+    density=st.sampled_from([0.0, 0.01, 0.2, 0.7, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_positions_and_counts_by_groups_of_eight(groups: int, density: float, seed: int) -> None:
+    """Every length that is a multiple of 8 (and of 128), sparse and full groups, the top
+    flag of a group set (its product with the gathering constant is negative)."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(groups * 8, generator=generator) < density
+    expected = mask.nonzero().view(-1)
+    assert int(changes.count_set(mask)) == expected.numel()
+    shorter = mask[: max(mask.numel() - 1, 0)]  # a length that is no multiple of 8
+    assert int(changes.count_set(shorter)) == int(shorter.sum())
+    changed_groups = int(changes.count_groups(mask))
+    assert changed_groups == (int(mask.view(-1, 8).any(dim=1).sum()) if groups else 0)
+    found = changes.positions_by_groups(mask, expected.numel(), changed_groups)
+    assert torch.equal(found, expected)

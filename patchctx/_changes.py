@@ -2,9 +2,10 @@
 
 The kernel behind `diff_state_dicts`. Both tensors are read in blocks of row-major elements,
 each block cast to the receiver's dtype into a reused buffer (or read in place when it already
-has that dtype and layout), and compared as integers of the same width, so ``-0.0`` differs
-from ``+0.0`` and NaN compares by its payload. Nothing larger than a block is ever allocated
-besides the result.
+has that dtype and layout). The two blocks' bits are XORed as integers of the element width
+(nonzero exactly where an element changed, so ``-0.0`` differs from ``+0.0`` and NaN compares
+by its payload) and the XOR cast to a boolean change mask. Nothing larger than a block is
+allocated besides the result.
 
 Two passes, one host read between them:
 
@@ -17,6 +18,8 @@ Two passes, one host read between them:
 Comparing twice costs a second read of both tensors. Its alternative, one pass into a result
 buffer sized for the worst case, allocates a third of a tensor of int32 positions up front and
 still needs the counts to compact it; on an accelerator a re-read is the cheaper of the two.
+On CPU the positions come from groups of 8 mask entries (`positions_by_groups`) rather than
+torch's ``nonzero``, whose cost per element scanned exceeds a streaming read of both tensors.
 """
 
 from __future__ import annotations
@@ -35,12 +38,18 @@ __all__ = [
     "ChangeCount",
     "ChangeScan",
     "ReservedTest",
+    "bits_of",
+    "block_size",
+    "count_groups",
+    "count_set",
+    "positions_by_groups",
     "reserved_test",
 ]
 
-# Elements per block. On CPU a quarter million keeps a block's casts and mask in the L2 cache
-# while amortising the ~10 dispatches per block; accelerators want fewer, larger launches.
-DEFAULT_BLOCK = {"cpu": 1 << 18}
+# Elements per block. Each block costs ~20 dispatches (100-150 us on CPU), so on CPU a block of
+# 1M elements (5 MB of buffers for a bf16 receiver) keeps that under 0.15 ns per element;
+# accelerators want fewer, larger launches still.
+DEFAULT_BLOCK = {"cpu": 1 << 20}
 _DEVICE_BLOCK = 1 << 22
 
 # Integer views of the same width; the comparison and every data move happen on these bits.
@@ -270,9 +279,8 @@ def _pattern_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _patterns(mask: torch.Tensor) -> torch.Tensor:
-    """The 8-flag pattern (0-255, bit j = flag j) of each group of 8 mask entries."""
-    words = mask.view(torch.int64)
+def _patterns(words: torch.Tensor) -> torch.Tensor:
+    """The pattern (0-255, bit j = flag j) of each group of 8 mask entries, read as int64."""
     return words.mul(_GATHER_FLAGS).bitwise_right_shift_(56).bitwise_and_(0xFF)
 
 
@@ -285,12 +293,13 @@ def positions_by_groups(mask: torch.Tensor, count: int, groups: int) -> torch.Te
         groups: How many groups of 8 entries hold at least one (`count_groups`).
     """
     popcount, bit_index = _pattern_tables(mask.device)
-    patterns = _patterns(mask)
-    if groups * 4 <= patterns.numel():  # sparse groups: look at the changed ones only
-        where = torch.nonzero_static(patterns, size=groups).view(-1)
-        patterns = patterns.index_select(0, where)
+    words = mask.view(torch.int64)
+    if groups * 4 <= words.numel():  # sparse groups: find them, then read only those
+        where: torch.Tensor | None = torch.nonzero_static(words, size=groups).view(-1)
+        patterns = _patterns(words.index_select(0, where))
     else:
         where = None
+        patterns = _patterns(words)
     per_group = popcount.index_select(0, patterns)
     group = torch.repeat_interleave(per_group, output_size=count)  # a group per change
     first = per_group.cumsum(0).sub_(per_group)  # each group's first change

@@ -294,11 +294,12 @@ def positions_by_groups(mask: torch.Tensor, count: int, groups: int) -> torch.Te
     """
     popcount, bit_index = _pattern_tables(mask.device)
     words = mask.view(torch.int64)
+    where: torch.Tensor | None = None
     if groups * 4 <= words.numel():  # sparse groups: find them, then read only those
-        where: torch.Tensor | None = torch.nonzero_static(words, size=groups).view(-1)
-        patterns = _patterns(words.index_select(0, where))
+        found = torch.nonzero_static(words, size=groups).view(-1)
+        patterns = _patterns(words.index_select(0, found))
+        where = found
     else:
-        where = None
         patterns = _patterns(words)
     per_group = popcount.index_select(0, patterns)
     group = torch.repeat_interleave(per_group, output_size=count)  # a group per change

@@ -370,7 +370,8 @@ def diff_state_dicts(
       exact bits of `new`).
     - NaN is compared by its bits too: the same NaN on both sides is unchanged, a NaN whose
       payload or sign differs is a change (casts to a narrower dtype may canonicalise
-      payloads first, as the receiver's own cast does).
+      payloads first, as the receiver's own cast does; torch's casts do so for some elements
+      and not others, so after a cast NaN payloads are not guaranteed).
 
     `old` must be a copy of what was sent, not the live weights: ``model.state_dict()`` returns
     views of the parameters, which change with every optimizer step, so keep
@@ -393,13 +394,13 @@ def diff_state_dicts(
     Nothing is dropped; to keep such tensors sparse, pass ``strategy=BoolMask()`` here and to
     `load_checkpoint_weight_patches`.
 
-    The diff streams tensor by tensor: at most one tensor's casts, a boolean change mask and
-    one scratch tensor exist at a time, so the extra memory beyond the returned patches is
-    bounded by a small multiple of the largest tensor, never by the model. The returned
-    values never alias `new` (the trainer may keep stepping in place). Tensors may live on
-    any device; the work happens on `new`'s device (`old` is moved there one tensor at a
-    time), and each non-empty tensor costs one host synchronisation (reading its number of
-    changed elements and whether they hold a reserved value). Supported dtypes: every
+    The diff streams each tensor in blocks (1M elements on CPU, 4M on accelerators): both
+    sides of a block are cast into reused buffers and compared, so the extra memory beyond
+    the returned patches is a few blocks (about 5 bytes per block element), never a tensor.
+    The returned values never alias `new` (the trainer may keep stepping in place). Tensors
+    may live on any device; the work happens on `new`'s device (`old` is moved there a block
+    at a time), and each non-empty tensor costs one host synchronisation (reading its number
+    of changed elements per block and whether they hold a reserved value). Supported dtypes: every
     non-quantized one (floating incl. bfloat16 and float8, integer, bool, complex). A 0-d
     tensor is a one-element tensor (always dense: a sparse payload is never smaller); an
     empty tensor never changes.

@@ -43,6 +43,7 @@ GUARANTEE_FILES: dict[str, str | None] = {
     "tests/test_routes.py": "docs/guarantees.md",
     "tests/test_audit.py": "docs/guarantees.md",
     "tests/test_diff.py": "docs/guarantees.md",
+    "tests/test_changes.py": "docs/guarantees.md",
     "tests/test_load.py": None,
 }
 

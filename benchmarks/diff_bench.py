@@ -6,8 +6,8 @@ For a state dict of N elements (tensors of up to 4M elements, 1024 columns) held
 in fp32 or in bf16, with a bf16 receiver, at 0.1, 2.5, 15 and 50 % of the elements changed in
 bf16, one process times, interleaved and in rotated order:
 
-- ``copy``: ``copy_`` of every tensor of old and new into preallocated ones: the bytes the diff
-  must read, moved at this machine's copy bandwidth. This is the streaming bound;
+- ``copy``: ``copy_`` of every tensor of old and new into a preallocated one: the bytes the
+  diff must read, moved at this machine's copy bandwidth. This is the streaming bound;
 - ``read``: a plain read of both, ``torch.ne(a, b).any()`` over blocks of 1M elements;
 - ``before``: ``diff_state_dicts`` as of the base revision (default af305ae: whole-tensor casts,
   a checkpoint-sized mask), imported from ``git archive`` as ``patchctx_base``;
@@ -20,7 +20,7 @@ peak RSS above the pre-call level, the kernel's peak mark reset per call, with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so every buffer is mapped fresh and unmapped when freed (on
 CUDA: ``max_memory_allocated`` after a reset). Both diffs must return bit-identical patches.
 One torch thread unless ``--threads``. The default run (13M elements) takes about a minute on
-two shared cores; ``--large`` is 280M elements.
+two shared cores; ``--large`` is 280M elements in tensors of 32M (about ten minutes).
 """
 
 from __future__ import annotations
@@ -68,14 +68,19 @@ class Row:
 
 
 def state_dicts(
-    elements: int, source: torch.dtype, density: float, seed: int, device: str
+    elements: int,
+    source: torch.dtype,
+    density: float,
+    seed: int,
+    device: str,
+    tensor_elements: int = TENSOR_ELEMENTS,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(old, new): `density` of the elements changed by 1/16 of their value, which bf16 sees."""
     generator = torch.Generator().manual_seed(seed)
     old, new = {}, {}
     rows_left, index = -(-elements // COLUMNS), 0
     while rows_left:
-        rows = min(rows_left, TENSOR_ELEMENTS // COLUMNS)
+        rows = min(rows_left, tensor_elements // COLUMNS)
         before = (torch.randn(rows, COLUMNS, generator=generator) * 0.02).to(source)
         after = before.clone()
         chosen = torch.rand(rows, COLUMNS, generator=generator) < density
@@ -89,11 +94,14 @@ def state_dicts(
 def bound_copy(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
 ) -> Callable[[], None]:
-    destinations = [torch.zeros_like(t) for t in (*old.values(), *new.values())]  # touched
+    """copy_ of every tensor into one reused destination as large as the largest tensor."""
+    sources = [t.view(-1) for t in (*old.values(), *new.values())]
+    largest = max(t.numel() for t in sources)
+    destinations = {t.dtype: torch.zeros(largest, dtype=t.dtype, device=t.device) for t in sources}
 
     def run() -> None:
-        for destination, source in zip(destinations, (*old.values(), *new.values()), strict=True):
-            destination.copy_(source)
+        for source in sources:
+            destinations[source.dtype][: source.numel()].copy_(source)
 
     return run
 
@@ -130,7 +138,9 @@ def measure_row(
     args: argparse.Namespace,
     memory: bool,
 ) -> list[Row]:
-    old, new = state_dicts(args.elements, SOURCES[source], density, seed=1, device=args.device)
+    old, new = state_dicts(
+        args.elements, SOURCES[source], density, 1, args.device, args.tensor_elements
+    )
     elements = sum(t.numel() for t in new.values())
     changed = sum(
         int(
@@ -213,7 +223,8 @@ def measure_row(
 
 def table(rows: Sequence[Row], settings: Mapping[str, object]) -> str:
     lines = [
-        f"diff_state_dicts, bf16 receiver, {settings['elements']:,} elements, "
+        f"diff_state_dicts, bf16 receiver, {settings['elements']:,} elements in tensors of "
+        f"at most {settings['tensor_elements']:,}, "
         f"{settings['threads']} torch thread(s), {settings['device']}, "
         f"{settings['rounds']} rounds; before = {settings['base']}",
         f"{'source':>6} {'density':>8} {'method':>7} {'min ms':>8} {'med ms':>8} "
@@ -233,7 +244,7 @@ def table(rows: Sequence[Row], settings: Mapping[str, object]) -> str:
         "  peak MiB  peak extra memory of one call (RSS, buffers mapped fresh; CUDA: allocator)",
         "  out MiB   bytes of the patches returned (patch_nbytes)",
         "methods:",
-        "  copy      copy_ of old and new into preallocated tensors: the streaming bound",
+        "  copy      copy_ of old and new into a preallocated tensor: the streaming bound",
         "  read      torch.ne(a, b).any() over 1M-element blocks of old and new",
         "  before    diff_state_dicts of the base revision",
         "  now       diff_state_dicts of this tree",
@@ -248,7 +259,10 @@ def progress(started: float, message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--elements", type=int, default=13_000_000, help="default 13M")
-    parser.add_argument("--large", action="store_true", help="280M elements, 3 rounds")
+    parser.add_argument("--tensor-elements", type=int, default=TENSOR_ELEMENTS, help="default 4M")
+    parser.add_argument(
+        "--large", action="store_true", help="280M elements in tensors of 32M, 3 rounds"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--base", default="af305ae", help="revision of 'before'")
@@ -259,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.large:
-        args.elements, args.rounds = 280_000_000, 3
+        args.elements, args.tensor_elements, args.rounds = 280_000_000, 1 << 25, 3
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -277,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = merge_memory(rows, argv if argv is not None else sys.argv[1:], args, started)
     settings = {
         "elements": args.elements,
+        "tensor_elements": args.tensor_elements,
         "threads": args.threads,
         "device": args.device,
         "rounds": args.rounds,

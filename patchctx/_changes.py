@@ -302,13 +302,15 @@ def positions_by_groups(mask: torch.Tensor, count: int, groups: int) -> torch.Te
     else:
         patterns = _patterns(words)
     per_group = popcount.index_select(0, patterns)
+    # Change j of group g is its (j - first[g])-th set flag: entry j - shift[g] of bit_index,
+    # with shift[g] = first[g] - 8 * pattern[g]. Per group first, so that each change costs
+    # only an expansion, two gathers and two adds.
+    shift = per_group.cumsum(0).sub_(per_group).sub_(patterns.mul_(8))
     group = torch.repeat_interleave(per_group, output_size=count)  # a group per change
-    first = per_group.cumsum(0).sub_(per_group)  # each group's first change
-    rank = torch.arange(count, device=mask.device).sub_(first.index_select(0, group))
-    bit = bit_index.index_select(0, patterns.index_select(0, group).mul_(8).add_(rank))
-    if where is not None:
-        group = where.index_select(0, group)
-    return group.mul_(8).add_(bit)
+    entry = torch.arange(count, device=mask.device).sub_(shift.index_select(0, group))
+    bit = bit_index.index_select(0, entry)
+    start = group.mul_(8) if where is None else where.mul_(8).index_select(0, group)
+    return start.add_(bit)
 
 
 # Byte j of an int64 times this lands, summed with bytes 0..j-1, on byte 7: the top byte of the

@@ -278,11 +278,12 @@ def test_nan_bit_test_is_isnan_for_wide_floats(dtype: torch.dtype) -> None:
     assert torch.equal((raw & test.magnitude) > test.infinity, torch.isnan(values))
 
 
-def test_one_host_read_per_tensor_however_many_blocks() -> None:
+@pytest.mark.parametrize("groups", [True, False], ids=["cpu-path", "device-path"])
+def test_one_host_read_per_tensor_however_many_blocks(groups: bool) -> None:
     old = torch.zeros(1000)
     new = old.clone()
     new[[3, 500, 999]] = torch.tensor([1.0, float("nan"), -0.0])
-    scan = ChangeScan(old, new, torch.bfloat16, block=64)
+    scan = ChangeScan(old, new, torch.bfloat16, block=64, groups=groups)
     with HostReads() as watch:
         counted = scan.count(reserved_test(Auto(), torch.bfloat16))
     assert watch.reads == ["tolist"]

@@ -249,9 +249,6 @@ def reserved_test(strategy: CopyStrategy, dtype: torch.dtype) -> ReservedTest | 
     return _AskStrategy(strategy, dtype)
 
 
-# ------------------------------------------------------------------------------------ scan
-
-
 # -------------------------------------------------------------------- positions by groups
 #
 # torch's nonzero on CPU costs about 1.4 ns per element scanned, even when almost nothing is
@@ -265,18 +262,27 @@ def reserved_test(strategy: CopyStrategy, dtype: torch.dtype) -> ReservedTest | 
 _GATHER_FLAGS = sum(1 << (56 - 7 * j) for j in range(8))
 
 
-@functools.cache
-def _pattern_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _build_pattern_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """(set flags per pattern [256], index of the r-th set flag of a pattern [256 * 8])."""
     counts, indices = [], []
     for pattern in range(256):
         ones = [bit for bit in range(8) if pattern >> bit & 1]
         counts.append(len(ones))
         indices.extend(ones + [0] * (8 - len(ones)))
-    return (
-        torch.tensor(counts, dtype=torch.int64, device=device),
-        torch.tensor(indices, dtype=torch.int64, device=device),
-    )
+    return torch.tensor(counts), torch.tensor(indices)
+
+
+# Built at import, so that no diff allocates them (or holds on to them) while it runs.
+_CPU_PATTERN_TABLES = _build_pattern_tables()
+
+
+@functools.cache
+def _pattern_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pattern tables on `device` (copied there once)."""
+    if device.type == "cpu":
+        return _CPU_PATTERN_TABLES
+    counts, indices = _CPU_PATTERN_TABLES
+    return counts.to(device), indices.to(device)
 
 
 def _patterns(words: torch.Tensor) -> torch.Tensor:

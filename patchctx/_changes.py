@@ -365,9 +365,11 @@ class ChangeScan:
     `old` and `new` have one shape (0-d counts as one element, and an empty one is not
     scanned); the work happens on `new`'s device, `old` is brought there a block at a time.
     Per block, the bits of both are XORed (nonzero where an element changed) and the result
-    converted to a boolean change mask. The scan owns at most four buffers of one block each,
-    reused by every block and by both passes: the casts of `old` and `new` (only when a block
-    cannot be read in place), the XOR (in the cast of `old` when there is one) and the mask.
+    converted to a boolean change mask. The scan owns, reused by every block and by both
+    passes, at most three buffers of one block in the receiver's dtype (the casts of `old`
+    and `new` where a block cannot be read in place; the XOR goes into the cast of `old`, or
+    into a buffer of its own when there is none) and one block of booleans (the mask): for a
+    bf16 receiver, 5 bytes per block element at most.
 
     Args:
         old: What the receiver holds.

@@ -394,7 +394,7 @@ def diff_state_dicts(
     Nothing is dropped; to keep such tensors sparse, pass ``strategy=BoolMask()`` here and to
     `load_checkpoint_weight_patches`.
 
-    The diff streams each tensor in blocks (1M elements on CPU, 4M on accelerators): both
+    The diff streams each tensor in blocks (1M elements on CPU, 16M on accelerators): both
     sides of a block are cast into reused buffers and compared, so the extra memory beyond
     the returned patches is a few blocks (about 5 bytes per block element), never a tensor.
     The returned values never alias `new` (the trainer may keep stepping in place). Tensors

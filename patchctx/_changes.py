@@ -263,27 +263,34 @@ def reserved_test(strategy: CopyStrategy, dtype: torch.dtype) -> ReservedTest | 
 _GATHER_FLAGS = sum(1 << (56 - 7 * j) for j in range(8))
 
 
-def _build_pattern_tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """(set flags per pattern [256], index of the r-th set flag of a pattern [256 * 8])."""
-    counts, indices = [], []
-    for pattern in range(256):
-        ones = [bit for bit in range(8) if pattern >> bit & 1]
-        counts.append(len(ones))
-        indices.extend(ones + [0] * (8 - len(ones)))
-    return torch.tensor(counts), torch.tensor(indices)
+def _build_pattern_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(set flags per pattern [256], index of the r-th set flag of a pattern [256 * 8]).
+
+    Computed on `device` by tensor operations: no host-to-device copy, so no synchronisation.
+    """
+    flags = (
+        torch.arange(256, device=device)
+        .view(-1, 1)
+        .bitwise_right_shift(torch.arange(8, device=device))
+        .bitwise_and_(1)
+    )  # [pattern, bit]
+    rank = flags.cumsum(1).sub_(1)  # of each set flag among its pattern's
+    column = torch.where(flags.bool(), rank, 8)  # unset flags go to a spare ninth column
+    indices = torch.zeros(256, 9, dtype=torch.int64, device=device)
+    indices.scatter_(1, column, torch.arange(8, device=device).expand(256, 8))
+    return flags.sum(1), indices[:, :8].reshape(-1)
 
 
 # Built at import, so that no diff allocates them (or holds on to them) while it runs.
-_CPU_PATTERN_TABLES = _build_pattern_tables()
+_CPU_PATTERN_TABLES = _build_pattern_tables(torch.device("cpu"))
 
 
 @functools.cache
 def _pattern_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pattern tables on `device` (copied there once)."""
+    """The pattern tables on `device` (built there once)."""
     if device.type == "cpu":
         return _CPU_PATTERN_TABLES
-    counts, indices = _CPU_PATTERN_TABLES
-    return counts.to(device), indices.to(device)
+    return _build_pattern_tables(device)
 
 
 def _patterns(words: torch.Tensor) -> torch.Tensor:
@@ -312,8 +319,18 @@ def positions_by_groups(mask: torch.Tensor, count: int, groups: int) -> torch.Te
     # Change j of group g is its (j - first[g])-th set flag: entry j - shift[g] of bit_index,
     # with shift[g] = first[g] - 8 * pattern[g]. Per group first, so that each change costs
     # only an expansion, two gathers and two adds.
-    shift = per_group.cumsum(0).sub_(per_group).sub_(patterns.mul_(8))
-    group = torch.repeat_interleave(per_group, output_size=count)  # a group per change
+    first = per_group.cumsum(0).sub_(per_group)
+    if where is None:
+        # Every group, empty ones too: change j belongs to the last group starting at or
+        # before j, the number of group starts up to j, less one (a running count of marks
+        # at the starts; torch's repeat_interleave is several times slower with empty groups).
+        marks = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
+        ones = torch.ones(1, dtype=torch.int64, device=mask.device).expand(first.numel())
+        marks.index_add_(0, first, ones)
+        group = marks[:count].cumsum_(0).sub_(1)
+    else:
+        group = torch.repeat_interleave(per_group, output_size=count)  # a group per change
+    shift = first.sub_(patterns.mul_(8))
     entry = torch.arange(count, device=mask.device).sub_(shift.index_select(0, group))
     bit = bit_index.index_select(0, entry)
     start = group.mul_(8) if where is None else where.mul_(8).index_select(0, group)

@@ -123,12 +123,19 @@ def plain_read(
 
 
 def same_patches(first: Sequence[Any], second: Sequence[Any]) -> bool:
-    def key(patch: Any) -> tuple[object, ...]:
-        indices = None if patch.indices is None else patch.indices.cpu().long().tolist()
-        bits = patch.values.cpu().view(torch.int16).tolist()
-        return (patch.name, tuple(patch.shape), patch.dtype, indices, bits)
-
-    return [key(p) for p in first] == [key(p) for p in second]
+    """Names, shapes, dtypes, indices and the bits of the values, compared without copies."""
+    if [(p.name, tuple(p.shape), p.dtype) for p in first] != [
+        (p.name, tuple(p.shape), p.dtype) for p in second
+    ]:
+        return False
+    for one, other in zip(first, second, strict=True):
+        if (one.indices is None) != (other.indices is None):
+            return False
+        if one.indices is not None and not torch.equal(one.indices, other.indices):
+            return False
+        if not torch.equal(one.values.view(torch.int16), other.values.view(torch.int16)):
+            return False
+    return True
 
 
 def measure_row(

@@ -16,6 +16,7 @@ from typing import TypeAlias, cast
 import torch
 
 from patchctx._arguments import density, instance_of
+from patchctx._changes import ChangeScan, reserved_test
 from patchctx._cost import UpdateCost
 from patchctx._encoding import (
     PositionsSummary,
@@ -40,9 +41,6 @@ __all__ = [
 _DtypeArg: TypeAlias = "torch.dtype | Mapping[str, torch.dtype] | None"
 
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-
-# Integer views of the same width; the comparison and every data move happen on these bits.
-_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def sparse_nbytes(nnz: int, numel: int, element_size: int, escapes: int) -> int:
@@ -397,25 +395,6 @@ def _plan(
 # ----------------------------------------------------------------------------------- diffing
 
 
-def _flat_bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as integers of the same width, flattened (a view when possible).
-
-    1-D for every dtype up to 8 bytes; ``(numel, 2)`` for complex128.
-    """
-    if tensor.dtype == torch.bool:
-        return tensor.view(torch.uint8).reshape(-1)
-    size = tensor.element_size()
-    view = _BIT_VIEWS.get(size)
-    if view is not None:
-        return tensor.view(view).reshape(-1)
-    return tensor.reshape(-1).view(torch.int64).view(-1, size // 8)
-
-
-def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Undo `_flat_bits` on a (possibly gathered) 1-D or ``(n, 2)`` integer tensor."""
-    return bits.reshape(-1).view(dtype)
-
-
 def _view_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
     """Equal for two tensors that view the same elements of one storage the same way."""
     storage = _storage(tensor)
@@ -430,11 +409,6 @@ def _view_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
     )
 
 
-def _read_host(flags: torch.Tensor) -> list[int]:
-    """The one host synchronisation of a tensor's diff."""
-    return [int(v) for v in flags.tolist()]
-
-
 def _diff_tensor(
     name: str,
     old: torch.Tensor,
@@ -447,52 +421,33 @@ def _diff_tensor(
     numel = new.numel()
     if numel == 0:
         return None
-    device = new.device
-    target = new.to(device=device, dtype=dtype)
-    new_bits = _flat_bits(target)
-    # The cast of `old` lives only for this comparison.
-    changed = _flat_bits(old.to(device=device, dtype=dtype)) != new_bits
-    if changed.ndim == 2:
-        changed = changed.any(dim=1)
-    count = changed.sum()
+    scan = ChangeScan(old, new, dtype)
     unsupported = strategy.unsupported_reason(dtype) is not None
-    if unsupported:
-        nnz = _read_host(count.view(1))[0]
-        reserved = True
-    else:
-        # Whether the changed values hold a value the strategy cannot carry, asked of a tensor
-        # whose every element is one of the changed values: the unchanged positions take the
-        # value at the first changed one. Exact for any strategy, and needs no count first.
-        first = changed.view(torch.uint8).argmax().view(1)
-        mask = changed.view(-1, 1) if new_bits.ndim == 2 else changed
-        filled = torch.where(mask, new_bits, new_bits.index_select(0, first))
-        flag = strategy.reserved_values(_from_bits(filled, dtype), dtype)
-        del filled
-        nnz, reserved_int = _read_host(torch.stack([count, flag.to(count.device, count.dtype)]))
-        reserved = bool(reserved_int)
+    counted = scan.count(None if unsupported else reserved_test(strategy, dtype))
+    nnz = counted.changed
     if nnz == 0:
         return None
+    reserved = unsupported or counted.reserved
     shape = tuple(new.shape)
-    positions: torch.Tensor | None = None
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def escapes(changed: torch.Tensor = changed) -> int:  # only when the choice turns on it
-        nonlocal positions
-        positions = torch.nonzero_static(changed, size=nnz).view(-1)
-        return _read_host(count_escapes(positions).view(1))[0]
+    def escapes() -> int:  # only when the choice turns on it
+        nonlocal gathered
+        gathered = scan.gather(counted, index_dtype(numel))
+        return int(count_escapes(gathered[0]))  # a second host read, rare
 
     sparse = not reserved and choose_sparse(
-        nnz, numel, target.element_size(), escapes=escapes, cost=cost, dense_above=dense_above
+        nnz, numel, dtype.itemsize, escapes=escapes, cost=cost, dense_above=dense_above
     )
     del escapes
     if sparse:
-        if positions is None:
-            positions = torch.nonzero_static(changed, size=nnz).view(-1)
-        del changed
-        values = _from_bits(new_bits.index_select(0, positions), dtype)
-        return CheckpointWeightPatch(name, shape, dtype, values, positions.to(index_dtype(numel)))
-    del changed
+        positions, values = (
+            gathered if gathered is not None else scan.gather(counted, index_dtype(numel))
+        )
+        return CheckpointWeightPatch(name, shape, dtype, values, positions)
+    del gathered
     # A dense patch owns its values: the trainer may keep updating `new` in place.
-    flat = target.reshape(-1)
+    flat = new.to(dtype=dtype).reshape(-1)
     if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
         flat = flat.clone()
     return CheckpointWeightPatch(name, shape, dtype, flat)
@@ -519,7 +474,8 @@ def diff_state_dicts(
       exact bits of `new`).
     - NaN is compared by its bits too: the same NaN on both sides is unchanged, a NaN whose
       payload or sign differs is a change (casts to a narrower dtype may canonicalise
-      payloads first, as the receiver's own cast does).
+      payloads first, as the receiver's own cast does; torch's casts do so for some elements
+      and not others, so after a cast NaN payloads are not guaranteed).
 
     `old` must be a copy of what was sent, not the live weights: ``model.state_dict()`` returns
     views of the parameters, which change with every optimizer step, so keep
@@ -555,13 +511,13 @@ def diff_state_dicts(
 
     So `dense_above` is a cap that holds whatever `cost` says, and the strategy's fallbacks
     hold over both. `patch_nbytes` then counts each sparse patch in its smallest encoding.
-    The diff streams tensor by tensor: at most one tensor's casts, a boolean change mask and
-    one scratch tensor exist at a time, so the extra memory beyond the returned patches is
-    bounded by a small multiple of the largest tensor, never by the model. The returned
-    values never alias `new` (the trainer may keep stepping in place). Tensors may live on
-    any device; the work happens on `new`'s device (`old` is moved there one tensor at a
-    time), and each non-empty tensor costs one host synchronisation (reading its number of
-    changed elements and whether they hold a reserved value). Supported dtypes: every
+    The diff streams each tensor in blocks (1M elements on CPU, 16M on accelerators): both
+    sides of a block are cast into reused buffers and compared, so the extra memory beyond
+    the returned patches is a few blocks (about 5 bytes per block element), never a tensor.
+    The returned values never alias `new` (the trainer may keep stepping in place). Tensors
+    may live on any device; the work happens on `new`'s device (`old` is moved there a block
+    at a time), and each non-empty tensor costs one host synchronisation (reading its number
+    of changed elements per block and whether they hold a reserved value). Supported dtypes: every
     non-quantized one (floating incl. bfloat16 and float8, integer, bool, complex). A 0-d
     tensor is a one-element tensor (always dense: a sparse payload is never smaller); an
     empty tensor never changes.

@@ -1,0 +1,366 @@
+"""The blocked change kernel against the whole-tensor comparison it replaced, bit for bit.
+
+Every dtype family, 0-d and strided inputs, blocks of a few elements (so that small tensors
+cross many blocks), NaN payloads and signed zeros, reserved values in any block, densities
+from 0 to 1, the CPU word path and the accelerators' plain path (run here on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import patchctx._changes as changes
+from patchctx import (
+    Auto,
+    BoolMask,
+    CheckpointWeightPatch,
+    CopyStrategy,
+    IntSentinel,
+    NaNMask,
+    diff_state_dicts,
+)
+from patchctx._changes import ChangeScan, reserved_test
+from patchctx._strategies import indexable
+from tests.support.builders import state_dict_pairs
+from tests.support.memory import AllocationTracker, HostReads
+from tests.support.models import bits, mixed_dtype_model, same_bits
+
+RECEIVERS = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+@dataclass(frozen=True)
+class NotBuiltIn:
+    """A strategy patchctx does not know: reserves NaN and +inf, asked through the protocol."""
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        return None if dtype.is_floating_point else "floats only"
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        wide = values.to(dtype).to(torch.float64)
+        return (torch.isnan(wide) | (wide == math.inf)).any()
+
+    def describe_reserved(self, dtype: torch.dtype) -> str:
+        return "NaN and +inf"
+
+    def stage(self, *args: object) -> torch.Tensor:  # pragma: no cover - never staged here
+        raise NotImplementedError
+
+    def merge(self, *args: object, **kwargs: object) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def update_mask(self, source: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+STRATEGIES: list[object] = [
+    Auto(),
+    NaNMask(),
+    BoolMask(),
+    IntSentinel(),
+    IntSentinel(value=5),
+    NotBuiltIn(),
+]
+
+
+def random_bits(count: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """`count` elements of `dtype` with uniformly random bits (NaN payloads included)."""
+    raw = torch.randint(0, 256, (count * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        return (raw & 1).view(torch.bool)
+    return raw.view(dtype)
+
+
+def specials(dtype: torch.dtype) -> torch.Tensor:
+    """Values people forget: signed zeros, NaNs with payloads and signs, extremes, sentinels."""
+    if dtype == torch.bool:
+        return torch.tensor([True, False])
+    if dtype.is_complex:
+        return torch.tensor(
+            [complex(-0.0, 0.0), complex(0.0, -0.0), complex(math.nan, 1)], dtype=dtype
+        )
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        return torch.tensor([info.min, info.max, 0, 5, -1 if info.min else 1]).to(dtype)
+    values = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.0]).to(dtype)
+    if dtype.itemsize > 1:
+        nan = int_view(values[4:5])
+        payloads = torch.cat([nan ^ 1, nan ^ 2, nan ^ sign_bit(nan.dtype)]).view(dtype)
+        values = torch.cat([values, payloads])
+    return values
+
+
+def int_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as integers of the element width (complex: of each half)."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    width = tensor.element_size()
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+
+
+def sign_bit(dtype: torch.dtype) -> int:
+    return 0x80 if dtype == torch.uint8 else torch.iinfo(dtype).min
+
+
+@st.composite
+def pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(old, new, receiver dtype): random shapes and layouts, a drawn density of changes."""
+    receiver = draw(st.sampled_from(RECEIVERS))
+    source = receiver
+    if receiver.is_floating_point and draw(st.booleans()):
+        source = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+    shape = tuple(draw(st.lists(st.integers(1, 6), max_size=3)))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    numel = math.prod(shape)
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    old = random_bits(numel, source, generator)
+    pool = specials(source)
+    sprinkled = draw(st.lists(st.integers(0, numel - 1), max_size=4))
+    for position in sprinkled:  # specials at unchanged positions too
+        old[position] = pool[draw(st.integers(0, pool.numel() - 1))]
+    new = old.clone()
+    density = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+    changed = (torch.rand(numel, generator=generator) < density).nonzero().view(-1).tolist()
+    for position in changed:
+        how = draw(st.sampled_from(["random", "special", "flip"]))
+        if how == "random":
+            new[position] = random_bits(1, source, generator)[0]
+        elif how == "special":
+            new[position] = pool[draw(st.integers(0, pool.numel() - 1))]
+        elif source != torch.bool:  # the sign bit only: -0.0, a NaN's sign, ...
+            raw = int_view(new[position : position + 1])
+            raw.bitwise_xor_(sign_bit(raw.dtype))
+    return shaped(old, shape, layout), shaped(new, shape, layout), receiver
+
+
+def shaped(flat: torch.Tensor, shape: tuple[int, ...], layout: str) -> torch.Tensor:
+    """`flat` (row-major elements) as a tensor of `shape` in the given memory layout."""
+    if layout == "transposed" and len(shape) >= 2:
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        return flat.reshape(shape).transpose(-1, -2).contiguous().view(swapped).transpose(-1, -2)
+    if layout == "strided" and shape:
+        wide = torch.zeros(shape[0] * 2, *shape[1:], dtype=flat.dtype)
+        view = wide[::2]
+        view.copy_(flat.reshape(shape))
+        return view
+    return flat.reshape(shape)
+
+
+def element_bits(tensor: torch.Tensor) -> torch.Tensor:
+    raw = bits(tensor.reshape(-1))
+    return raw.reshape(tensor.numel(), -1)
+
+
+def reference(
+    old: torch.Tensor, new: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The straightforward whole-tensor comparison: (changed positions, their new values)."""
+    after = new.to(dtype)
+    changed = (element_bits(old.to(dtype)) != element_bits(after)).any(dim=1)
+    positions = changed.nonzero().view(-1)
+    flat = after.reshape(-1)
+    values = indexable(flat).index_select(0, positions).view(dtype)
+    return positions, values
+
+
+def expected_reserved(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """What the strategy itself says of the changed values."""
+    return bool(values.numel()) and bool(strategy.reserved_values(values, dtype))
+
+
+@given(
+    pair=pairs(),
+    block=st.integers(1, 11),
+    groups=st.booleans(),
+    strategy=st.sampled_from(STRATEGIES),
+    wide_indices=st.booleans(),
+)
+def test_blocked_scan_matches_the_whole_tensor_comparison(
+    pair: tuple[torch.Tensor, torch.Tensor, torch.dtype],
+    block: int,
+    groups: bool,
+    strategy: CopyStrategy,
+    wide_indices: bool,
+) -> None:
+    old, new, dtype = pair
+    positions, values = reference(old, new, dtype)
+    scan = ChangeScan(old, new, dtype, block=block, groups=groups)
+    supported = strategy.unsupported_reason(dtype) is None
+    counted = scan.count(reserved_test(strategy, dtype) if supported else None)
+    index_dtype = torch.int64 if wide_indices else torch.int32
+    found, found_values = scan.gather(counted, index_dtype)
+    assert found.dtype == index_dtype
+    assert found_values.dtype == dtype
+    assert counted.changed == found.numel() == sum(counted.per_block)
+    if found.numel() > 1:
+        assert bool((found[1:] > found[:-1]).all())  # sorted and unique
+    if old.dtype == dtype:
+        assert torch.equal(found.long(), positions)
+        assert same_bits(found_values, values)
+    else:
+        assert_same_modulo_cast_nans(old, new, dtype, found, found_values)
+    expected = supported and expected_reserved(strategy, found_values, dtype)
+    assert counted.reserved == expected
+    if found_values.numel():
+        assert found_values.untyped_storage().data_ptr() != new.untyped_storage().data_ptr()
+
+
+def assert_same_modulo_cast_nans(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    dtype: torch.dtype,
+    found: torch.Tensor,
+    found_values: torch.Tensor,
+) -> None:
+    """The comparison after a cast to another dtype, where torch decides NaN payloads.
+
+    Which NaN bits a narrowing cast produces depends on torch's kernel, even on an element's
+    position (fp64 to bf16: its vector loop keeps sign and payload bits, its scalar tail
+    returns the canonical NaN), so a whole-tensor cast and a cast per block may disagree on
+    NaNs, and only on them. Elements whose casts are not NaN must match exactly; an element
+    cast to NaN on one side counts as changed when the other side is not NaN, may count as
+    changed when its source bits differ, and never when they are the same.
+    """
+    before, after = old.to(dtype).reshape(-1), new.to(dtype).reshape(-1)
+    nan_before = torch.isnan(before.to(torch.float64))
+    nan_after = torch.isnan(after.to(torch.float64))
+    involved = nan_before | nan_after
+    reported = torch.zeros(after.numel(), dtype=torch.bool)
+    reported[found.long()] = True
+    differs = (element_bits(before) != element_bits(after)).any(dim=1)
+    source_differs = (element_bits(old) != element_bits(new)).any(dim=1)
+    assert torch.equal(reported[~involved], differs[~involved])
+    assert not bool((reported & ~source_differs).any())
+    assert bool(reported[nan_before != nan_after].all())
+    expected_values = indexable(after).index_select(0, found.long()).view(dtype)
+    is_nan = torch.isnan(found_values.to(torch.float64))
+    assert torch.equal(is_nan, torch.isnan(expected_values.to(torch.float64)))
+    assert same_bits(found_values[~is_nan], expected_values[~is_nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nan_bit_test_is_isnan_for_every_16_bit_pattern(dtype: torch.dtype) -> None:
+    test = reserved_test(NaNMask(), dtype)
+    assert isinstance(test, changes._NaNBits)
+    raw = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    assert torch.equal((raw & test.magnitude) > test.infinity, torch.isnan(raw.view(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nan_bit_test_is_isnan_for_wide_floats(dtype: torch.dtype) -> None:
+    test = reserved_test(Auto(), dtype)
+    assert isinstance(test, changes._NaNBits)
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat([random_bits(100_000, dtype, generator), specials(dtype)])
+    raw = int_view(values)
+    assert torch.equal((raw & test.magnitude) > test.infinity, torch.isnan(values))
+
+
+@pytest.mark.parametrize("groups", [True, False], ids=["cpu-path", "device-path"])
+def test_one_host_read_per_tensor_however_many_blocks(groups: bool) -> None:
+    old = torch.zeros(1000)
+    new = old.clone()
+    new[[3, 500, 999]] = torch.tensor([1.0, float("nan"), -0.0])
+    scan = ChangeScan(old, new, torch.bfloat16, block=64, groups=groups)
+    with HostReads() as watch:
+        counted = scan.count(reserved_test(Auto(), torch.bfloat16))
+    assert watch.reads == ["tolist"]
+    assert (counted.changed, counted.reserved, len(counted.per_block)) == (3, True, 16)
+    with HostReads() as watch:
+        positions, values = scan.gather(counted, torch.int32)
+    assert watch.reads == []
+    assert positions.tolist() == [3, 500, 999]
+    assert same_bits(values, new.to(torch.bfloat16)[[3, 500, 999]])
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_memory_is_a_few_blocks_beyond_the_result(source: torch.dtype) -> None:
+    numel, block = 1 << 20, 1 << 12
+    generator = torch.Generator().manual_seed(0)
+    old = torch.randn(numel, generator=generator).to(source)
+    new = old.clone()
+    new[torch.randperm(numel, generator=generator)[:5000]] += 1.0
+    with AllocationTracker(preexisting=[old, new]) as tracker:
+        scan = ChangeScan(old, new, torch.bfloat16, block=block)
+        counted = scan.count(reserved_test(Auto(), torch.bfloat16))
+        positions, values = scan.gather(counted, torch.int32)
+        result = positions.numel() * 4 + values.numel() * 2
+        del scan
+    assert counted.changed == 5000
+    # casts of both sides, the XOR (in one of them) and the mask: 5 bytes per block element;
+    # the per-block counts and the word path's small temporaries come on top
+    assert tracker.peak - result <= 8 * block * 4, (tracker.peak, result)
+
+
+@given(data=st.data(), strategy=st.sampled_from([Auto(), BoolMask()]))
+def test_diff_state_dicts_is_the_same_whatever_the_block(
+    data: st.DataObject, strategy: CopyStrategy
+) -> None:
+    """Every dtype and shape of the mixed model, fp32 masters for the narrow floats."""
+    specs = mixed_dtype_model().checkpoint_specs()
+    masters = {
+        name: torch.float32
+        for name, spec in specs.items()
+        if spec.dtype.is_floating_point and spec.dtype.itemsize <= 2
+    }
+    old, new = data.draw(state_dict_pairs(specs, trainer_dtypes=masters))
+    dtypes = {name: spec.dtype for name, spec in specs.items()}
+    expected = diff_state_dicts(old, new, dtype=dtypes, strategy=strategy)
+    with mock.patch.dict(changes.DEFAULT_BLOCK, {"cpu": data.draw(st.integers(1, 7))}):
+        blocked = diff_state_dicts(old, new, dtype=dtypes, strategy=strategy)
+    assert_same_patches(blocked, expected)
+
+
+def assert_same_patches(
+    actual: list[CheckpointWeightPatch], expected: list[CheckpointWeightPatch]
+) -> None:
+    assert [(p.name, p.shape, p.dtype) for p in actual] == [
+        (p.name, p.shape, p.dtype) for p in expected
+    ]
+    for got, want in zip(actual, expected, strict=True):
+        assert (got.indices is None) == (want.indices is None)
+        if got.indices is not None and want.indices is not None:
+            assert torch.equal(got.indices, want.indices)
+        assert same_bits(got.values, want.values)
+
+
+@given(
+    groups=st.integers(0, 300),
+    density=st.sampled_from([0.0, 0.01, 0.2, 0.7, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_positions_and_counts_by_groups_of_eight(groups: int, density: float, seed: int) -> None:
+    """Every length that is a multiple of 8 (and of 128), sparse and full groups, the top
+    flag of a group set (its product with the gathering constant is negative)."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(groups * 8, generator=generator) < density
+    expected = mask.nonzero().view(-1)
+    assert int(changes.count_set(mask)) == expected.numel()
+    shorter = mask[: max(mask.numel() - 1, 0)]  # a length that is no multiple of 8
+    assert int(changes.count_set(shorter)) == int(shorter.sum())
+    changed_groups = int(changes.count_groups(mask))
+    assert changed_groups == (int(mask.view(-1, 8).any(dim=1).sum()) if groups else 0)
+    found = changes.positions_by_groups(mask, expected.numel(), changed_groups)
+    assert torch.equal(found, expected)

@@ -169,8 +169,8 @@ def _audit_one(
         )
     except UnchangedValueRead as error:
         reason = (
-            "sparse patches work through the loader only when they change every element it "
-            f"reads out of torch ({error})"
+            "the loader reads values out of torch: sparse patches work through it only when "
+            f"they change every element ({error})"
         )
         return AuditRow(name, "masked", reason)
     except LoaderContractError as error:

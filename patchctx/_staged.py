@@ -22,7 +22,8 @@ it with `LoaderContractError` before anything is written:
   operation with staged inputs is refused. When the staged data belongs to a load, its ledger
   (`Ledger`) must first admit the destination (a model tensor that existed before the call);
 - reading values out of torch (``item()``, ``tolist()``, ``numpy()``, pickling, storage access)
-  is allowed only for changed positions.
+  is allowed only when the patch changes every element (a value out of torch can steer how the
+  loader writes the kept ones).
 """
 
 from __future__ import annotations
@@ -129,18 +130,30 @@ class Provenance:
     # mask without a pass over it. Shared by every view of the tensor (they share this
     # object), and cleared by any write into the staged data or a result that may hold CONST.
     binary: bool = True
+    # The patch leaves some position unchanged. Then no value may leave torch, changed or not:
+    # what the loader does with it (a branch, a computed offset) could change how it writes
+    # the positions the patch keeps, which the masked merge cannot follow.
+    partial: bool = True
 
     def derived(self, *, mask_is_view: bool = True, binary: bool = True) -> Provenance:
         return Provenance(
-            self.names, self.ledger, None, mask_is_view, self.dense, binary and self.binary
+            self.names,
+            self.ledger,
+            None,
+            mask_is_view,
+            self.dense,
+            binary and self.binary,
+            self.partial,
         )
 
 
 class UnchangedValueRead(LoaderContractError):
-    """The loader read a value out of torch at a position the patch does not change.
+    """The loader read a value out of torch from a patch that does not change every element.
 
-    Whether that happens depends on which positions a patch changes: `audit`, which stages a
-    patch that changes nothing, reports such names as masked, not unsupported.
+    A value that leaves torch can steer what the loader does next (a branch, an offset) with
+    the elements the patch keeps, which no mask follows, so it is refused whether or not the
+    element read is one the patch changes. A patch that changes every element (a dense one)
+    may be read: `audit` reports such names as masked, not unsupported.
     """
 
 
@@ -335,12 +348,13 @@ class StagedTensor(torch.Tensor):
     # -- reading values out of torch --------------------------------------------------------
 
     def _require_all_changed(self, what: str) -> None:
-        if bool((self._update == KEEP).any()):
+        if self._prov.partial and not self._prov.dense:
             raise self._noted(
                 UnchangedValueRead(
-                    f"{what} of staged data of {_label(self._prov.names)}: it holds positions the "
-                    "patch does not change, whose values patchctx does not know; only positions a "
-                    "patch changes can leave torch"
+                    f"{what} of staged data of {_label(self._prov.names)}: the patch does not "
+                    "change every element, and a value read out of torch could decide how the "
+                    "loader writes the ones it keeps (a branch), which the masked merge cannot "
+                    "follow; send this tensor dense, or one that changes every element"
                 )
             )
         if self._prov.ledger is not None:
@@ -428,7 +442,8 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
     names = frozenset().union(*(s._prov.names for s in staged))
     dense = all(s._prov.dense for s in staged)
     binary = all(s._prov.binary for s in staged)
-    return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary)
+    partial = any(s._prov.partial for s in staged)
+    return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary, partial)
 
 
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -842,11 +857,15 @@ def stage(
         update.index_fill_(0, positions, CHANGED)
     data = flat.view(tuple(int(d) for d in shape))
     root = Root(data)
-    return StagedTensor(data, update.view(data.shape), Provenance(frozenset({name}), ledger, root))
+    # Fewer indices than elements: some position is kept (no pass needed). As many or more
+    # (a patch naming every element, or repeats): the mask says.
+    partial = indices.numel() < numel or bool((update == KEEP).any())
+    prov = Provenance(frozenset({name}), ledger, root, partial=partial)
+    return StagedTensor(data, update.view(data.shape), prov)
 
 
 def stage_dense(data: torch.Tensor, *, name: str, ledger: Ledger) -> StagedTensor:
     """A dense patch's tensor, wrapped so that every write of it is logged (any thread)."""
     changed = torch.full((), CHANGED, dtype=torch.uint8, device=data.device).expand(data.shape)
-    prov = Provenance(frozenset({name}), ledger, None, True, True)
+    prov = Provenance(frozenset({name}), ledger, None, True, True, partial=False)
     return StagedTensor(data, changed, prov)

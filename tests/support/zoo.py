@@ -369,7 +369,7 @@ entry("torch.add-out-reading-the-weight", "refused", "`torch.add(p, w, out=p)`")
 
 # -- reading values out of torch ---------------------------------------------------------
 
-entry("fill-from-item-of-a-changed-element", "masked", "`one.fill_(w.view(-1)[1].item())`")(
+entry("fill-from-item-of-a-changed-element", "refused", "`one.fill_(w.view(-1)[1].item())`")(
     lambda m, w: (m.weight.data.copy_(w), m.one.data.fill_(w.reshape(-1)[1].item()))
 )
 entry(

@@ -695,16 +695,20 @@ def replay_dense(
     without reading values), without calling it: one strided ``copy_`` per segment, casting
     as the loader path does (to the checkpoint dtype when staging, then by ``copy_``).
     """
-    full = values if values.dtype == route.dtype else values.to(dtype=route.dtype)
+    # The segments' source geometry is that of the staged tensor: contiguous, from its start.
+    # (as_strided takes an offset into the storage, so `values` may not start it: a view into
+    # a received payload, say.)
+    full = values.to(dtype=route.dtype).contiguous()
     for segment in route.segments:
         target = tensors[segment.tensor_name]
         source = full if full.device == target.device else full.to(target.device)
         there = segment.target
         view = torch.as_strided(target, there.size, there.stride, there.offset)
         here = segment.source
+        start = source.storage_offset() + here.offset
         if undo is not None:
             undo.save_view(view)
-        view.copy_(torch.as_strided(source, here.size, here.stride, here.offset))
+        view.copy_(torch.as_strided(source, here.size, here.stride, start))
 
 
 def replay_bounds(

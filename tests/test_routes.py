@@ -197,8 +197,10 @@ def test_a_dense_patch_replays_along_the_route_as_the_loader_would_write_it(
         ],
         routes=routes,
     )
-    full = random_tensor(chain.shape, chain.checkpoint_dtype, generator).reshape(-1)
-    dense = CheckpointWeightPatch("w", chain.shape, chain.checkpoint_dtype, full)
+    numel = math.prod(chain.shape)
+    # The values are a view into a larger buffer, not at its start (as a received payload's).
+    buffer = random_tensor((numel + 5,), chain.checkpoint_dtype, generator)
+    dense = CheckpointWeightPatch("w", chain.shape, chain.checkpoint_dtype, buffer[5:])
     reference = copy.deepcopy(model)
     load_checkpoint_weight_patches(reference, [dense])  # the loader path
     calls = routes.stats.loader_calls

@@ -44,11 +44,11 @@ class UpdateCost:
     tensor whose positions are smallest as a bitmask goes dense unless the link is slow.
 
     The defaults are `calibrate`'s measurements on the 2-core CPU machine patchctx is
-    developed on (torch 2.13, one thread, tensors of 2**22 and 2**24 elements in bf16 and
-    fp32, rounded), checked against the rows of ``python -m benchmarks.wire_bench`` at hidden
-    1024 and 4096, where they choose within 3% of the faster of patchctx's sparse and dense
-    paths; the link is 10 GB/s. They are a loaded CPU's: on a GPU, or to fit your model and
-    machine, use `calibrate`.
+    developed on, quiet (torch 2.13, one thread, bf16 tensors of 2**22 and 2**24 elements:
+    5.5 and 10.9 ns per changed element, 2.2 ns per bitmask element, 0.07 and 0.09 ns per
+    dense byte, 85 to 105 µs per sparse patch and 145 to 175 µs per dense one; the defaults
+    lie between), with dense patches following known routes; the link is 10 GB/s. They are a
+    2-core CPU's: on a GPU, or to fit your model and machine, use `calibrate`.
 
     Attributes:
         link_bytes_per_second: The bandwidth from trainer to worker (`math.inf`: free).
@@ -64,17 +64,17 @@ class UpdateCost:
         >>> numel, nnz = 4096 * 4096, 4096 * 4096 // 100  # bf16, 1% changed
         >>> sparse_bytes = nnz * (2 + 2)  # values and uint16 gaps
         >>> f"{cost.sparse_seconds(nnz, sparse_bytes):.4f} s, {cost.dense_seconds(numel, 2):.4f} s"
-        '0.0028 s, 0.0371 s'
+        '0.0021 s, 0.0364 s'
         >>> cost.prefers_sparse(numel=numel, nnz=nnz, element_size=2, sparse_bytes=sparse_bytes)
         True
     """
 
     link_bytes_per_second: float = 10e9
-    sparse_seconds_per_element: float = 1.2e-8
-    bitmask_seconds_per_element: float = 3.0e-9
-    dense_seconds_per_byte: float = 1.0e-10
-    sparse_seconds_per_patch: float = 130e-6
-    dense_seconds_per_patch: float = 150e-6
+    sparse_seconds_per_element: float = 8.0e-9
+    bitmask_seconds_per_element: float = 2.2e-9
+    dense_seconds_per_byte: float = 8.0e-11
+    sparse_seconds_per_patch: float = 95e-6
+    dense_seconds_per_patch: float = 160e-6
 
     def __post_init__(self) -> None:
         problems = []

@@ -32,7 +32,8 @@ class RealisticUpdate:
     Attributes:
         old: The master weights whose `dtype` cast the receiver holds.
         new: The master weights after the measured steps.
-        patches: ``diff_state_dicts(old, new, dtype=dtype)``.
+        patches: ``diff_state_dicts(old, new, dtype=dtype, cost=None)`` (by size: the update as
+            sparse as the wire allows, whatever it costs to apply).
         dtype: The receiver's dtype.
         density: Per name, the fraction of elements whose `dtype` bits changed.
     """
@@ -102,7 +103,7 @@ def realistic_update(
     old, new = adam_master_weights(
         shapes, lr=lr, steps=steps, warmup=warmup, init_std=init_std, seed=seed
     )
-    patches = diff_state_dicts(old, new, dtype=dtype)
+    patches = diff_state_dicts(old, new, dtype=dtype, cost=None)
     density = {name: changed_fraction(old[name], new[name], dtype) for name in old}
     return RealisticUpdate(old, new, patches, dtype, density)
 

@@ -14,7 +14,9 @@ Two tables, one process, one torch thread (``torch.set_num_threads(1)``):
    - ``dense-reload``: every tensor's full new values loaded through the model's loader with
      plain copies (what a trainer would do without patchctx);
    - ``dense-patchctx``: every tensor as a dense patch through
-     `load_checkpoint_weight_patches` (what patchctx does with the dense part of a choice);
+     `load_checkpoint_weight_patches` (what patchctx does with the dense part of a choice:
+     every variant's routes are learned first with `RouteCache.warm`, as a vLLM worker's are
+     at start, so dense patches follow them);
    - ``choice``: `diff_state_dicts(old, new, cost=UpdateCost(link_bytes_per_second=B))`, the
      sparse patches decoded and everything applied with `load_checkpoint_weight_patches`
      (routes in the steady state).
@@ -262,7 +264,11 @@ def _time_density(
     def variant(patches: list[CheckpointWeightPatch]) -> str:
         key = "".join("D" if p.indices is None else "s" for p in patches)
         if key not in variants:
-            variants[key] = Variant(patches, _model(hidden, dtype, old), RouteCache())
+            model, routes = _model(hidden, dtype, old), RouteCache()
+            # The steady state of a worker: every route known (vLLM's backend warms them at
+            # start), so dense patches follow their routes as sparse ones do.
+            routes.warm(model, [(n, tuple(t.shape), t.dtype) for n, t in old.items()])
+            variants[key] = Variant(patches, model, routes)
         return key
 
     keys["sparse-only"] = variant(diff_state_dicts(old, new, cost=all_sparse))

@@ -42,12 +42,16 @@ import torch
 from torch import nn
 
 from benchmarks.baseline import vllm_function
-from benchmarks.patch_bench import DTYPES, PackedSlice, progress, random_patches
+from benchmarks.patch_bench import (
+    DTYPES,
+    PackedSlice,
+    _lower_bound_plan,
+    progress,
+    random_patches,
+)
 from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
 from patchctx._bits import write_at
 from patchctx._model import model_tensors
-from patchctx._strategies import indexable
-from patchctx._undo import storage_flat
 
 
 @dataclass
@@ -82,24 +86,9 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str
     return times
 
 
-def _plan(
-    routes: RouteCache, patches: list[CheckpointWeightPatch], tensors: dict[str, torch.Tensor]
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Storage positions and cast values of every segment, computed ahead of the bare writes."""
-    plan = []
-    for patch in patches:
-        route = routes._route(patch.name)
-        assert route is not None and patch.indices is not None
-        for segment in route.segments:
-            flat = storage_flat(tensors[segment.tensor_name])
-            positions, picked = segment.positions(patch.indices, sorted_unique=True)
-            plan.append((flat, positions, patch.values[picked].to(segment.dtype)))
-    return plan
-
-
 def _index_copies(plan: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    for flat, positions, values in plan:
-        indexable(flat).index_copy_(0, positions, indexable(values))
+    for flat, positions, values in plan:  # both already indexable views (the plan's)
+        flat.index_copy_(0, positions, values)
 
 
 def _scatters(plan: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -134,7 +123,7 @@ def sweep(args: argparse.Namespace) -> list[Row]:
             bare = model_tensors(models["bare"])
             for density in args.densities:
                 patches = random_patches(base.shapes, dtype, density, generator, "cpu")
-                plan = _plan(routes, patches, bare)
+                plan = _lower_bound_plan(routes, patches, bare)
                 calls: dict[str, Callable[[], object]] = {
                     "replay": partial(
                         load_checkpoint_weight_patches, models["replay"], patches, routes=routes
@@ -191,7 +180,7 @@ def fixed_costs(args: argparse.Namespace) -> list[Row]:
     rounds: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         patches = random_patches(shapes, torch.bfloat16, 0.001, generator, "cpu")
-        plan = _plan(routes["replay"], patches, bare)
+        plan = _lower_bound_plan(routes["replay"], patches, bare)
         one = patches[:50]
         calls: dict[str, Callable[[], object]] = {
             "replay, per tensor": partial(
@@ -244,7 +233,7 @@ def contention(args: argparse.Namespace) -> list[Row]:
         first = random_patches(base.shapes, torch.bfloat16, 0.001, generator, "cpu")
         load_checkpoint_weight_patches(models["replay"], first, routes=routes)
         patches = random_patches(base.shapes, torch.bfloat16, 0.10, generator, "cpu")
-        plan = _plan(routes, patches, model_tensors(models["bare"]))
+        plan = _lower_bound_plan(routes, patches, model_tensors(models["bare"]))
         calls: dict[str, Callable[[], object]] = {
             "replay": partial(
                 load_checkpoint_weight_patches, models["replay"], patches, routes=routes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -12,6 +11,7 @@ import torch
 from patchctx._arguments import name_map
 from patchctx._errors import LoaderContractError
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
+from patchctx._report import status_counts, status_table
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._staged import UnchangedValueRead
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
@@ -61,24 +61,14 @@ class AuditReport:
 
     def counts(self) -> dict[str, int]:
         """How many names have each status (all three keys present)."""
-        counted = Counter(row.status for row in self.rows)
-        return {
-            status: counted.get(status, 0) for status in ("replayable", "masked", "unsupported")
-        }
+        return status_counts(self.rows, ("replayable", "masked", "unsupported"))
 
     def names(self, status: Literal["replayable", "masked", "unsupported"]) -> list[str]:
         """The names with `status`."""
         return [row.name for row in self.rows if row.status == status]
 
     def __str__(self) -> str:
-        width = max([len("name"), *(len(row.name) for row in self.rows)])
-        lines = [f"{'name':<{width}}  {'status':<11}  reason", f"{'-' * width}  {'-' * 11}  ------"]
-        lines += [
-            f"{row.name:<{width}}  {row.status:<11}  {row.reason}".rstrip() for row in self.rows
-        ]
-        counts = self.counts()
-        lines.append(", ".join(f"{n} {status}" for status, n in counts.items()))
-        return "\n".join(lines)
+        return status_table(self.rows, self.counts())
 
 
 def audit(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -50,6 +49,7 @@ from patchctx._errors import (
 from patchctx._guard import _CONSTANT, _PURE_WRITES, _RESHAPING
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
 from patchctx._recording import Recorder
+from patchctx._report import status_counts, status_table
 from patchctx._routes import Route
 from patchctx._snapshot import Snapshot
 from patchctx._staged import (
@@ -124,21 +124,14 @@ class WarmReport:
 
     def counts(self) -> dict[str, int]:
         """How many names have each status (all three keys present)."""
-        counted = Counter(row.status for row in self.rows)
-        return {status: counted.get(status, 0) for status in _STATUSES}
+        return status_counts(self.rows, _STATUSES)
 
     def names(self, status: Literal["learned", "unlearnable", "deferred"]) -> list[str]:
         """The names with `status`."""
         return [row.name for row in self.rows if row.status == status]
 
     def __str__(self) -> str:
-        width = max([len("name"), *(len(row.name) for row in self.rows)])
-        lines = [f"{'name':<{width}}  {'status':<11}  reason", f"{'-' * width}  {'-' * 11}  ------"]
-        lines += [
-            f"{row.name:<{width}}  {row.status:<11}  {row.reason}".rstrip() for row in self.rows
-        ]
-        lines.append(", ".join(f"{n} {status}" for status, n in self.counts().items()))
-        return "\n".join(lines)
+        return status_table(self.rows, self.counts())
 
 
 # ------------------------------------------------------------------------------ the dry run

@@ -446,8 +446,43 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
     return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary, partial)
 
 
+# What an operation returns to Python that is not a tensor: a value that has left torch.
+_SCALAR_RETURNS = frozenset({"bool", "number", "float", "Scalar", "complex"})
+
+
+def _leaking(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[StagedTensor]:
+    """The staged inputs whose values leave torch through `func`'s result.
+
+    Through a Python number or bool (``equal``, ``allclose``, ``is_nonzero``, ``item``), or
+    through a result whose shape depends on them (``nonzero``, ``unique``, a boolean-mask
+    index, ``masked_select``): a loader can branch on either. For indexing, only the index
+    tensors decide the shape; for ``masked_select``, only the mask.
+    """
+    tags = func.tags
+    scalar = torch.Tag.data_dependent_output in tags or any(
+        str(r.type) in _SCALAR_RETURNS for r in func._schema.returns
+    )
+    if not scalar and torch.Tag.dynamic_output_shape not in tags:
+        return []
+    packet = func.overloadpacket
+    if not scalar and packet in (aten.index, aten._unsafe_index):
+        deciding: Any = _argument(args, kwargs, 1, "indices")
+    elif not scalar and packet is aten.masked_select:
+        deciding = _argument(args, kwargs, 1, "mask")
+    else:
+        deciding = (args, kwargs)
+    return [t for t in _tensors(deciding) if isinstance(t, StagedTensor)]
+
+
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     staged = [t for t in _tensors((args, kwargs)) if isinstance(t, StagedTensor)]
+    for leaking in _leaking(func, args, kwargs):
+        packet = func.overloadpacket
+        leaking._require_all_changed(
+            ".item()" if packet is aten._local_scalar_dense else str(packet)
+        )
     written = written_arguments(func)
     if written:
         targets: list[torch.Tensor] = []

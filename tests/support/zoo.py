@@ -443,6 +443,27 @@ def _resize_swallowed(m: ZooLayer, w: torch.Tensor) -> None:
     m.weight.data.copy_(w)
 
 
+# -- branches on values that leave torch without .item() -------------------------------------
+# A Python bool or a data-dependent shape carries values out of torch just the same: the loader
+# can branch on it and write the kept elements differently.
+
+entry(
+    "branch-on-torch.equal",
+    "refused",
+    "`p.data.copy_(w * 2 if torch.equal(w[:1], w[1:2]) else w)`",
+)(lambda m, w: m.weight.data.copy_(w * 2 if torch.equal(w[:1], w[1:2]) else w))
+entry(
+    "branch-on-nonzero-count",
+    "refused",
+    "`p.data.copy_(w * 2 if w.view(-1)[:3].nonzero().shape[0] > 1 else w)`",
+)(lambda m, w: m.weight.data.copy_(w * 2 if w.reshape(-1)[:3].nonzero().shape[0] > 1 else w))
+entry(
+    "branch-on-masked_select-size",
+    "refused",
+    "`p.data.copy_(w * 2 if w.masked_select(w > 0).numel() > 3 else w)`",
+)(lambda m, w: m.weight.data.copy_(w * 2 if w.masked_select(w > 0).numel() > 3 else w))
+
+
 @entry("copy-of-torch.save-load", "refused", "`torch.save(w, buffer)`, then `torch.load`")
 def _save_load(m: ZooLayer, w: torch.Tensor) -> None:
     buffer = io.BytesIO()

@@ -629,20 +629,6 @@ def replay(
             device_indices, device_values = on_device[device]
         flat = storage_flat(target)
         count = device_indices.shape[0]
-        if (
-            sorted_unique
-            and segment._shift == 0
-            and segment._span[0] == 0
-            and segment._span[1] == last
-            and count <= block_size()
-            and device_indices.dtype == torch.long
-            and device_values.dtype == route.dtype == segment.dtype
-            and undo is None
-        ):
-            # The commonest replay of all (a small patch to a tensor loaded whole, its positions
-            # already int64): one write.
-            write_at(flat, device_indices, device_values)
-            continue
         if not (sorted_unique and segment._direct):
             found, picked = segment.positions(
                 device_indices, sorted_unique=sorted_unique, covered=covered

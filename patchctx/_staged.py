@@ -28,6 +28,7 @@ it with `LoaderContractError` before anything is written:
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -450,6 +451,26 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
 _SCALAR_RETURNS = frozenset({"bool", "number", "float", "Scalar", "complex"})
 
 
+@functools.cache
+def _leak_kind(func: torch._ops.OpOverload) -> str | None:
+    """How `func` lets values out of torch, per op (asked once).
+
+    "all" its staged inputs (a Python scalar, or a shape that depends on them), only its
+    "indices" or its "mask" (for the shape), or `None`.
+    """
+    tags = func.tags
+    if torch.Tag.data_dependent_output in tags or any(
+        str(r.type) in _SCALAR_RETURNS for r in func._schema.returns
+    ):
+        return "all"
+    if torch.Tag.dynamic_output_shape not in tags:
+        return None
+    packet = func.overloadpacket
+    if packet in (aten.index, aten._unsafe_index):
+        return "indices"
+    return "mask" if packet is aten.masked_select else "all"
+
+
 def _leaking(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[StagedTensor]:
@@ -460,19 +481,10 @@ def _leaking(
     index, ``masked_select``): a loader can branch on either. For indexing, only the index
     tensors decide the shape; for ``masked_select``, only the mask.
     """
-    tags = func.tags
-    scalar = torch.Tag.data_dependent_output in tags or any(
-        str(r.type) in _SCALAR_RETURNS for r in func._schema.returns
-    )
-    if not scalar and torch.Tag.dynamic_output_shape not in tags:
+    kind = _leak_kind(func)
+    if kind is None:
         return []
-    packet = func.overloadpacket
-    if not scalar and packet in (aten.index, aten._unsafe_index):
-        deciding: Any = _argument(args, kwargs, 1, "indices")
-    elif not scalar and packet is aten.masked_select:
-        deciding = _argument(args, kwargs, 1, "mask")
-    else:
-        deciding = (args, kwargs)
+    deciding: Any = (args, kwargs) if kind == "all" else _argument(args, kwargs, 1, kind)
     return [t for t in _tensors(deciding) if isinstance(t, StagedTensor)]
 
 

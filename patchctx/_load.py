@@ -24,6 +24,10 @@ from patchctx._undo import UndoLog
 
 __all__ = ["load_checkpoint_weight_patches"]
 
+# The defaults, made once (frozen: shared safely by every call).
+_DEFAULT_STRATEGY = Auto()
+_DEFAULT_CHUNKING = ByteBudget()
+
 
 def _chunking_of(max_chunk_bytes: object, chunking: object) -> ChunkingPolicy:
     if max_chunk_bytes is not None and chunking is not None:
@@ -33,7 +37,7 @@ def _chunking_of(max_chunk_bytes: object, chunking: object) -> ChunkingPolicy:
         )
     if chunking is None:
         if max_chunk_bytes is None:
-            return ByteBudget()
+            return _DEFAULT_CHUNKING
         return ByteBudget(positive_int(max_chunk_bytes, "max_chunk_bytes"))
     examples = "ByteBudget(n), PerTensor(), SingleCall() or your own"
     return cast(ChunkingPolicy, instance_of(chunking, ChunkingPolicy, "chunking=", examples))
@@ -171,8 +175,9 @@ class _Loader:
         self.chunk_nbytes = 0
         # Routes being verified in the current chunk: name -> the route to compare with.
         self.verifying: dict[str, Route] = {}
-        # Replays gathered since the last loader call (route, patch), run by `flush`.
-        self.pending: list[tuple[Route, CheckedPatch]] = []
+        # Replays gathered since the last loader call (route, patch, each segment's
+        # destination as checked live), run by `flush`.
+        self.pending: list[tuple[Route, CheckedPatch, list[torch.Tensor]]] = []
 
     @property
     def index(self) -> ModelIndex:
@@ -187,10 +192,10 @@ class _Loader:
             return
         refused = []
         for item in items:
-            route = self.routes._usable(
+            usable = self.routes._usable(
                 item.patch.name, item.patch.shape, item.patch.dtype, self.tensors
             )
-            for segment in route.segments if route is not None else ():
+            for segment in usable[0].segments if usable is not None else ():
                 reason = self.index.protection(self.tensors[segment.tensor_name])
                 if reason is not None:
                     refused.append(f"{item.patch.name!r} -> {reason}")
@@ -202,19 +207,24 @@ class _Loader:
             )
 
     def add(self, item: CheckedPatch) -> None:
-        name = item.patch.name
-        if self.routes is not None:
+        patch = item._patch
+        name = patch.name
+        routes = self.routes
+        if routes is not None:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
-            route = self.routes._usable(name, item.patch.shape, item.patch.dtype, self.tensors)
+            usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
             # A dense patch follows a known route too (the loader's copies, without the
             # loader); only sparse loads record routes, so only they are used to verify one.
-            if route is not None and item.sparse and self.routes._due_for_verification(name):
-                self.verifying[name] = route  # through the loader this time, then compared
-            elif route is not None:
-                self._load_chunk()
-                self.pending.append((route, item))  # replayed at the next flush, in order
-                return
+            if usable is not None:
+                if patch.indices is not None and routes._due_for_verification(name):
+                    self.verifying[name] = usable[0]  # through the loader, then compared
+                else:
+                    if self.chunk:
+                        self._load_chunk()
+                    # Replayed at the next flush, in order.
+                    self.pending.append((usable[0], item, usable[1]))
+                    return
         self._replay_pending()  # earlier replays happen before this patch's loader call
         size = item.staged_nbytes
         if self.chunk and (
@@ -238,51 +248,39 @@ class _Loader:
         pending, self.pending = self.pending, []
         if not pending:
             return
-        sparse = [(route, item) for route, item in pending if item.patch.indices is not None]
-        found = iter(
-            replay_bounds(
-                [
-                    (
-                        route,
-                        item._positions if item._positions is not None else item.patch.indices,
-                        item.sorted_unique,
-                    )
-                    for route, item in sparse
-                    if item.patch.indices is not None
-                ]
-            )
-        )
-        for route, item in pending:
-            self._replay(route, item, next(found) if item.patch.indices is not None else None)
-
-    def _replay(
-        self, route: Route, item: CheckedPatch, bounds: list[tuple[int, int] | None] | None
-    ) -> None:
         assert self.routes is not None
-        if self.protect:
-            for segment in route.segments:
-                self.index.refuse_protected(
-                    self.tensors[segment.tensor_name], f"the patch to {item.patch.name!r}"
-                )
-        if item.patch.indices is None:
-            replay_dense(
-                route, item.patch.values, self.tensors, undo=self.undo if self.atomic else None
+        searches = [
+            (
+                route,
+                item._positions if item._positions is not None else item._patch.indices,
+                item._sorted_unique,
             )
-            self.names |= route.reported
-            self.routes.stats.replayed += 1
-            return
-        replay(
-            route,
-            item.patch.indices,
-            item.patch.values,
-            self.tensors,
-            sorted_unique=item.sorted_unique,
-            undo=self.undo if self.atomic else None,
-            positions=item._positions,
-            bounds=bounds,
-        )
-        self.names |= route.reported
-        self.routes.stats.replayed += 1
+            for route, item, _ in pending
+            if item._patch.indices is not None and not route._whole
+        ]
+        found = iter(replay_bounds(searches) if searches else ())
+        undo = self.undo if self.atomic else None
+        names, stats = self.names, self.routes.stats
+        for route, item, targets in pending:
+            patch = item._patch
+            if self.protect:
+                for target in targets:
+                    self.index.refuse_protected(target, f"the patch to {patch.name!r}")
+            if patch.indices is None:
+                replay_dense(route, patch.values, targets, undo=undo)
+            else:
+                replay(
+                    route,
+                    patch.indices,
+                    patch.values,
+                    targets,
+                    sorted_unique=item._sorted_unique,
+                    undo=undo,
+                    positions=item._positions,
+                    bounds=None if route._whole else next(found),
+                )
+            names |= route.reported
+            stats.replayed += 1
 
     def flush(self) -> None:
         """Apply everything gathered: pending replays, or the chunk (never both at once)."""
@@ -415,7 +413,7 @@ def load_checkpoint_weight_patches(
                 [0., 7., 0.]])
     """
     check_model(model, "load_checkpoint_weight_patches")
-    chosen_strategy = as_strategy(strategy, Auto(), "load_checkpoint_weight_patches")
+    chosen_strategy = as_strategy(strategy, _DEFAULT_STRATEGY, "load_checkpoint_weight_patches")
     chosen_chunking = _chunking_of(max_chunk_bytes, chunking)
     chosen_ordering = _ordering_of(ordering)
     alias_map = name_map(aliases, "aliases= maps alias names to canonical names")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
-from patchctx._strategies import Auto, CopyStrategy, as_strategy
+from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, as_strategy
 
 __all__ = ["CheckedPatch", "CheckpointWeightPatch", "PatchLike", "validate_patches"]
 
@@ -381,9 +381,14 @@ def _host_read(flags: torch.Tensor) -> list[bool]:
     return [bool(v) for v in flags.tolist()]
 
 
-def _host_ints(flags: torch.Tensor) -> list[int]:
-    """The one host synchronisation of the common case: read a device's flags at once."""
-    return [int(v) for v in flags.tolist()]
+def _read_flags(flags: list[torch.Tensor], device: torch.device) -> list[int]:
+    """The one host synchronisation of the common case: read a device's 0-d flags at once.
+
+    On CPU each is read where it lies (no synchronisation to save; stacking them costs more).
+    """
+    if device.type == "cpu":
+        return cast(list[int], [f.item() for f in flags])  # ints and bools
+    return [int(v) for v in torch.stack(flags).tolist()] if flags else []
 
 
 def _numeric_problems(
@@ -427,19 +432,37 @@ def _all_valid(
     patches: per block of `BLOCK` indices, the extremes, the smallest step (into a reused
     buffer) and the strategy's reserved-value reduction; no temporary exceeds a block.
     """
+    if len(checked) == 1:  # a call of one patch: the fewest operations (`_one_valid`)
+        item = checked[0]
+        indices = item._patch.indices
+        if (
+            indices is not None
+            and indices.shape[0] <= _BATCHED_UP_TO
+            and item._numel < _FAST_NUMEL_LIMIT
+        ):
+            found = _one_valid(item, indices, strategy)
+            return None if found is None else {0: found}
+    # Small patches by device and index dtype; their values by device and checkpoint dtype.
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    small_values: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     large: dict[torch.device, list[int]] = {}
     for k, item in enumerate(checked):
-        indices = item._patch.indices
+        patch = item._patch
+        indices = patch.indices
         if indices is None:
             continue
         if item._numel >= _FAST_NUMEL_LIMIT:
             return None
-        device = item._patch.values.device
+        values = patch.values
+        device = values.device
         if indices.shape[0] > _BATCHED_UP_TO:
             large.setdefault(device, []).append(k)
-        else:
-            groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)
+            continue
+        groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)
+        dtype = patch.dtype
+        if values.dtype != dtype:  # cast one by one, as staging does: a joint cast could
+            values = values.to(dtype)  # round twice
+        small_values.setdefault(device, {}).setdefault(dtype, []).append(values)
     positions: dict[int, torch.Tensor] = {}
     for device in {*groups, *large}:
         flags: list[torch.Tensor] = []  # 0-d tensors, read in one go
@@ -453,19 +476,51 @@ def _all_valid(
         else:
             for ks in groups.get(device, {}).values():
                 _batch_flags(checked, ks, device, flags, checks, positions)
-            if small:
-                _reserved_flags(checked, small, device, strategy, flags, checks)
+            for dtype, joined in small_values.get(device, {}).items():
+                flags.append(
+                    strategy.reserved_values(
+                        joined[0] if len(joined) == 1 else torch.cat(joined), dtype
+                    )
+                )
+                checks.append(("eq", 0))
         for k in large.get(device, ()):
             indices = checked[k]._patch.indices.to(device)  # type: ignore[union-attr]
             _blocked_flags(checked[k], indices, device, strategy, flags, checks)
-        values = _host_ints(torch.stack(flags)) if flags else []
-        for value, (kind, bound) in zip(values, checks, strict=True):
+        read = _read_flags(flags, device)
+        for value, (kind, bound) in zip(read, checks, strict=True):
             if kind == "eq" and value != bound:
                 return None
             if kind == "ge" and value < bound:
                 return None
             if kind == "le" and value > bound:
                 return None
+    return positions
+
+
+def _one_valid(
+    item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrategy
+) -> torch.Tensor | None:
+    """`_all_valid` for one small sparse patch: its int64 positions, or `None`.
+
+    The extremes, the smallest step and the strategy's reserved-value reduction, read
+    together. The steps are exact once the extremes are in range (below ``2**62``).
+    """
+    patch = item._patch
+    values = patch.values
+    device = values.device
+    if indices.device != device:
+        indices = indices.to(device)
+    positions = indices if indices.dtype == torch.long else indices.long()
+    count = positions.shape[0]
+    if not count:
+        return positions
+    low, high = torch.aminmax(positions)
+    flags = [low, high, strategy.reserved_values(values, patch.dtype)]
+    if count > 1:
+        flags.append(torch.diff(positions).min())
+    read = _read_flags(flags, device)
+    if read[0] < 0 or read[1] >= item._numel or read[2] or (count > 1 and read[3] < 1):
+        return None
     return positions
 
 
@@ -519,30 +574,6 @@ def _batch_flags(
     pieces = flat.long().split_with_sizes(sizes)
     for k, piece in zip(keys, pieces, strict=True):
         positions[k] = piece
-
-
-def _reserved_flags(
-    checked: list[CheckedPatch],
-    keys: list[int],
-    device: torch.device,
-    strategy: CopyStrategy,
-    flags: list[torch.Tensor],
-    checks: list[tuple[str, int]],
-) -> None:
-    """`_all_valid` for the values of small patches: one reduction per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for k in keys:
-        patch = checked[k]._patch
-        values, dtype = patch.values, patch.dtype
-        # Cast one by one, as staging does: a joint cast could round twice.
-        if values.dtype != dtype or values.device != device:
-            values = values.to(device=device, dtype=dtype)
-        by_dtype.setdefault(dtype, []).append(values)
-    for dtype, joined in by_dtype.items():
-        flags.append(
-            strategy.reserved_values(joined[0] if len(joined) == 1 else torch.cat(joined), dtype)
-        )
-        checks.append(("eq", 0))
 
 
 def _blocked_flags(
@@ -755,6 +786,10 @@ def _duplicate_problem(item: CheckedPatch) -> PatchProblem:
     )
 
 
+_OWN_STRATEGIES = (Auto, NaNMask, IntSentinel, BoolMask)
+_SUPPORTED: dict[CopyStrategy, dict[torch.dtype, bool]] = {}
+
+
 def check_patches(
     patches: Iterable[object],
     *,
@@ -764,7 +799,11 @@ def check_patches(
     """Validate every patch (structure, then numbers) and raise one report of all problems."""
     problems: list[PatchProblem] = []
     structural: list[CheckedPatch] = []
-    supported: dict[torch.dtype, bool] = {}  # the strategy's answer, asked once per dtype
+    # The strategy's answer, asked once per dtype: per call, or once for all calls for
+    # patchctx's own strategies (immutable values; the answer depends on the torch build only).
+    supported: dict[torch.dtype, bool] = (
+        _SUPPORTED.setdefault(strategy, {}) if type(strategy) in _OWN_STRATEGIES else {}
+    )
     for position, obj in enumerate(patches):
         patch = _as_patch(position, obj, problems)
         if patch is None:

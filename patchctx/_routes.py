@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from patchctx import _bits
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError
@@ -120,6 +121,13 @@ class Segment:
     _span: tuple[int, int] = field(init=False, repr=False, compare=False)
     _shift: int | None = field(init=False, repr=False, compare=False)
     _high: int = field(init=False, repr=False, compare=False)  # highest target offset
+    # Checkpoint index i is element i of the live tensor's ``view(-1)``: the staged tensor's
+    # run from 0 onto the whole of a contiguous destination tensor (most weights).
+    _whole: bool = field(init=False, repr=False, compare=False)
+    # Live-check constants: the data pointer of the tensor's first element, and the storage
+    # bytes the segment needs.
+    _data_ptr: int = field(init=False, repr=False, compare=False)
+    _needs: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         plan = tuple(
@@ -138,18 +146,31 @@ class Segment:
             self, "_shift", self.source.offset - self.target.offset if self._direct else None
         )
         object.__setattr__(self, "_high", self.target.span()[1])
+        layout, target, numel = self.layout, self.target, self.source.numel
+        object.__setattr__(
+            self,
+            "_whole",
+            self._direct
+            and self.source.offset == 0
+            and target.offset == layout.offset
+            and target.numel == layout.numel == numel
+            and layout.contiguous_run(),
+        )
+        size = self.dtype.itemsize
+        object.__setattr__(self, "_data_ptr", self.storage_ptr + layout.offset * size)
+        object.__setattr__(self, "_needs", (self._high + 1) * size)
 
-    def live(self, tensor: torch.Tensor | None) -> bool:
+    def live(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is still the storage and layout this segment was recorded on."""
         layout = self.layout
+        # The first element's address and the storage offset together fix the storage's.
         return (
-            tensor is not None
+            tensor.data_ptr() == self._data_ptr
             and tensor.dtype == self.dtype
-            and tensor.untyped_storage().data_ptr() == self.storage_ptr
             and tensor.storage_offset() == layout.offset
             and tensor.stride() == layout.stride
             and tensor.shape == layout.size
-            and (self._high + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+            and self._needs <= tensor.untyped_storage().nbytes()
         )
 
     def covered(self, indices: torch.Tensor) -> tuple[int, int]:
@@ -231,9 +252,21 @@ class Route:
     segments: tuple[Segment, ...]
     reported: frozenset[str] = frozenset()
     _numel: int = field(init=False, repr=False, compare=False)
+    # One whole-tensor segment in the checkpoint dtype (see `Segment._whole`): replay writes
+    # a patch's positions into the live tensor's ``view(-1)`` as they are.
+    _whole: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_numel", math.prod(self.shape))
+        numel = math.prod(self.shape)
+        object.__setattr__(self, "_numel", numel)
+        object.__setattr__(
+            self,
+            "_whole",
+            len(self.segments) == 1
+            and self.segments[0]._whole
+            and self.segments[0].source.numel == numel
+            and self.segments[0].dtype == self.dtype,
+        )
 
 
 class RouteCache:
@@ -520,8 +553,11 @@ for a loader that copies views
         shape: tuple[int, ...],
         dtype: torch.dtype,
         tensors: Mapping[str, torch.Tensor],
-    ) -> Route | None:
-        """The route of `name` if it matches the patch's tensor and every destination is live."""
+    ) -> tuple[Route, list[torch.Tensor]] | None:
+        """The route of `name` if it matches the patch's tensor and every destination is live.
+
+        Returns it with each segment's destination tensor, as checked (what replay writes).
+        """
         route = self._routes.get(name)
         if route is None:
             return None
@@ -529,12 +565,15 @@ for a loader that copies views
             self.invalidate(name)
             self.stats.invalidated += 1
             return None
+        targets = []
         for segment in route.segments:
-            if not segment.live(tensors.get(segment.tensor_name)):
+            tensor = tensors.get(segment.tensor_name)
+            if tensor is None or not segment.live(tensor):
                 self.invalidate(name)
                 self.stats.invalidated += 1
                 return None
-        return route
+            targets.append(tensor)
+        return route, targets
 
 
 class LiveTensors(Mapping[str, torch.Tensor]):
@@ -550,7 +589,14 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         return tensor
 
     def get(self, name: str, default: Any = None) -> Any:
-        tensor = self._cache._slot_of(name)
+        slot = self._cache._slots.get(name)  # `_slot_of`, its common case inlined
+        if slot is None:
+            tensor = self._cache._slot_of(name)
+        else:
+            module, attr = slot
+            tensor = module._parameters.get(attr)
+            if tensor is None:
+                tensor = module._buffers.get(attr)
         return default if tensor is None else tensor
 
     def __iter__(self) -> Iterator[str]:
@@ -590,11 +636,17 @@ verified=0, mismatched=0)
     mismatched: int = 0
 
 
+# Dtypes ``index_copy_`` writes as they are on every device (`write_at` views the others).
+_COPYABLE = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64}
+)
+
+
 def replay(
     route: Route,
     indices: torch.Tensor,
     values: torch.Tensor,
-    tensors: Mapping[str, torch.Tensor],
+    targets: Sequence[torch.Tensor],
     *,
     sorted_unique: bool,
     undo: UndoLog | None = None,
@@ -610,7 +662,17 @@ def replay(
     reused buffer per thread), so memory stays O(block) and the work is a few operations
     per million positions. `bounds`: per segment, the covered slice of the sorted indices if
     the caller found it already (`replay_bounds`, one host read for many replays).
+    `targets`: each segment's destination tensor, checked live (`RouteCache._usable`).
     """
+    if route._whole and positions is not None and undo is None:
+        # The common case, in one write: a whole contiguous tensor, positions made already.
+        target = targets[0]
+        if values.dtype == route.dtype and values.device == target.device:
+            if positions.shape[0] <= _bits.FEW and route.dtype in _COPYABLE:
+                target.view(-1).index_copy_(0, positions, values)
+            else:
+                write_at(target.view(-1), positions, values)
+            return
     source = positions if positions is not None else indices
     source_device = source.device
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -619,7 +681,7 @@ def replay(
         covered = bounds[number] if bounds is not None else None
         if covered is None and segment._span == (0, last):
             covered = (0, source.shape[0])  # the whole tensor: every index, no search
-        target = tensors[segment.tensor_name]
+        target = targets[number]
         device = target.device
         if device == source_device and device == values.device:
             device_indices, device_values = source, values
@@ -671,7 +733,7 @@ def replay(
 def replay_dense(
     route: Route,
     values: torch.Tensor,
-    tensors: Mapping[str, torch.Tensor],
+    targets: Sequence[torch.Tensor],
     *,
     undo: UndoLog | None = None,
 ) -> None:
@@ -685,8 +747,7 @@ def replay_dense(
     # (as_strided takes an offset into the storage, so `values` may not start it: a view into
     # a received payload, say.)
     full = values.to(dtype=route.dtype).contiguous()
-    for segment in route.segments:
-        target = tensors[segment.tensor_name]
+    for segment, target in zip(route.segments, targets, strict=True):
         source = full if full.device == target.device else full.to(target.device)
         there = segment.target
         view = torch.as_strided(target, there.size, there.stride, there.offset)

@@ -211,6 +211,9 @@ def _int_capable(dtype: torch.dtype) -> bool:
 # The bits of +infinity in the 16-bit floats; a NaN's bits (sign cleared) are above them.
 _HALF_NAN = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
+# From this many values the bit test above beats the float amax (2.5x at 1M, 3x slower at 4K).
+_INTEGER_NAN_FROM = 1 << 15
+
 
 @functools.cache
 def _reduces(dtype: torch.dtype, reduction: str) -> bool:
@@ -267,9 +270,10 @@ class NaNMask:
         if not values.numel():
             return torch.zeros((), dtype=torch.bool, device=values.device)
         half = _HALF_NAN.get(dtype)
-        if half is not None:
+        if half is not None and values.numel() > _INTEGER_NAN_FROM:
             # bf16 / fp16: a NaN's bits without the sign exceed those of infinity. Two integer
-            # passes cost a third of the float amax (which converts every element).
+            # passes cost a third of the float amax (which converts every element); for a few
+            # elements, wrapping the mask into a tensor costs more than the float amax.
             magnitude = torch.bitwise_and(values.view(torch.int16), 0x7FFF)
             return magnitude.amax() > half
         if _reduces(dtype, "amax"):

@@ -566,3 +566,60 @@ def test_overlaps_are_compared_in_storage_bytes() -> None:
     model, routes = Overlapping(), RouteCache()
     with pytest.raises(LoaderContractError, match="before writing staged data"):
         load_checkpoint_weight_patches(model, [ranked_patch(1, 1.0)], routes=routes)
+
+
+class Whole(nn.Module):
+    """One weight loaded whole by ``copy_``, in a layout chosen by the test."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        storage = torch.zeros(40)
+        if layout == "offset":  # a contiguous parameter that starts inside a larger storage
+            weight = storage[7:31].view(4, 6)
+        elif layout == "transposed":  # the same shape, column-major
+            weight = torch.zeros(6, 4).t()
+        elif layout == "cast":  # float32 checkpoint, float64 parameter
+            weight = torch.zeros(4, 6, dtype=torch.float64)
+        else:
+            weight = torch.zeros(4, 6)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.weight.copy_(tensor)
+        return {"weight"}
+
+
+@pytest.mark.parametrize(
+    ("layout", "whole"),
+    [("plain", True), ("offset", True), ("transposed", False), ("cast", False)],
+)
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+def test_whole_tensor_routes_write_in_one_step_only_where_positions_are_element_indices(
+    layout: str, whole: bool, values_dtype: torch.dtype, atomic: bool
+) -> None:
+    """The one-write replay (checkpoint index = element of the parameter's flat view) is taken
+    only for a contiguous parameter in the checkpoint dtype, wherever its storage starts; every
+    other layout, cast or option takes the general path, and all agree with the loader."""
+    model, reference = Whole(layout), Whole(layout)
+    routes = RouteCache()
+    generator = torch.Generator().manual_seed(3)
+
+    def patch(count: int) -> CheckpointWeightPatch:
+        indices = torch.randperm(24, generator=generator)[:count].sort().values
+        values = torch.randn(count, generator=generator, dtype=torch.float64).to(values_dtype)
+        return CheckpointWeightPatch("w", (4, 6), torch.float32, values, indices.int())
+
+    for count in (5, 1, 24, 0, 9):
+        update = [patch(count)]
+        load_checkpoint_weight_patches(model, update, routes=routes, atomic=atomic)
+        load_checkpoint_weight_patches(reference, update)
+        assert_same_state(state(model), state(reference))
+    route = routes._route("w")
+    assert route is not None and route._whole is whole
+    assert routes.stats.replayed == 4
+    if layout == "offset":  # the storage around the parameter is untouched
+        storage = model.weight.untyped_storage()
+        around = torch.tensor([], dtype=torch.float32).set_(storage)
+        assert not around[:7].any() and not around[31:].any()

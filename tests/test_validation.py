@@ -204,18 +204,18 @@ def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the size of every host read validation makes (common case and exact checks)."""
     reads: list[int] = []
     original = _patch._host_read
-    original_ints = _patch._host_ints
+    original_flags = _patch._read_flags
 
     def counting(flags: torch.Tensor) -> list[bool]:
         reads.append(flags.numel())
         return original(flags)
 
-    def counting_ints(flags: torch.Tensor) -> list[int]:
-        reads.append(flags.numel())
-        return original_ints(flags)
+    def counting_flags(flags: list[torch.Tensor], device: torch.device) -> list[int]:
+        reads.append(len(flags))
+        return original_flags(flags, device)
 
     monkeypatch.setattr(_patch, "_host_read", counting)
-    monkeypatch.setattr(_patch, "_host_ints", counting_ints)
+    monkeypatch.setattr(_patch, "_read_flags", counting_flags)
     return reads
 
 

@@ -18,9 +18,9 @@ median / median), and the peak extra memory of one call beside the bytes of the 
 returns. Memory is measured in a second run of this script, as ``benchmarks.patch_bench`` does:
 peak RSS above the pre-call level, the kernel's peak mark reset per call, with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so every buffer is mapped fresh and unmapped when freed (on
-CUDA: ``max_memory_allocated`` after a reset). Both diffs must leave a bf16 receiver with the same bits.
-One torch thread unless ``--threads``. The default run (13M elements) takes about a minute on
-two shared cores; ``--large`` is 280M elements in tensors of 32M (about ten minutes).
+CUDA: ``max_memory_allocated`` after a reset). Both diffs must leave a bf16 receiver with the
+same bits. One torch thread unless ``--threads``. The default run (13M elements) takes about a
+minute on two shared cores; ``--large`` is 280M elements in tensors of 32M (about ten minutes).
 """
 
 from __future__ import annotations

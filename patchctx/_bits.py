@@ -47,7 +47,7 @@ def indexable(tensor: torch.Tensor) -> torch.Tensor:
 _WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Up to this many positions, one ``index_copy_`` (no views to make) is the cheaper call.
-FEW = 4096
+_FEW = 4096
 
 # Per dtype: the integer view `write_at` writes through with ``scatter_`` on CPU (None: a
 # 16-byte element, ``index_copy_`` only), and the view ``index_copy_`` needs (None: itself).
@@ -77,8 +77,8 @@ def write_at(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) 
     dtype = flat.dtype
     if values.dtype != dtype:  # a bit view of other-width values would write garbage
         raise TypeError(f"write_at: values are {values.dtype}, the destination {dtype}")
-    bits, indexed = _write_views(dtype)
-    if bits is not None and positions.shape[0] > FEW and flat.is_cpu:
+    bits, indexed = _WRITE_VIEWS.get(dtype) or _write_views(dtype)
+    if bits is not None and positions.shape[0] > _FEW and flat.is_cpu:
         flat.view(bits).scatter_(0, positions, values.view(bits))
     elif indexed is None:
         flat.index_copy_(0, positions, values)

@@ -195,8 +195,8 @@ class _Loader:
             usable = self.routes._usable(
                 item.patch.name, item.patch.shape, item.patch.dtype, self.tensors
             )
-            for segment in usable[0].segments if usable is not None else ():
-                reason = self.index.protection(self.tensors[segment.tensor_name])
+            for target in usable[1] if usable is not None else ():
+                reason = self.index.protection(target)
                 if reason is not None:
                     refused.append(f"{item.patch.name!r} -> {reason}")
                     break
@@ -220,8 +220,7 @@ class _Loader:
                 if patch.indices is not None and routes._due_for_verification(name):
                     self.verifying[name] = usable[0]  # through the loader, then compared
                 else:
-                    if self.chunk:
-                        self._load_chunk()
+                    self._load_chunk()
                     # Replayed at the next flush, in order.
                     self.pending.append((usable[0], item, usable[1]))
                     return
@@ -258,7 +257,7 @@ class _Loader:
             for route, item, _ in pending
             if item._patch.indices is not None and not route._whole
         ]
-        found = iter(replay_bounds(searches) if searches else ())
+        found = iter(replay_bounds(searches))
         undo = self.undo if self.atomic else None
         names, stats = self.names, self.routes.stats
         for route, item, targets in pending:

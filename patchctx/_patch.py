@@ -428,11 +428,12 @@ def _all_valid(
     when some patch has an index out of range, indices that are not strictly increasing, or a
     reserved value (the exact checks then find which). One host read per device.
 
-    Small patches with indices of one dtype are checked together (`_batch_flags`). Large
-    patches: per block of `BLOCK` indices, the extremes, the smallest step (into a reused
-    buffer) and the strategy's reserved-value reduction; no temporary exceeds a block.
+    Small patches with indices of one dtype are checked together (`_batch_flags`), a lone
+    one on its device by itself (`_small_flags`). Large patches: per block of `BLOCK`
+    indices, the extremes, the smallest step (into a reused buffer) and the strategy's
+    reserved-value reduction; no temporary exceeds a block.
     """
-    if len(checked) == 1:  # a call of one patch: the fewest operations (`_one_valid`)
+    if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]
         indices = item._patch.indices
         if (
@@ -440,8 +441,11 @@ def _all_valid(
             and indices.shape[0] <= _BATCHED_UP_TO
             and item._numel < _FAST_NUMEL_LIMIT
         ):
-            found = _one_valid(item, indices, strategy)
-            return None if found is None else {0: found}
+            device = item._patch.values.device
+            flags: list[torch.Tensor] = []
+            checks: list[tuple[str, int]] = []
+            found = _small_flags(item, indices, device, strategy, flags, checks)
+            return {0: found} if _judged(_read_flags(flags, device), checks) else None
     # Small patches by device and index dtype; their values by device and checkpoint dtype.
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     small_values: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
@@ -465,14 +469,14 @@ def _all_valid(
         small_values.setdefault(device, {}).setdefault(dtype, []).append(values)
     positions: dict[int, torch.Tensor] = {}
     for device in {*groups, *large}:
-        flags: list[torch.Tensor] = []  # 0-d tensors, read in one go
-        checks: list[tuple[str, int]] = []  # how to judge each flag on the host
+        flags = []  # 0-d tensors, read in one go
+        checks = []  # how to judge each flag on the host
         small = [k for ks in groups.get(device, {}).values() for k in ks]
-        if len(small) == 1:  # one patch: its int64 positions, checked like a large one
+        if len(small) == 1:  # one patch: its int64 positions, no concatenation
             (k,) = small
-            indices = checked[k]._patch.indices.to(device)  # type: ignore[union-attr]
-            positions[k] = indices if indices.dtype == torch.long else indices.long()
-            _blocked_flags(checked[k], positions[k], device, strategy, flags, checks)
+            indices = checked[k]._patch.indices
+            assert indices is not None
+            positions[k] = _small_flags(checked[k], indices, device, strategy, flags, checks)
         else:
             for ks in groups.get(device, {}).values():
                 _batch_flags(checked, ks, device, flags, checks, positions)
@@ -486,41 +490,50 @@ def _all_valid(
         for k in large.get(device, ()):
             indices = checked[k]._patch.indices.to(device)  # type: ignore[union-attr]
             _blocked_flags(checked[k], indices, device, strategy, flags, checks)
-        read = _read_flags(flags, device)
-        for value, (kind, bound) in zip(read, checks, strict=True):
-            if kind == "eq" and value != bound:
-                return None
-            if kind == "ge" and value < bound:
-                return None
-            if kind == "le" and value > bound:
-                return None
+        if not _judged(_read_flags(flags, device), checks):
+            return None
     return positions
 
 
-def _one_valid(
-    item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrategy
-) -> torch.Tensor | None:
-    """`_all_valid` for one small sparse patch: its int64 positions, or `None`.
+def _judged(read: list[int], checks: list[tuple[str, int]]) -> bool:
+    """Whether every flag read passes its check (``eq``, ``ge`` or ``le`` its bound)."""
+    for value, (kind, bound) in zip(read, checks, strict=True):
+        if kind == "eq" and value != bound:
+            return False
+        if kind == "ge" and value < bound:
+            return False
+        if kind == "le" and value > bound:
+            return False
+    return True
 
-    The extremes, the smallest step and the strategy's reserved-value reduction, read
-    together. The steps are exact once the extremes are in range (below ``2**62``).
+
+def _small_flags(
+    item: CheckedPatch,
+    indices: torch.Tensor,
+    device: torch.device,
+    strategy: CopyStrategy,
+    flags: list[torch.Tensor],
+    checks: list[tuple[str, int]],
+) -> torch.Tensor:
+    """`_all_valid` for one small sparse patch: its int64 positions on `device`.
+
+    Adds its flags: the extremes, the smallest step and the strategy's reserved-value
+    reduction. The steps are exact once the extremes are in range (below ``2**62``).
     """
-    patch = item._patch
-    values = patch.values
-    device = values.device
     if indices.device != device:
         indices = indices.to(device)
     positions = indices if indices.dtype == torch.long else indices.long()
     count = positions.shape[0]
-    if not count:
-        return positions
-    low, high = torch.aminmax(positions)
-    flags = [low, high, strategy.reserved_values(values, patch.dtype)]
-    if count > 1:
-        flags.append(torch.diff(positions).min())
-    read = _read_flags(flags, device)
-    if read[0] < 0 or read[1] >= item._numel or read[2] or (count > 1 and read[3] < 1):
-        return None
+    if count:
+        patch = item._patch
+        low, high = torch.aminmax(positions)
+        flags += (low, high)
+        checks += (("ge", 0), ("le", item._numel - 1))
+        if count > 1:
+            flags.append(torch.diff(positions).min())
+            checks.append(("ge", 1))
+        flags.append(strategy.reserved_values(patch.values, patch.dtype))
+        checks.append(("eq", 0))
     return positions
 
 
@@ -584,13 +597,11 @@ def _blocked_flags(
     flags: list[torch.Tensor],
     checks: list[tuple[str, int]],
 ) -> None:
-    """`_all_valid` for one patch (its `indices` on `device`), block by block."""
+    """`_all_valid` for one long patch (its `indices` on `device`), block by block."""
     values = item.patch.values
     count = indices.numel()
-    size = block_size()
-    # A reused buffer only for long patches: for a few indices, slicing it costs more than a
-    # fresh allocation. (A later block has `size` steps.)
-    steps = scratch(device, indices.dtype, min(count, size)) if count > _BATCHED_UP_TO else None
+    # The steps go into a reused buffer (a later block has `block_size()` of them).
+    steps = scratch(device, indices.dtype, min(count, block_size()))
     for begin, end in blocks(0, count):
         whole = end - begin == count  # one block: no slicing (each slice is an operation)
         block = indices if whole else indices[begin:end]
@@ -601,10 +612,7 @@ def _blocked_flags(
         # extremes are in range: differences of in-range indices cannot overflow.
         window = block if begin == 0 else indices[begin - 1 : end]
         if window.numel() > 1:
-            if steps is None:
-                flags.append(torch.diff(window).min())
-            else:
-                flags.append(torch.diff(window, out=steps[: window.numel() - 1]).min())
+            flags.append(torch.diff(window, out=steps[: window.numel() - 1]).min())
             checks.append(("ge", 1))
         flags.append(
             strategy.reserved_values(values if whole else values[begin:end], item.patch.dtype)

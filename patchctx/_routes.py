@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from patchctx import _bits
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError
@@ -589,14 +588,7 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         return tensor
 
     def get(self, name: str, default: Any = None) -> Any:
-        slot = self._cache._slots.get(name)  # `_slot_of`, its common case inlined
-        if slot is None:
-            tensor = self._cache._slot_of(name)
-        else:
-            module, attr = slot
-            tensor = module._parameters.get(attr)
-            if tensor is None:
-                tensor = module._buffers.get(attr)
+        tensor = self._cache._slot_of(name)
         return default if tensor is None else tensor
 
     def __iter__(self) -> Iterator[str]:
@@ -636,12 +628,6 @@ verified=0, mismatched=0)
     mismatched: int = 0
 
 
-# Dtypes ``index_copy_`` writes as they are on every device (`write_at` views the others).
-_COPYABLE = frozenset(
-    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64}
-)
-
-
 def replay(
     route: Route,
     indices: torch.Tensor,
@@ -668,10 +654,7 @@ def replay(
         # The common case, in one write: a whole contiguous tensor, positions made already.
         target = targets[0]
         if values.dtype == route.dtype and values.device == target.device:
-            if positions.shape[0] <= _bits.FEW and route.dtype in _COPYABLE:
-                target.view(-1).index_copy_(0, positions, values)
-            else:
-                write_at(target.view(-1), positions, values)
+            write_at(target.view(-1), positions, values)
             return
     source = positions if positions is not None else indices
     source_device = source.device

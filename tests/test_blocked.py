@@ -46,7 +46,7 @@ def small_blocks(block: int = 7, batched: int = 5, few: int = 2) -> Iterator[Non
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setattr(_blocks, "BLOCK", block)
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
-        patcher.setattr(_bits, "FEW", few)
+        patcher.setattr(_bits, "_FEW", few)
         yield
 
 

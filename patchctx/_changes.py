@@ -7,43 +7,46 @@ has that dtype and layout). The two blocks' bits are XORed as integers of the el
 by its payload) and the XOR cast to a boolean change mask. Nothing larger than a block is
 allocated besides the result.
 
-Two passes, one host read between them:
+`ChangeScan.find` works in one of two ways:
 
-1. `ChangeScan.count` counts the changed elements of every block and asks whether any changed
-   value is one the receiver's strategy reserves (NaN under `NaNMask`, the sentinel under
-   `IntSentinel`). Counts and flags stay on the tensors' device until the one read at the end.
-2. `ChangeScan.gather` (only for a sparse patch) compares each block with changes again and
-   writes its changed positions and values straight into the preallocated result, sizes known.
-
-Comparing twice costs a second read of both tensors. Its alternative, one pass into a result
-buffer sized for the worst case, allocates a third of a tensor of int32 positions up front and
-still needs the counts to compact it; on an accelerator a re-read is the cheaper of the two.
-On CPU the positions come from groups of 8 mask entries (`positions_by_groups`) rather than
-torch's ``nonzero``, whose cost per element scanned exceeds a streaming read of both tensors.
+- **One pass (CPU).** Each block's changed positions and values are taken while its mask is
+  fresh: numpy's ``flatnonzero`` reads the mask (torch's ``nonzero`` branches on every entry
+  and costs several times more per element than a streaming read of both tensors), and the
+  changed values are gathered by those positions. Reserved values are then looked for among
+  the changed values only. The caller says, from a running count, when a sparse patch is out
+  of the question: the scan then stops, since a dense patch needs no positions. A host read
+  per block costs nothing on a CPU.
+- **Two passes, one host read (accelerators).** `ChangeScan.count` counts the changes of every
+  block and tests them for reserved values, all on the device until one read at the end;
+  `ChangeScan.gather` (only when the patch may go sparse) compares each block with changes
+  again and writes its positions and values straight into the preallocated result. Comparing
+  twice costs a second read of both tensors; syncing per block would cost more.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy
 import torch
+from numpy.typing import NDArray
 
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 
 __all__ = [
     "DEFAULT_BLOCK",
+    "SINGLE_PASS_DEVICES",
     "ChangeCount",
     "ChangeScan",
+    "Changes",
     "ReservedTest",
     "bits_of",
     "block_size",
-    "count_groups",
     "count_set",
-    "positions_by_groups",
     "reserved_test",
+    "set_positions",
 ]
 
 # Elements per block. Each block costs ~20 dispatches (100-150 us on CPU), so on CPU a block of
@@ -52,6 +55,9 @@ __all__ = [
 # 16M elements (80 MB of buffers) keeps the launches from dominating as far as one can.
 DEFAULT_BLOCK = {"cpu": 1 << 20}
 _DEVICE_BLOCK = 1 << 24
+
+# Devices whose scan takes one pass, reading each block's mask on the host (`ChangeScan.find`).
+SINGLE_PASS_DEVICES = frozenset({"cpu"})
 
 # Integer views of the same width; the comparison and every data move happen on these bits.
 _BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -113,22 +119,21 @@ def _slabs(
 
 
 class ReservedTest(Protocol):
-    """Whether a block's changed values hold one the receiver's strategy reserves."""
+    """Whether changed values hold one the receiver's strategy reserves."""
 
     def __call__(
         self,
         values: torch.Tensor,
-        changed: torch.Tensor,
-        count: torch.Tensor,
-        scratch: torch.Tensor,
+        changed: torch.Tensor | None,
+        scratch: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A 0-d bool tensor on the block's device, computed without a host read.
+        """A 0-d bool tensor on the values' device, computed without a host read.
 
         Args:
-            values: The block of `new` in the receiver's dtype, as bits (`bits_of`); read only.
-            changed: Its change mask (1-D bool, one entry per element).
-            count: The number of changed elements (0-d).
-            scratch: A buffer shaped like `values` that the test may overwrite.
+            values: Values in the receiver's dtype, as bits (`bits_of`); read only.
+            changed: Which of them changed (1-D bool, one entry per element); `None`: all.
+            scratch: A buffer shaped like `values` that the test may overwrite (given with
+                `changed`); `None`: the test allocates what it needs.
         """
         ...
 
@@ -143,13 +148,13 @@ class _NaNBits:
     def __call__(
         self,
         values: torch.Tensor,
-        changed: torch.Tensor,
-        count: torch.Tensor,
-        scratch: torch.Tensor,
+        changed: torch.Tensor | None,
+        scratch: torch.Tensor | None,
     ) -> torch.Tensor:
-        torch.bitwise_and(values, self.magnitude, out=scratch)
-        scratch.mul_(changed)  # unchanged elements count as +0.0, which is no NaN
-        return scratch.amax() > self.infinity
+        magnitudes = torch.bitwise_and(values, self.magnitude, out=scratch)
+        if changed is not None:
+            magnitudes.mul_(changed)  # unchanged elements count as +0.0, which is no NaN
+        return magnitudes.amax() > self.infinity
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +166,11 @@ class _EqualBits:
     def __call__(
         self,
         values: torch.Tensor,
-        changed: torch.Tensor,
-        count: torch.Tensor,
-        scratch: torch.Tensor,
+        changed: torch.Tensor | None,
+        scratch: torch.Tensor | None,
     ) -> torch.Tensor:
+        if changed is None or scratch is None:
+            return torch.eq(values, self.pattern).any()
         hits = torch.eq(
             values, self.pattern, out=scratch.view(torch.uint8)[: values.numel()].view(torch.bool)
         )
@@ -174,10 +180,10 @@ class _EqualBits:
 
 @dataclass(frozen=True, slots=True)
 class _AskStrategy:
-    """Any other strategy: ask it about a block whose every element is a changed value.
+    """Any other strategy: ask it about values that are all changed ones.
 
-    The unchanged elements take the value of the first changed one, which cannot change the
-    answer; a block with no change answers False.
+    With a change mask, the unchanged elements take the value of the first changed one, which
+    cannot change the answer; a block with no change answers False.
     """
 
     strategy: CopyStrategy
@@ -186,15 +192,19 @@ class _AskStrategy:
     def __call__(
         self,
         values: torch.Tensor,
-        changed: torch.Tensor,
-        count: torch.Tensor,
-        scratch: torch.Tensor,
+        changed: torch.Tensor | None,
+        scratch: torch.Tensor | None,
     ) -> torch.Tensor:
+        if changed is None or scratch is None:
+            if values.shape[0] == 0:
+                return torch.zeros((), dtype=torch.bool, device=values.device)
+            flag = self.strategy.reserved_values(values.reshape(-1).view(self.dtype), self.dtype)
+            return flag.to(values.device, torch.bool)
         first = changed.view(torch.uint8).argmax().view(1)
         mask = changed.view(-1, 1) if values.ndim == 2 else changed
         torch.where(mask, values, values.index_select(0, first), out=scratch)
         flag = self.strategy.reserved_values(scratch.reshape(-1).view(self.dtype), self.dtype)
-        return torch.logical_and(flag.to(count.device), count > 0)
+        return torch.logical_and(flag.to(values.device), changed.any())
 
 
 def _as_bits(value: int, width: int) -> int:
@@ -250,92 +260,7 @@ def reserved_test(strategy: CopyStrategy, dtype: torch.dtype) -> ReservedTest | 
     return _AskStrategy(strategy, dtype)
 
 
-# -------------------------------------------------------------------- positions by groups
-#
-# torch's nonzero on CPU costs about 1.4 ns per element scanned, even when almost nothing is
-# set: more than a streaming read of both tensors. The mask is instead read 8 bytes at a time:
-# one int64 multiply gathers a group's 8 flags into one byte (its pattern), and two tables of
-# 256 entries give each pattern's number of set flags and the index of its r-th one. The work
-# is then a few passes over the groups (an eighth of the elements) and a few over the changes.
-
-# Byte j of a little-endian int64 whose bytes are 0 or 1 lands on bit 56 + j of the product:
-# the shifted copies of the eight bytes never overlap, so no carry reaches the top byte.
-_GATHER_FLAGS = sum(1 << (56 - 7 * j) for j in range(8))
-
-
-def _build_pattern_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(set flags per pattern [256], index of the r-th set flag of a pattern [256 * 8]).
-
-    Computed on `device` by tensor operations: no host-to-device copy, so no synchronisation.
-    """
-    flags = (
-        torch.arange(256, device=device)
-        .view(-1, 1)
-        .bitwise_right_shift(torch.arange(8, device=device))
-        .bitwise_and_(1)
-    )  # [pattern, bit]
-    rank = flags.cumsum(1).sub_(1)  # of each set flag among its pattern's
-    column = torch.where(flags.bool(), rank, 8)  # unset flags go to a spare ninth column
-    indices = torch.zeros(256, 9, dtype=torch.int64, device=device)
-    indices.scatter_(1, column, torch.arange(8, device=device).expand(256, 8))
-    return flags.sum(1), indices[:, :8].reshape(-1)
-
-
-# Built at import, so that no diff allocates them (or holds on to them) while it runs.
-_CPU_PATTERN_TABLES = _build_pattern_tables(torch.device("cpu"))
-
-
-@functools.cache
-def _pattern_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pattern tables on `device` (built there once)."""
-    if device.type == "cpu":
-        return _CPU_PATTERN_TABLES
-    return _build_pattern_tables(device)
-
-
-def _patterns(words: torch.Tensor) -> torch.Tensor:
-    """The pattern (0-255, bit j = flag j) of each group of 8 mask entries, read as int64."""
-    return words.mul(_GATHER_FLAGS).bitwise_right_shift_(56).bitwise_and_(0xFF)
-
-
-def positions_by_groups(mask: torch.Tensor, count: int, groups: int) -> torch.Tensor:
-    """The positions of the set entries of `mask`, ascending, as int64; no host read.
-
-    Args:
-        mask: 1-D bool, its length a multiple of 8, on any device.
-        count: How many entries are set.
-        groups: How many groups of 8 entries hold at least one (`count_groups`).
-    """
-    popcount, bit_index = _pattern_tables(mask.device)
-    words = mask.view(torch.int64)
-    where: torch.Tensor | None = None
-    if groups * 4 <= words.numel():  # sparse groups: find them, then read only those
-        found = torch.nonzero_static(words, size=groups).view(-1)
-        patterns = _patterns(words.index_select(0, found))
-        where = found
-    else:
-        patterns = _patterns(words)
-    per_group = popcount.index_select(0, patterns)
-    # Change j of group g is its (j - first[g])-th set flag: entry j - shift[g] of bit_index,
-    # with shift[g] = first[g] - 8 * pattern[g]. Per group first, so that each change costs
-    # only an expansion, two gathers and two adds.
-    first = per_group.cumsum(0).sub_(per_group)
-    if where is None:
-        # Every group, empty ones too: change j belongs to the last group starting at or
-        # before j, the number of group starts up to j, less one (a running count of marks
-        # at the starts; torch's repeat_interleave is several times slower with empty groups).
-        marks = torch.zeros(count + 1, dtype=torch.int64, device=mask.device)
-        ones = torch.ones(1, dtype=torch.int64, device=mask.device).expand(first.numel())
-        marks.index_add_(0, first, ones)
-        group = marks[:count].cumsum_(0).sub_(1)
-    else:
-        group = torch.repeat_interleave(per_group, output_size=count)  # a group per change
-    shift = first.sub_(patterns.mul_(8))
-    entry = torch.arange(count, device=mask.device).sub_(shift.index_select(0, group))
-    bit = bit_index.index_select(0, entry)
-    start = group.mul_(8) if where is None else where.mul_(8).index_select(0, group)
-    return start.add_(bit)
-
+# ------------------------------------------------------------------------------- counting
 
 # Byte j of an int64 times this lands, summed with bytes 0..j-1, on byte 7: the top byte of the
 # product is the sum of the eight bytes, as long as no partial sum reaches 256.
@@ -359,9 +284,37 @@ def count_set(mask: torch.Tensor) -> torch.Tensor:
     return rows.mul_(_SUM_BYTES).bitwise_right_shift_(56).bitwise_and_(0xFF).sum()
 
 
-def count_groups(mask: torch.Tensor) -> torch.Tensor:
-    """How many groups of 8 entries of `mask` (its length a multiple of 8) hold a set one."""
-    return torch.count_nonzero(mask.view(torch.int64))
+# -------------------------------------------------------------------------- set positions
+#
+# torch's nonzero on CPU branches on every entry: at a few percent of entries set, each set one
+# costs a mispredicted branch, several times a streaming read of both tensors. numpy's
+# flatnonzero of a bool array does not branch per entry while the array is dense (from about
+# 11% set, in numpy 1.26 to 2.4) but costs 0.4 ns an entry; sparser, it branches too. Reading
+# 8 entries as one uint64 first finds the groups of 8 that hold a set entry (a flatnonzero an
+# eighth as long); only those groups' entries are then read.
+
+_GROUPS_READ_ALONE = 0.6  # above this fraction of groups holding a set entry, read the mask whole
+
+
+def set_positions(mask: NDArray[numpy.bool_]) -> NDArray[numpy.intp]:
+    """The positions of the set entries of a 1-D bool `mask`, ascending (int64).
+
+    Examples:
+        >>> import numpy
+        >>> set_positions(numpy.array([0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1], dtype=bool)).tolist()
+        [1, 9, 10]
+    """
+    length = mask.shape[0]
+    whole = length - length % 8
+    groups = mask[:whole].view(numpy.uint64)
+    held = numpy.flatnonzero(groups != 0)
+    if held.shape[0] > _GROUPS_READ_ALONE * groups.shape[0]:
+        return numpy.flatnonzero(mask)
+    inner = numpy.flatnonzero(numpy.take(groups, held).view(numpy.bool_))
+    found: NDArray[numpy.intp] = held[inner >> 3] * 8 + (inner & 7)
+    if whole == length:
+        return found
+    return numpy.concatenate([found, numpy.flatnonzero(mask[whole:]) + whole])
 
 
 # ------------------------------------------------------------------------------------ scan
@@ -374,7 +327,25 @@ class ChangeCount:
     changed: int  # elements whose bits differ
     reserved: bool  # whether a changed value is one the strategy reserves
     per_block: tuple[int, ...]  # changed elements per block, in order
-    groups_per_block: tuple[int, ...] | None  # groups of 8 with a change per block, if counted
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What `ChangeScan.find` found.
+
+    Attributes:
+        changed: The number of changed elements; when `positions` is None, at least this
+            many (the scan may stop once a sparse patch is ruled out). 0: nothing changed.
+        positions: The sorted flat positions of every changed element, in the index dtype
+            asked for; `None` when the tensor must go dense (a changed value is reserved, or
+            `could_be_sparse` said no).
+        values: Their new values in the receiver's dtype (fresh tensors, never views of
+            `new`); `None` exactly when `positions` is.
+    """
+
+    changed: int
+    positions: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 class ChangeScan:
@@ -383,20 +354,21 @@ class ChangeScan:
     `old` and `new` have one shape (0-d counts as one element, and an empty one is not
     scanned); the work happens on `new`'s device, `old` is brought there a block at a time.
     Per block, the bits of both are XORed (nonzero where an element changed) and the result
-    converted to a boolean change mask. The scan owns, reused by every block and by both
-    passes, at most three buffers of one block in the receiver's dtype (the casts of `old`
-    and `new` where a block cannot be read in place; the XOR goes into the cast of `old`, or
-    into a buffer of its own when there is none) and one block of booleans (the mask): for a
-    bf16 receiver, 5 bytes per block element at most.
+    converted to a boolean change mask. The scan owns, reused by every block, at most three
+    buffers of one block in the receiver's dtype (the casts of `old` and `new` where a block
+    cannot be read in place; the XOR goes into the cast of `old`, or into a buffer of its own
+    when there is none) and one block of booleans (the mask): for a bf16 receiver, 5 bytes
+    per block element at most.
 
     Args:
         old: What the receiver holds.
         new: What it should hold.
         dtype: The receiver's dtype; both sides are compared as their casts to it.
         block: Elements per block (default: `block_size` of the device).
-        groups: Find the changed positions of a sparse block through groups of 8 mask
-            entries (`positions_by_groups`; default: on CPU, where torch's `nonzero` costs
-            more than the rest of the diff). Accelerators run ``nonzero_static``.
+        single_pass: Find the positions of each block's changes while its mask is fresh,
+            reading the mask on the host (`find`'s one pass; default: on the devices of
+            `SINGLE_PASS_DEVICES`, the CPU, where a host read costs nothing). Otherwise
+            `find` counts first and gathers in a second pass, one host read between them.
     """
 
     def __init__(
@@ -406,7 +378,7 @@ class ChangeScan:
         dtype: torch.dtype,
         *,
         block: int | None = None,
-        groups: bool | None = None,
+        single_pass: bool | None = None,
     ) -> None:
         if new.shape != old.shape:
             raise ValueError(f"shapes differ: {tuple(old.shape)} and {tuple(new.shape)}")
@@ -419,7 +391,9 @@ class ChangeScan:
         if chosen < 1:
             raise ValueError(f"block must be at least 1 element, got {chosen}")
         self.block = min(chosen, max(self.numel, 1))
-        self.groups = self.device.type == "cpu" if groups is None else groups
+        if single_pass is None:
+            single_pass = self.device.type in SINGLE_PASS_DEVICES
+        self.single_pass = single_pass
         self._buffers: dict[str, torch.Tensor] = {}
 
     # -- blocks
@@ -457,7 +431,61 @@ class ChangeScan:
             mask.copy_(xor)  # the cast to bool is `!= 0`, and much cheaper than torch.ne
         return mask
 
-    # -- passes
+    # -- the scan
+
+    def find(
+        self,
+        reserved: ReservedTest | None,
+        index_dtype: torch.dtype,
+        could_be_sparse: Callable[[int], bool],
+    ) -> Changes:
+        """The changed elements: how many, and, unless the tensor must go dense, which.
+
+        Args:
+            reserved: The test for reserved values (`reserved_test`); `None` skips it.
+            index_dtype: The dtype of the positions returned.
+            could_be_sparse: Whether a patch of at least this many changed elements might
+                still go sparse. It must answer no for every count above one it said no
+                to; from its first no, the scan neither gathers positions nor (in one pass)
+                goes on reading.
+        """
+        if self.single_pass:
+            return self._one_pass(reserved, index_dtype, could_be_sparse)
+        counted = self.count(reserved)
+        if counted.changed == 0 or counted.reserved or not could_be_sparse(counted.changed):
+            return Changes(counted.changed)
+        return Changes(counted.changed, *self.gather(counted, index_dtype))
+
+    def _one_pass(
+        self,
+        reserved: ReservedTest | None,
+        index_dtype: torch.dtype,
+        could_be_sparse: Callable[[int], bool],
+    ) -> Changes:
+        """Each block's positions and values while its mask is fresh (CPU: no sync to pay).
+
+        The blocks' results are joined at the end, so the result is held twice for that
+        moment.
+        """
+        positions: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        changed = 0
+        for start, old_piece, new_piece in _pieces(self.old, self.new, self.block):
+            new_bits, xor = self._xor(old_piece, new_piece)
+            local = torch.from_numpy(set_positions(self._mask(xor).numpy()))
+            if local.numel() == 0:
+                continue
+            changed += local.numel()
+            if not could_be_sparse(changed):
+                return Changes(changed)
+            values.append(new_bits.index_select(0, local))
+            positions.append(local.to(index_dtype).add_(start))
+        if changed == 0:
+            return Changes(0)
+        found = _joined(values)
+        if reserved is not None and bool(reserved(found, None, None)):
+            return Changes(changed)
+        return Changes(changed, _joined(positions), found.reshape(-1).view(self.dtype))
 
     def count(self, reserved: ReservedTest | None = None) -> ChangeCount:
         """Count the changed elements, and test them for reserved values; one host read.
@@ -465,26 +493,19 @@ class ChangeScan:
         Args:
             reserved: The test for reserved values (`reserved_test`); `None` skips it.
         """
-        counts, groups, flags = [], [], []
+        counts, flags = [], []
         for _, old_piece, new_piece in _pieces(self.old, self.new, self.block):
             new_bits, xor = self._xor(old_piece, new_piece)
             mask = self._mask(xor)
-            count = count_set(mask)
-            counts.append(count)
-            if self.groups:
-                groups.append(count_groups(mask) if mask.numel() % 8 == 0 else count)
+            counts.append(count_set(mask))
             if reserved is not None:
-                flags.append(reserved(new_bits, mask, count, xor))  # the XOR is spent
+                flags.append(reserved(new_bits, mask, xor))  # the XOR is spent
         found = [torch.stack(counts)]
-        if groups:
-            found.append(torch.stack(groups))
         if flags:
             found.append(torch.stack(flags).any().view(1).to(torch.int64))
         read = [int(value) for value in torch.cat(found).tolist()]  # the one host read
-        blocks = len(counts)
-        per_block = tuple(read[:blocks])
-        per_group = tuple(read[blocks : 2 * blocks]) if groups else None
-        return ChangeCount(sum(per_block), bool(flags) and bool(read[-1]), per_block, per_group)
+        per_block = tuple(read[: len(counts)])
+        return ChangeCount(sum(per_block), bool(flags) and bool(read[-1]), per_block)
 
     def gather(
         self, counted: ChangeCount, index_dtype: torch.dtype
@@ -498,22 +519,19 @@ class ChangeScan:
         positions = torch.empty(total, dtype=index_dtype, device=self.device)
         trailing = (2,) if self.dtype.itemsize == 16 else ()
         values = torch.empty((total, *trailing), dtype=_bit_dtype(self.dtype), device=self.device)
-        groups = counted.groups_per_block or (0,) * len(counted.per_block)
         offset = 0
         pieces = _pieces(self.old, self.new, self.block)
-        for (start, old_piece, new_piece), count, changed_groups in zip(
-            pieces, counted.per_block, groups, strict=True
-        ):
+        for (start, old_piece, new_piece), count in zip(pieces, counted.per_block, strict=True):
             if count == 0:
                 continue
             new_bits, xor = self._xor(old_piece, new_piece)
-            mask = self._mask(xor)
-            if self.groups and mask.numel() % 8 == 0:
-                local = positions_by_groups(mask, count, changed_groups)
-            else:
-                local = torch.nonzero_static(mask, size=count).view(-1)
+            local = torch.nonzero_static(self._mask(xor), size=count).view(-1)
             end = offset + count
             torch.add(local, start, out=positions[offset:end])
             torch.index_select(new_bits, 0, local, out=values[offset:end])
             offset = end
         return positions, values.reshape(-1).view(self.dtype)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -423,34 +423,36 @@ def _diff_tensor(
         return None
     scan = ChangeScan(old, new, dtype)
     unsupported = strategy.unsupported_reason(dtype) is not None
-    counted = scan.count(None if unsupported else reserved_test(strategy, dtype))
-    nnz = counted.changed
-    if nnz == 0:
-        return None
-    reserved = unsupported or counted.reserved
-    shape = tuple(new.shape)
-    gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+    itemsize = dtype.itemsize
 
-    def escapes() -> int:  # only when the choice turns on it
-        nonlocal gathered
-        gathered = scan.gather(counted, index_dtype(numel))
-        return int(count_escapes(gathered[0]))  # a second host read, rare
-
-    sparse = not reserved and choose_sparse(
-        nnz, numel, dtype.itemsize, escapes=escapes, cost=cost, dense_above=dense_above
-    )
-    del escapes
-    if sparse:
-        positions, values = (
-            gathered if gathered is not None else scan.gather(counted, index_dtype(numel))
+    def could_be_sparse(changed: int) -> bool:  # with no escaped gap: the best case
+        return not unsupported and choose_sparse(
+            changed, numel, itemsize, escapes=0, cost=cost, dense_above=dense_above
         )
-        return CheckpointWeightPatch(name, shape, dtype, values, positions)
-    del gathered
+
+    test = None if unsupported else reserved_test(strategy, dtype)
+    found = scan.find(test, index_dtype(numel), could_be_sparse)
+    if found.changed == 0:
+        return None
+    positions, values = found.positions, found.values
+    if (
+        positions is not None
+        and values is not None
+        and choose_sparse(
+            found.changed,
+            numel,
+            itemsize,
+            escapes=lambda: int(count_escapes(positions)),  # a second host read, rare
+            cost=cost,
+            dense_above=dense_above,
+        )
+    ):
+        return CheckpointWeightPatch(name, tuple(new.shape), dtype, values, positions)
     # A dense patch owns its values: the trainer may keep updating `new` in place.
     flat = new.to(dtype=dtype).reshape(-1)
     if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
         flat = flat.clone()
-    return CheckpointWeightPatch(name, shape, dtype, flat)
+    return CheckpointWeightPatch(name, tuple(new.shape), dtype, flat)
 
 
 @torch.no_grad()
@@ -513,14 +515,17 @@ def diff_state_dicts(
     hold over both. `patch_nbytes` then counts each sparse patch in its smallest encoding.
     The diff streams each tensor in blocks (1M elements on CPU, 16M on accelerators): both
     sides of a block are cast into reused buffers and compared, so the extra memory beyond
-    the returned patches is a few blocks (about 5 bytes per block element), never a tensor.
+    the returned patches is a few blocks (about 5 bytes per block element), never a tensor
+    (on CPU, a sparse result is held twice while its blocks are joined).
     The returned values never alias `new` (the trainer may keep stepping in place). Tensors
     may live on any device; the work happens on `new`'s device (`old` is moved there a block
-    at a time), and each non-empty tensor costs one host synchronisation (reading its number
-    of changed elements per block and whether they hold a reserved value). Supported dtypes: every
-    non-quantized one (floating incl. bfloat16 and float8, integer, bool, complex). A 0-d
-    tensor is a one-element tensor (always dense: a sparse payload is never smaller); an
-    empty tensor never changes.
+    at a time). On CPU one pass takes each block's positions while its mask is fresh, and
+    stops once the running count rules sparse out; on an accelerator each non-empty tensor
+    costs one host synchronisation (reading its number of changed elements per block and
+    whether they hold a reserved value) between a counting and a gathering pass.
+    Supported dtypes: every non-quantized one (floating incl. bfloat16 and float8, integer,
+    bool, complex). A 0-d tensor is a one-element tensor (always dense: a sparse payload is
+    never smaller); an empty tensor never changes.
 
     Args:
         old: The state dict the receiver holds (what was last sent), in checkpoint coordinates.

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -193,27 +194,35 @@ def expected_reserved(strategy: CopyStrategy, values: torch.Tensor, dtype: torch
 @given(
     pair=pairs(),
     block=st.integers(1, 11),
-    groups=st.booleans(),
+    single_pass=st.booleans(),
     strategy=st.sampled_from(STRATEGIES),
     wide_indices=st.booleans(),
+    limit=st.none() | st.integers(0, 40),
 )
 def test_blocked_scan_matches_the_whole_tensor_comparison(
     pair: tuple[torch.Tensor, torch.Tensor, torch.dtype],
     block: int,
-    groups: bool,
+    single_pass: bool,
     strategy: CopyStrategy,
     wide_indices: bool,
+    limit: int | None,
 ) -> None:
+    """Both ways of scanning, every dtype family and layout; `limit` rules sparse out above it."""
     old, new, dtype = pair
     positions, values = reference(old, new, dtype)
-    scan = ChangeScan(old, new, dtype, block=block, groups=groups)
-    supported = strategy.unsupported_reason(dtype) is None
-    counted = scan.count(reserved_test(strategy, dtype) if supported else None)
+    scan = ChangeScan(old, new, dtype, block=block, single_pass=single_pass)
     index_dtype = torch.int64 if wide_indices else torch.int32
-    found, found_values = scan.gather(counted, index_dtype)
+    everything = scan.find(None, index_dtype, lambda changed: True)
+    total = positions.numel()
+    assert everything.changed == total
+    if total == 0:
+        assert everything.positions is None and everything.values is None
+        return
+    found, found_values = everything.positions, everything.values
+    assert found is not None and found_values is not None
     assert found.dtype == index_dtype
     assert found_values.dtype == dtype
-    assert counted.changed == found.numel() == sum(counted.per_block)
+    assert found.numel() == found_values.numel() == total
     if found.numel() > 1:
         assert bool((found[1:] > found[:-1]).all())  # sorted and unique
     if old.dtype == dtype:
@@ -221,10 +230,32 @@ def test_blocked_scan_matches_the_whole_tensor_comparison(
         assert same_bits(found_values, values)
     else:
         assert_same_modulo_cast_nans(old, new, dtype, found, found_values)
-    expected = supported and expected_reserved(strategy, found_values, dtype)
-    assert counted.reserved == expected
-    if found_values.numel():
-        assert found_values.untyped_storage().data_ptr() != new.untyped_storage().data_ptr()
+    assert found_values.untyped_storage().data_ptr() != new.untyped_storage().data_ptr()
+
+    supported = strategy.unsupported_reason(dtype) is None
+    reserved = supported and expected_reserved(strategy, found_values, dtype)
+    asked: list[int] = []
+
+    def could_be_sparse(changed: int) -> bool:
+        asked.append(changed)
+        return limit is None or changed <= limit
+
+    chosen = scan.find(
+        reserved_test(strategy, dtype) if supported else None, index_dtype, could_be_sparse
+    )
+    assert asked == sorted(asked) and all(0 < changed <= total for changed in asked)
+    if limit is not None and total > limit and (single_pass or not reserved):
+        # ruled out: one pass stops at the first running count above the limit
+        assert chosen.positions is None and chosen.values is None
+        assert limit < chosen.changed <= total
+        assert asked[-1] == chosen.changed
+    elif reserved:
+        assert (chosen.changed, chosen.positions, chosen.values) == (total, None, None)
+    else:
+        assert chosen.changed == total
+        assert chosen.positions is not None and chosen.values is not None
+        assert torch.equal(chosen.positions, found)
+        assert same_bits(chosen.values, found_values)
 
 
 def assert_same_modulo_cast_nans(
@@ -278,12 +309,12 @@ def test_nan_bit_test_is_isnan_for_wide_floats(dtype: torch.dtype) -> None:
     assert torch.equal((raw & test.magnitude) > test.infinity, torch.isnan(values))
 
 
-@pytest.mark.parametrize("groups", [True, False], ids=["cpu-path", "device-path"])
-def test_one_host_read_per_tensor_however_many_blocks(groups: bool) -> None:
+def test_two_passes_read_the_host_once_per_tensor_however_many_blocks() -> None:
+    """The accelerators' way: counts and flags stay on the device until one read."""
     old = torch.zeros(1000)
     new = old.clone()
     new[[3, 500, 999]] = torch.tensor([1.0, float("nan"), -0.0])
-    scan = ChangeScan(old, new, torch.bfloat16, block=64, groups=groups)
+    scan = ChangeScan(old, new, torch.bfloat16, block=64, single_pass=False)
     with HostReads() as watch:
         counted = scan.count(reserved_test(Auto(), torch.bfloat16))
     assert watch.reads == ["tolist"]
@@ -293,25 +324,55 @@ def test_one_host_read_per_tensor_however_many_blocks(groups: bool) -> None:
     assert watch.reads == []
     assert positions.tolist() == [3, 500, 999]
     assert same_bits(values, new.to(torch.bfloat16)[[3, 500, 999]])
+    with HostReads() as watch:
+        found = scan.find(reserved_test(Auto(), torch.bfloat16), torch.int32, lambda n: True)
+    assert watch.reads == ["tolist"]  # the NaN sends it dense: no gathering
+    assert (found.changed, found.positions) == (3, None)
 
 
+def test_one_pass_reads_each_mask_once_and_stops_when_sparse_is_ruled_out() -> None:
+    """The CPU's way: a mask read per block, the changed values tested once, at the end."""
+    old = torch.zeros(1000)
+    new = old.clone()
+    new[[3, 500, 501, 999]] = 1.0
+    scan = ChangeScan(old, new, torch.bfloat16, block=64)
+    assert scan.single_pass
+    with HostReads() as watch:
+        found = scan.find(reserved_test(Auto(), torch.bfloat16), torch.int32, lambda n: True)
+    assert watch.reads == ["numpy"] * 16 + ["__bool__"]
+    assert found.positions is not None and found.positions.tolist() == [3, 500, 501, 999]
+    asked: list[int] = []
+
+    def below_two(changed: int) -> bool:
+        asked.append(changed)
+        return changed < 2
+
+    with HostReads() as watch:
+        found = scan.find(None, torch.int32, below_two)
+    # block 0 holds 1 change, block 7 two more: 3 is too many, and the scan stops there
+    assert (asked, found.changed, found.positions, found.values) == ([1, 3], 3, None, None)
+    assert watch.reads == ["numpy"] * 8
+
+
+@pytest.mark.parametrize("single_pass", [True, False], ids=["one-pass", "two-passes"])
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
-def test_memory_is_a_few_blocks_beyond_the_result(source: torch.dtype) -> None:
+def test_memory_is_a_few_blocks_beyond_the_result(source: torch.dtype, single_pass: bool) -> None:
     numel, block = 1 << 20, 1 << 12
     generator = torch.Generator().manual_seed(0)
     old = torch.randn(numel, generator=generator).to(source)
     new = old.clone()
     new[torch.randperm(numel, generator=generator)[:5000]] += 1.0
     with AllocationTracker(preexisting=[old, new]) as tracker:
-        scan = ChangeScan(old, new, torch.bfloat16, block=block)
-        counted = scan.count(reserved_test(Auto(), torch.bfloat16))
-        positions, values = scan.gather(counted, torch.int32)
-        result = positions.numel() * 4 + values.numel() * 2
+        scan = ChangeScan(old, new, torch.bfloat16, block=block, single_pass=single_pass)
+        found = scan.find(reserved_test(Auto(), torch.bfloat16), torch.int32, lambda n: True)
+        assert found.positions is not None and found.values is not None
+        result = found.positions.numel() * 4 + found.values.numel() * 2
         del scan
-    assert counted.changed == 5000
+    assert found.changed == 5000
     # casts of both sides, the XOR (in one of them) and the mask: 5 bytes per block element;
-    # the per-block counts and the word path's small temporaries come on top
-    assert tracker.peak - result <= 8 * block * 4, (tracker.peak, result)
+    # one pass also holds the blocks' results until it joins them: the result once more
+    joined = result if single_pass else 0
+    assert tracker.peak - result - joined <= 8 * block * 4, (tracker.peak, result)
 
 
 @given(data=st.data(), strategy=st.sampled_from([Auto(), BoolMask()]))
@@ -328,7 +389,11 @@ def test_diff_state_dicts_is_the_same_whatever_the_block(
     old, new = data.draw(state_dict_pairs(specs, trainer_dtypes=masters))
     dtypes = {name: spec.dtype for name, spec in specs.items()}
     expected = diff_state_dicts(old, new, dtype=dtypes, strategy=strategy)
-    with mock.patch.dict(changes.DEFAULT_BLOCK, {"cpu": data.draw(st.integers(1, 7))}):
+    passes = frozenset({"cpu"}) if data.draw(st.booleans(), label="one pass") else frozenset()
+    with (
+        mock.patch.dict(changes.DEFAULT_BLOCK, {"cpu": data.draw(st.integers(1, 7))}),
+        mock.patch.object(changes, "SINGLE_PASS_DEVICES", passes),
+    ):
         blocked = diff_state_dicts(old, new, dtype=dtypes, strategy=strategy)
     assert_same_patches(blocked, expected)
 
@@ -351,16 +416,35 @@ def assert_same_patches(
     density=st.sampled_from([0.0, 0.01, 0.2, 0.7, 1.0]),
     seed=st.integers(0, 2**16),
 )
-def test_positions_and_counts_by_groups_of_eight(groups: int, density: float, seed: int) -> None:
-    """Every length that is a multiple of 8 (and of 128), sparse and full groups, the top
-    flag of a group set (its product with the gathering constant is negative)."""
+def test_counting_eight_mask_entries_at_a_time_is_count_nonzero(
+    groups: int, density: float, seed: int
+) -> None:
+    """Lengths that are multiples of 128, of 8 only, and of neither; full and empty masks."""
     generator = torch.Generator().manual_seed(seed)
     mask = torch.rand(groups * 8, generator=generator) < density
-    expected = mask.nonzero().view(-1)
-    assert int(changes.count_set(mask)) == expected.numel()
+    assert int(changes.count_set(mask)) == int(mask.sum())
     shorter = mask[: max(mask.numel() - 1, 0)]  # a length that is no multiple of 8
     assert int(changes.count_set(shorter)) == int(shorter.sum())
-    changed_groups = int(changes.count_groups(mask))
-    assert changed_groups == (int(mask.view(-1, 8).any(dim=1).sum()) if groups else 0)
-    found = changes.positions_by_groups(mask, expected.numel(), changed_groups)
-    assert torch.equal(found, expected)
+
+
+@given(
+    length=st.integers(0, 3000),
+    density=st.sampled_from([0.0, 0.001, 0.02, 0.1, 0.4, 0.7, 1.0]),
+    clustered=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_set_positions_by_groups_of_eight_are_nonzero(
+    length: int, density: float, clustered: bool, seed: int
+) -> None:
+    """Both ways (groups first, or the whole mask above 60% of groups held), lengths that are
+    no multiple of 8 (a tail read alone), set entries spread out or in runs."""
+    generator = torch.Generator().manual_seed(seed)
+    if clustered:  # runs of 16: few groups held, each full
+        mask = (torch.rand((length + 15) // 16, generator=generator) < density).repeat_interleave(
+            16
+        )[:length]
+    else:
+        mask = torch.rand(length, generator=generator) < density
+    found = changes.set_positions(mask.numpy())
+    assert found.dtype == np.intp
+    assert found.tolist() == mask.nonzero().view(-1).tolist()

@@ -8,6 +8,8 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from patchctx import (
     Auto,
@@ -152,6 +154,61 @@ def test_the_gap_escape_count_is_asked_for_only_when_the_choice_turns_on_it() ->
     assert choose_sparse(nnz, NUMEL, element, escapes=escapes(0), cost=None, dense_above=None)
     assert calls == [3, 8, 9, 16]
     assert sparse_nbytes(nnz, NUMEL, element, 5) == nnz * element + 2 * nnz + 4 * 5
+
+
+@given(
+    numel=st.integers(1, 2**40),
+    fractions=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    element=st.sampled_from([1, 2, 4, 8, 16]),
+    link=st.sampled_from([math.inf, 1e6, 1e9, 10e9, 1e12]),
+    per_element=st.floats(0, 1e-6),
+    bitmask=st.floats(0, 1e-8),
+    per_byte=st.floats(0, 1e-8),
+    fixed=st.tuples(st.floats(0, 1e-3), st.floats(0, 1e-3)),
+    dense_above=st.none() | st.floats(0.001, 1),
+    escapes=st.integers(0, 2**20),
+)
+def test_the_choice_never_returns_to_sparse_as_changes_grow(
+    numel: int,
+    fractions: tuple[float, float],
+    element: int,
+    link: float,
+    per_element: float,
+    bitmask: float,
+    per_byte: float,
+    fixed: tuple[float, float],
+    dense_above: float | None,
+    escapes: int,
+) -> None:
+    """The diff's one pass stops once a running count rules sparse out (with no escaped gap,
+    the best case): that is sound only if no larger count could go sparse again."""
+    cost = UpdateCost(
+        link_bytes_per_second=link,
+        sparse_seconds_per_element=per_element,
+        bitmask_seconds_per_element=bitmask,
+        dense_seconds_per_byte=per_byte,
+        sparse_seconds_per_patch=fixed[0],
+        dense_seconds_per_patch=fixed[1],
+    )
+    fewer, more = sorted(max(1, round(numel * fraction)) for fraction in fractions)
+    for chosen_cost in (cost, None):
+        best_case = {
+            nnz: choose_sparse(
+                nnz, numel, element, escapes=0, cost=chosen_cost, dense_above=dense_above
+            )
+            for nnz in (fewer, more)
+        }
+        assert best_case[fewer] or not best_case[more]
+        # and the best case is the best: escaped gaps never turn dense into sparse
+        actual = choose_sparse(
+            more,
+            numel,
+            element,
+            escapes=min(escapes, more),
+            cost=chosen_cost,
+            dense_above=dense_above,
+        )
+        assert best_case[more] or not actual
 
 
 def test_the_defaults_cross_between_half_a_percent_and_a_third() -> None:

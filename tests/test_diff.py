@@ -7,12 +7,14 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import patchctx._changes as changes
 from patchctx import (
     Auto,
     BoolMask,
@@ -455,8 +457,14 @@ def test_invalid_arguments_are_reported(kwargs: dict[str, Any], message: str) ->
 # ---------------------------------------------------------------------- streaming and syncs
 
 
+@pytest.mark.parametrize("single_pass", [True, False], ids=["one-pass", "two-passes"])
 @pytest.mark.parametrize("strategy", [Auto(), BoolMask()])
-def test_one_host_read_per_tensor_and_none_for_a_tied_one(strategy: CopyStrategy) -> None:
+def test_one_host_read_per_tensor_and_none_for_a_tied_one(
+    strategy: CopyStrategy, single_pass: bool
+) -> None:
+    """Two passes (accelerators): one read (a sync) per tensor. One pass (CPU, where a read
+    is no sync): each block's mask, and the reserved-value flag of a tensor that may go sparse.
+    """
     old = {
         "sparse": torch.zeros(10),
         "dense": torch.zeros(3),
@@ -471,11 +479,18 @@ def test_one_host_read_per_tensor_and_none_for_a_tied_one(strategy: CopyStrategy
     new["nan"][2] = float("nan")
     new["tied"] = new["unchanged"].view(10)  # another object viewing the same elements
     assert strategy.unsupported_reason(torch.bfloat16) is None  # its one-time probe reads
-    with HostReads() as watch:
+    passes = frozenset({"cpu"}) if single_pass else frozenset()
+    with mock.patch.object(changes, "SINGLE_PASS_DEVICES", passes), HostReads() as watch:
         patches = diff_state_dicts(old, new, dtype=torch.bfloat16, strategy=strategy)
     assert [p.name for p in patches] == ["sparse", "dense", "nan"]
+    assert [p.indices is None for p in patches] == [False, True, isinstance(strategy, Auto)]
     # one each for "sparse", "dense", "nan", "unchanged"; none for "tied" and "empty"
-    assert watch.reads == ["tolist"] * 4
+    if not single_pass:
+        assert watch.reads == ["tolist"] * 4
+    elif isinstance(strategy, Auto):  # NaN is reserved: "sparse" and "nan" are tested
+        assert watch.reads == ["numpy", "__bool__", "numpy", "numpy", "__bool__", "numpy"]
+    else:
+        assert watch.reads == ["numpy"] * 4
 
 
 def test_old_sharing_storage_with_new_is_refused_with_the_clone_to_use() -> None:

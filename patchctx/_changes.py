@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import numpy
 import torch
@@ -83,9 +83,11 @@ def _bit_dtype(dtype: torch.dtype) -> torch.dtype:
     return _BIT_VIEWS.get(dtype.itemsize, torch.int64)
 
 
-def _pieces(
-    old: torch.Tensor, new: torch.Tensor, block: int
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+# (flat offset of the piece's first element, the piece of `old`, that of `new`)
+_Piece: TypeAlias = tuple[int, torch.Tensor, torch.Tensor]
+
+
+def _pieces(old: torch.Tensor, new: torch.Tensor, block: int) -> Iterator[_Piece]:
     """Matching views of `old` and `new` (same shape) that cover their row-major order.
 
     Yields (flat offset of the piece's first element, the piece of `old`, that of `new`), each
@@ -464,28 +466,51 @@ class ChangeScan:
     ) -> Changes:
         """Each block's positions and values while its mask is fresh (CPU: no sync to pay).
 
-        The blocks' results are joined at the end, so the result is held twice for that
-        moment.
+        While the density seen so far, were it the whole tensor's, would rule sparse out, a
+        block is only counted (a few times cheaper than finding its positions): the scan will
+        likely stop, and its positions would be wasted. Should the tensor end sparse after
+        all (its changes came early), the blocks only counted are read again. The blocks'
+        results are joined at the end, so the result is held twice for that moment.
         """
-        positions: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        changed = 0
-        for start, old_piece, new_piece in _pieces(self.old, self.new, self.block):
-            new_bits, xor = self._xor(old_piece, new_piece)
-            local = torch.from_numpy(set_positions(self._mask(xor).numpy()))
-            if local.numel() == 0:
+        parts: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        counted_only: dict[int, _Piece] = {}  # by their place in `parts`
+        changed = scanned = 0
+        likely = True  # whether the tensor looks likely to go sparse
+        for piece in _pieces(self.old, self.new, self.block):
+            new_bits, xor = self._xor(piece[1], piece[2])
+            mask = self._mask(xor)
+            scanned += mask.shape[0]
+            found = self._found(piece[0], new_bits, mask, index_dtype) if likely else None
+            count = int(count_set(mask)) if found is None else found[0].shape[0]
+            if count == 0:
                 continue
-            changed += local.numel()
+            changed += count
             if not could_be_sparse(changed):
                 return Changes(changed)
-            values.append(new_bits.index_select(0, local))
-            positions.append(local.to(index_dtype).add_(start))
+            if found is None:
+                counted_only[len(parts)] = piece
+            parts.append(found)
+            likely = could_be_sparse(-(-changed * self.numel // scanned))
         if changed == 0:
             return Changes(0)
-        found = _joined(values)
-        if reserved is not None and bool(reserved(found, None, None)):
+        for number, (start, old_piece, new_piece) in counted_only.items():
+            new_bits, xor = self._xor(old_piece, new_piece)
+            parts[number] = self._found(start, new_bits, self._mask(xor), index_dtype)
+        done = [part for part in parts if part is not None]
+        found_values = _joined([bits for _, bits in done])
+        if reserved is not None and bool(reserved(found_values, None, None)):
             return Changes(changed)
-        return Changes(changed, _joined(positions), found.reshape(-1).view(self.dtype))
+        positions = _joined([at for at, _ in done])
+        return Changes(changed, positions, found_values.reshape(-1).view(self.dtype))
+
+    @staticmethod
+    def _found(
+        start: int, new_bits: torch.Tensor, mask: torch.Tensor, index_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions in `index_dtype`, values as bits) of a block's changes."""
+        local = torch.from_numpy(set_positions(mask.numpy()))
+        values = new_bits.index_select(0, local)  # first: `to` may return `local` itself
+        return local.to(index_dtype).add_(start), values
 
     def count(self, reserved: ReservedTest | None = None) -> ChangeCount:
         """Count the changed elements, and test them for reserved values; one host read.

@@ -7,7 +7,8 @@ Two tables, one process, one torch thread (``torch.set_num_threads(1)``):
    dense patch's bytes, and the encoding `wire_encoding` picks.
 2. **Update time** (measured): one decoder layer at one tensor-parallel rank (the model of
    ``benchmarks.patch_bench``), a random change at each density, applied three ways, methods
-   interleaved with their order rotating, min and median over ``--repeats`` rounds:
+   interleaved with their order rotating, min and median over ``--repeats`` rounds (the
+   garbage collector off while timing, as ``timeit`` does):
 
    - ``sparse-only``: every tensor as a sparse patch (positions in their smallest encoding,
      decoded, then replayed through a `RouteCache` in the steady state);
@@ -287,16 +288,23 @@ def _time_density(
     ]
     methods += [(key, partial(_apply, v)) for key, v in variants.items()]
     progress(f"{dtype_name} hidden {hidden} {density:.2%}: {args.repeats} rounds x {len(methods)}")
-    for round_ in range(args.repeats):
-        shift = round_ % len(methods)
-        for key, fn in methods[shift:] + methods[:shift]:
-            gc.collect()
-            if key == "dense-reload":
-                dense_times.append(_timed(fn))
-            else:
-                each = variants[key]
-                each.decodes.append(_timed(partial(_decode, each.encoded)))
-                each.applies.append(_timed(fn))
+    # As timeit does: the collector is off while timing. (A collection just before each call
+    # evicts the caches, and made the call after it 0.4-0.6 ms slower here: several times a
+    # small update's whole cost, which no worker pays in its steady state.)
+    gc.collect()
+    gc.disable()
+    try:
+        for round_ in range(args.repeats):
+            shift = round_ % len(methods)
+            for key, fn in methods[shift:] + methods[:shift]:
+                if key == "dense-reload":
+                    dense_times.append(_timed(fn))
+                else:
+                    each = variants[key]
+                    each.decodes.append(_timed(partial(_decode, each.encoded)))
+                    each.applies.append(_timed(fn))
+    finally:
+        gc.enable()
     reference = dict(dense_model.named_parameters())
     dense_bytes = sum(t.numel() * t.element_size() for t in new.values())
     rows: list[TimeRow] = []

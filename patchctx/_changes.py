@@ -481,7 +481,7 @@ class ChangeScan:
             mask = self._mask(xor)
             scanned += mask.shape[0]
             found = self._found(piece[0], new_bits, mask, index_dtype) if likely else None
-            count = int(count_set(mask)) if found is None else found[0].shape[0]
+            count = int(numpy.count_nonzero(mask.numpy())) if found is None else found[0].shape[0]
             if count == 0:
                 continue
             changed += count

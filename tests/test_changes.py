@@ -7,8 +7,11 @@ from 0 to 1, the CPU word path and the accelerators' plain path (run here on CPU
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -330,6 +333,20 @@ def test_two_passes_read_the_host_once_per_tensor_however_many_blocks() -> None:
     assert (found.changed, found.positions) == (3, None)
 
 
+@contextlib.contextmanager
+def spy_on_positions() -> Iterator[list[int]]:
+    """The length of each mask whose positions the scan looks for."""
+    lengths: list[int] = []
+    real = changes.set_positions
+
+    def spy(mask: Any) -> Any:
+        lengths.append(int(mask.shape[0]))
+        return real(mask)
+
+    with mock.patch.object(changes, "set_positions", spy):
+        yield lengths
+
+
 def test_one_pass_reads_each_mask_once_and_stops_when_sparse_is_ruled_out() -> None:
     """The CPU's way: a mask read per block, the changed values tested once, at the end."""
     old = torch.zeros(1000)
@@ -347,12 +364,13 @@ def test_one_pass_reads_each_mask_once_and_stops_when_sparse_is_ruled_out() -> N
         asked.append(changed)
         return changed < 2
 
-    with HostReads() as watch:
+    with HostReads() as watch, spy_on_positions() as positions_found:
         found = scan.find(None, torch.int32, below_two)
-    # Block 0 holds 1 change: at that density the tensor would hold 16, too many, so the next
-    # blocks are only counted (`__int__`); block 7 brings two more, and the scan stops there.
+    # Block 0 holds 1 change: at that density the tensor would hold 16, too many, so blocks 1
+    # to 7 are only counted; block 7 brings two more, and the scan stops there.
     assert (asked, found.changed, found.positions, found.values) == ([1, 16, 3], 3, None, None)
-    assert watch.reads == ["numpy"] + ["__int__"] * 7
+    assert watch.reads == ["numpy"] * 8
+    assert positions_found == [64]  # block 0's; the others were counted
 
 
 def test_one_pass_reads_again_the_blocks_it_only_counted_when_sparse_wins() -> None:
@@ -367,12 +385,13 @@ def test_one_pass_reads_again_the_blocks_it_only_counted_when_sparse_wins() -> N
         return changed <= 3
 
     scan = ChangeScan(old, new, torch.bfloat16, block=64)
-    with HostReads() as watch:
+    with HostReads() as watch, spy_on_positions() as positions_found:
         found = scan.find(reserved_test(Auto(), torch.bfloat16), torch.int32, up_to_three)
     # block 0: 2 changes, 32 at that density: blocks 1-15 only counted; 3 in all: block 15,
     # the only counted block with a change, is read again
     assert asked == [2, 32, 3, 3]
-    assert watch.reads == ["numpy"] + ["__int__"] * 15 + ["numpy", "__bool__"]
+    assert watch.reads == ["numpy"] * 17 + ["__bool__"]
+    assert positions_found == [64, 40]  # block 0, then block 15 (elements 960 to 999)
     assert found.changed == 3
     assert found.positions is not None and found.values is not None
     assert found.positions.tolist() == [3, 5, 999]

@@ -408,8 +408,18 @@ class ChangeScan:
         return buffer
 
     def _bits(self, piece: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
-        """`piece` in the receiver's dtype, as flat bits; whether that is a buffer of ours."""
-        if piece.dtype == self.dtype and piece.device == self.device and piece.is_contiguous():
+        """`piece` in the receiver's dtype, as flat bits; whether that is a buffer of ours.
+
+        A conjugate or negative view (``x.conj()``) is read through the buffer too: its
+        memory holds the values before the lazy conjugation or negation.
+        """
+        if (
+            piece.dtype == self.dtype
+            and piece.device == self.device
+            and piece.is_contiguous()
+            and not piece.is_conj()
+            and not piece.is_neg()
+        ):
             return bits_of(piece.reshape(-1)), False
         buffer = self._buffer(name, self.dtype)[: piece.numel()]
         buffer.view(piece.shape).copy_(piece)

@@ -448,8 +448,9 @@ def _diff_tensor(
         )
     ):
         return CheckpointWeightPatch(name, tuple(new.shape), dtype, values, positions)
-    # A dense patch owns its values: the trainer may keep updating `new` in place.
-    flat = new.to(dtype=dtype).reshape(-1)
+    # A dense patch owns its values: the trainer may keep updating `new` in place. (A lazy
+    # conjugate or negative view is resolved: its bit would not survive the wire.)
+    flat = new.to(dtype=dtype).resolve_conj().resolve_neg().reshape(-1)
     if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
         flat = flat.clone()
     return CheckpointWeightPatch(name, tuple(new.shape), dtype, flat)

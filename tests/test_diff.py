@@ -344,6 +344,51 @@ def test_scalars_and_empty_tensors() -> None:
     assert patch.values.shape == (1,) and patch.values.tolist() == [-1.0]
 
 
+@pytest.mark.parametrize("single_pass", [True, False], ids=["one-pass", "two-passes"])
+def test_lazy_conjugate_and_negative_views_are_diffed_by_their_values(single_pass: bool) -> None:
+    """``x.conj()`` and negative views keep the values before the lazy operation in memory:
+    the diff compares and sends the values they stand for, never the bit."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(64, dtype=torch.complex64, generator=generator)
+    changed = base.clone()
+    changed[[2, 7, 63]] += 1
+    real = torch.randn(64, generator=generator)
+    stepped = real.clone()
+    stepped[[0, 40]] = 5.0
+    old = {
+        "conj": base.conj().resolve_conj(),
+        "conj_dense": base.conj().resolve_conj(),
+        "neg": torch.neg(real),
+    }
+    new = {
+        "conj": changed.conj(),  # lazily conjugated
+        "conj_dense": (changed + 1).conj(),
+        "neg": torch._neg_view(stepped),  # what torch makes of some backward views
+    }
+    assert new["conj"].is_conj() and new["neg"].is_neg()
+    passes = frozenset({"cpu"}) if single_pass else frozenset()
+    with mock.patch.object(changes, "SINGLE_PASS_DEVICES", passes):
+        patches = diff_state_dicts(old, new, strategy=BoolMask(), cost=None)
+    by_name = {p.name: p for p in patches}
+    assert set(by_name) == {"conj", "conj_dense", "neg"}
+    for name, positions in (("conj", [2, 7, 63]), ("conj_dense", None), ("neg", [0, 40])):
+        patch = by_name[name]
+        truth = new[name].resolve_conj().resolve_neg().reshape(-1)
+        assert not patch.values.is_conj() and not patch.values.is_neg()
+        if positions is None:
+            assert patch.indices is None
+            assert same_bits(patch.values, truth)
+        else:
+            assert patch.indices is not None and patch.indices.tolist() == positions
+            assert same_bits(patch.values, truth[positions])
+        receiver = old[name].clone().reshape(-1)
+        if patch.indices is None:
+            receiver.copy_(patch.values)
+        else:
+            receiver[patch.indices.long()] = patch.values
+        assert same_bits(receiver, truth)
+
+
 def test_non_contiguous_tensors_and_trainable_parameters() -> None:
     base = torch.randn(8, 6)
     old = {"t": base.t(), "p": torch.nn.Parameter(torch.randn(5))}

@@ -75,8 +75,9 @@ def _tensor_for(load: Load, ledger: WriteLedger, *, atomic: bool) -> torch.Tenso
 def _rebound(names: list[str]) -> LoaderContractError:
     return LoaderContractError(
         f"the loader replaced, reshaped or added {', '.join(map(repr, names))} (param.data = w, "
-        "as_strided_, a new parameter or buffer...); patch loads write values in place so "
-        "captured pointers (CUDA graphs) stay valid. The model's tensors were put back"
+        "as_strided_, a new parameter, buffer or submodule, one deleted...); patch loads write "
+        "values in place so captured pointers (CUDA graphs) stay valid. The model's tensors "
+        "and submodules were put back"
     )
 
 

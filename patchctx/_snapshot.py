@@ -1,9 +1,10 @@
 """The model's structure before a loader call: which tensors it has, and their exact layout.
 
-After the call (successful or not) the structure is compared with the snapshot. A parameter or
-buffer that was replaced, rebound (``param.data = w``), reshaped (``as_strided_``, ``t_``) or
-added (a new ``nn.Parameter``, ``register_buffer``, a new submodule) is put back as it was,
-and the load is refused: patch loads write values in place and nothing else. A storage whose
+After the call (successful or not) the structure is compared with the snapshot. A parameter,
+buffer or submodule that was replaced (``module.norm = nn.LayerNorm(...)``), deleted, rebound
+(``param.data = w``), reshaped (``as_strided_``, ``t_``) or added (a new ``nn.Parameter``,
+``register_buffer``, a new submodule) is put back as it was, and the load is refused: patch
+loads write values in place and nothing else. A storage whose
 size changed (``untyped_storage().resize_()``) cannot be put back with its contents; that is
 reported as such.
 """
@@ -63,12 +64,18 @@ class Snapshot:
     def __init__(self, model: Any) -> None:
         self._entries: list[_Entry] = []
         self._members: dict[int, tuple[torch.nn.Module, str, frozenset[str]]] = {}
+        # Each module's submodules by attribute, as objects: one replaced under its own name
+        # (or deleted) leaves the set of names as it was.
+        self._children: list[tuple[torch.nn.Module, str, str, torch.nn.Module | None]] = []
         modules = model.named_modules(remove_duplicate=False) if hasattr(model, "modules") else []
         for prefix, module in modules:
             if id(module) in self._members:
                 continue
             members = frozenset([*module._parameters, *module._buffers, *module._modules])
             self._members[id(module)] = (module, prefix, members)
+            for attr, child in module._modules.items():
+                name = f"{prefix}.{attr}" if prefix else attr
+                self._children.append((module, attr, name, child))
             for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
                 if tensor is not None:
                     name = f"{prefix}.{attr}" if prefix else attr
@@ -96,12 +103,19 @@ class Snapshot:
                     module._buffers.pop(attr, None)
                     module._modules.pop(attr, None)
                     changed.add(f"{prefix}.{attr}" if prefix else attr)
+        for module, attr, name, child in self._children:
+            if attr not in module._modules or module._modules[attr] is not child:
+                module._parameters.pop(attr, None)  # in case a tensor took its name
+                module._buffers.pop(attr, None)
+                module._modules[attr] = child
+                changed.add(name)
         for entry in self._entries:
             module, attr = entry.module, entry.attr
             current = module._parameters.get(attr, module._buffers.get(attr))
             if current is not entry.tensor:
                 module._parameters.pop(attr, None)
                 module._buffers.pop(attr, None)
+                module._modules.pop(attr, None)  # in case a submodule took its name
                 if entry.is_parameter:
                     module._parameters[attr] = entry.tensor  # type: ignore[assignment]
                 else:

@@ -614,13 +614,6 @@ def _dry_run(
     """One dry call of ``module.load_weights`` with every spec; no model tensor is written."""
     ledger = _DryLedger(index, frozenset(name for name, _, _ in specs))
     snapshot = Snapshot(module)
-    # Submodules by (parent, attribute): `Snapshot` puts back tensors and removes additions,
-    # but a submodule replaced under its own name would stay replaced.
-    children = [
-        (parent, attr, child)
-        for _, parent in module.named_modules(remove_duplicate=False)
-        for attr, child in parent._modules.items()
-    ]
     weights: list[tuple[str, torch.Tensor]] = []
     for name, shape, dtype in specs:
         data = torch.empty(shape, dtype=dtype, device="meta")
@@ -643,10 +636,6 @@ def _dry_run(
         ledger.open = False
         _swap.resume(regions)
     changed = snapshot.restore()
-    for parent, attr, child in children:
-        if parent._modules.get(attr) is not child:
-            parent._modules[attr] = child
-            changed.append(attr)
     if changed:
         ledger.halt(
             "unlearnable",

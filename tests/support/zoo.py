@@ -50,6 +50,14 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tens
     return torch.randint(-100, 100, shape, generator=generator).to(dtype)
 
 
+class Norm(nn.Module):
+    """A submodule with a [6] weight of any dtype (the zoo's loaders never patch it)."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_random((6,), dtype, seed), requires_grad=False)
+
+
 class ZooLayer(nn.Module):
     """A [4, 6] weight with neighbours: a tied head, a packed [2, 6], a scale buffer, a scalar."""
 
@@ -61,6 +69,7 @@ class ZooLayer(nn.Module):
         self.one = nn.Parameter(_random((1,), dtype, seed + 3), requires_grad=False)
         self.scale: torch.Tensor
         self.register_buffer("scale", torch.ones(4))
+        self.norm = Norm(dtype, seed + 4)  # a submodule, never patched
         self.write = write
         self.cache: list[torch.Tensor] = []
 
@@ -555,6 +564,20 @@ def _new_submodule(m: ZooLayer, w: torch.Tensor) -> None:
     sub = nn.Linear(6, 4, dtype=w.dtype)
     m.sub = sub
     sub.weight.data.copy_(w)
+
+
+@entry(
+    "submodule-replaced", "refused", "`module.norm = nn.LayerNorm(6)` (a fresh one), `p.copy_(w)`"
+)
+def _submodule_replaced(m: ZooLayer, w: torch.Tensor) -> None:
+    m.norm = nn.LayerNorm(6, dtype=w.dtype)
+    m.weight.data.copy_(w)
+
+
+@entry("submodule-deleted", "refused", "`del module.norm`, then `p.copy_(w)`")
+def _submodule_deleted(m: ZooLayer, w: torch.Tensor) -> None:
+    del m.norm
+    m.weight.data.copy_(w)
 
 
 entry("as_strided_", "refused", "`p.as_strided_((24,), (1,))`")(

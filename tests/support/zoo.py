@@ -566,11 +566,9 @@ def _new_submodule(m: ZooLayer, w: torch.Tensor) -> None:
     sub.weight.data.copy_(w)
 
 
-@entry(
-    "submodule-replaced", "refused", "`module.norm = nn.LayerNorm(6)` (a fresh one), `p.copy_(w)`"
-)
+@entry("submodule-replaced", "refused", "`module.norm = Norm()` (a fresh one), then `p.copy_(w)`")
 def _submodule_replaced(m: ZooLayer, w: torch.Tensor) -> None:
-    m.norm = nn.LayerNorm(6, dtype=w.dtype)
+    m.norm = Norm(w.dtype, seed=99)
     m.weight.data.copy_(w)
 
 

@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -331,7 +331,7 @@ class RouteCache:
         self._uses: dict[str, int] = {}
         self._verify_all = False
         self._mismatches: list[str] = []
-        self._slots: dict[str, tuple[torch.nn.Module, str]] = {}
+        self._slots: dict[str, _Slot] = {}
         self.stats = RouteStats()
 
     @property
@@ -500,27 +500,29 @@ for a loader that copies views
     def _live(self) -> LiveTensors:
         """The bound model's tensors by name, looked up where they are registered right now.
 
-        The (module, attribute) of every name is found once per model (again only when a name
-        is missing, e.g. after a submodule was added), not on every call: a lookup is two dict
-        reads, and a parameter replaced by another object is seen at once.
+        The (module, attribute) of every name is found once per model, with the chain of
+        submodules that leads to it from the model (found again when a name is missing, e.g.
+        after a submodule was added, or when a link of its chain changed, e.g. a submodule
+        replaced under its own name), not on every call: a lookup is a few dict reads, and a
+        parameter or submodule replaced by another object is seen at once. (A module that is
+        no longer the model's keeps its tensors, and a route's live check would pass on them:
+        its writes would miss the model.)
         """
         return LiveTensors(self)
 
     def _slot_of(self, name: str) -> torch.Tensor | None:
         slot = self._slots.get(name)
-        if slot is None:
+        if slot is None or not all(
+            parent._modules.get(attr) is child for parent, attr, child in slot[2]
+        ):
             model = self._model() if self._model is not None else None
             if not isinstance(model, torch.nn.Module):
                 return None
-            self._slots = {
-                (f"{prefix}.{attr}" if prefix else attr): (module, attr)
-                for prefix, module in model.named_modules(remove_duplicate=False)
-                for attr in [*module._parameters, *module._buffers]
-            }
+            self._slots = _slots_of(model)
             slot = self._slots.get(name)
             if slot is None:
                 return None
-        module, attr = slot
+        module, attr, _ = slot
         tensor = module._parameters.get(attr)
         return tensor if tensor is not None else module._buffers.get(attr)
 
@@ -573,6 +575,27 @@ for a loader that copies views
                 return None
             targets.append(tensor)
         return route, targets
+
+
+# Where a model registers a tensor: (module, attribute, the links (parent, attribute, child)
+# from the model down to that module).
+_Chain: TypeAlias = tuple[tuple[torch.nn.Module, str, torch.nn.Module], ...]
+_Slot: TypeAlias = tuple[torch.nn.Module, str, _Chain]
+
+
+def _slots_of(model: torch.nn.Module) -> dict[str, _Slot]:
+    """Every parameter and buffer name of `model` (shared modules under each of their names)."""
+    slots: dict[str, _Slot] = {}
+    pending: list[tuple[torch.nn.Module, str, _Chain]] = [(model, "", ())]
+    while pending:
+        module, prefix, chain = pending.pop()
+        for attr in [*module._parameters, *module._buffers]:
+            slots[f"{prefix}.{attr}" if prefix else attr] = (module, attr, chain)
+        for attr, child in module._modules.items():
+            if child is not None:
+                path = f"{prefix}.{attr}" if prefix else attr
+                pending.append((child, path, (*chain, (module, attr, child))))
+    return slots
 
 
 class LiveTensors(Mapping[str, torch.Tensor]):

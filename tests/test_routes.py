@@ -397,6 +397,68 @@ def test_replaced_parameter_object_invalidates_its_route() -> None:
     assert model.weight.view(-1)[7] == 2.0
 
 
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(8), requires_grad=False)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+
+class _Outer(nn.Module):
+    """`w` (checkpoint) is loaded into `block.inner.w`, two submodules down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.block.inner.w.copy_(tensor)
+        return {"block.inner.w"}
+
+
+@pytest.mark.parametrize("replaced", ["leaf", "parent", "leaf-keeping-the-tensor"])
+def test_a_submodule_replaced_between_calls_is_followed_never_its_detached_tensors(
+    replaced: str,
+) -> None:
+    """A module the model dropped keeps its tensors, and a route's live check would pass on
+    them: replay must write the model's tensors, whatever object now holds them."""
+    model, routes = _Outer(), RouteCache()
+
+    def patch(value: float, at: int) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            "w", (8,), torch.float32, torch.tensor([value]), torch.tensor([at])
+        )
+
+    load_checkpoint_weight_patches(model, [patch(1.0, 2)], routes=routes)
+    load_checkpoint_weight_patches(model, [patch(2.0, 3)], routes=routes)
+    assert routes.stats.replayed == 1
+    detached = model.block.inner
+    if replaced == "leaf":
+        model.block.inner = _Inner()
+    elif replaced == "parent":
+        model.block = _Block()
+    else:  # a new module around the same parameter: the route still holds
+        fresh = _Inner()
+        fresh.w = detached.w
+        model.block.inner = fresh
+    before = detached.w.detach().clone()
+    truth = model.block.inner.w.detach().clone()
+    truth[5] = 3.0
+    load_checkpoint_weight_patches(model, [patch(3.0, 5)], routes=routes)
+    assert torch.equal(model.block.inner.w.detach(), truth)
+    if replaced == "leaf-keeping-the-tensor":
+        assert routes.stats.replayed == 2  # replayed into the model's (same) tensor
+    else:
+        assert torch.equal(detached.w.detach(), before)  # the dropped module is untouched
+        assert routes.stats.replayed == 1 and routes.stats.invalidated == 1
+
+
 def test_a_parameter_rebound_to_another_layout_of_its_storage_invalidates_its_route() -> None:
     model = Layer("twice-other-positions")
     routes = RouteCache()

@@ -310,6 +310,8 @@ def set_positions(mask: NDArray[numpy.bool_]) -> NDArray[numpy.intp]:
     whole = length - length % 8
     groups = mask[:whole].view(numpy.uint64)
     held = numpy.flatnonzero(groups != 0)
+    if held.shape[0] == 0 and whole == length:  # nothing changed: the common case
+        return held
     if held.shape[0] > _GROUPS_READ_ALONE * groups.shape[0]:
         return numpy.flatnonzero(mask)
     inner = numpy.flatnonzero(numpy.take(groups, held).view(numpy.bool_))
@@ -488,39 +490,33 @@ class ChangeScan:
         likely = True  # whether the tensor looks likely to go sparse
         for piece in _pieces(self.old, self.new, self.block):
             new_bits, xor = self._xor(piece[1], piece[2])
-            mask = self._mask(xor)
+            mask = self._mask(xor).numpy()
             scanned += mask.shape[0]
-            found = self._found(piece[0], new_bits, mask, index_dtype) if likely else None
-            count = int(numpy.count_nonzero(mask.numpy())) if found is None else found[0].shape[0]
+            local = set_positions(mask) if likely else None
+            count = int(numpy.count_nonzero(mask)) if local is None else local.shape[0]
             if count == 0:
                 continue
             changed += count
             if not could_be_sparse(changed):
                 return Changes(changed)
-            if found is None:
+            if local is None:
                 counted_only[len(parts)] = piece
-            parts.append(found)
+                parts.append(None)
+            else:
+                parts.append(_taken(piece[0], new_bits, local, index_dtype))
             likely = could_be_sparse(-(-changed * self.numel // scanned))
         if changed == 0:
             return Changes(0)
         for number, (start, old_piece, new_piece) in counted_only.items():
             new_bits, xor = self._xor(old_piece, new_piece)
-            parts[number] = self._found(start, new_bits, self._mask(xor), index_dtype)
+            local = set_positions(self._mask(xor).numpy())
+            parts[number] = _taken(start, new_bits, local, index_dtype)
         done = [part for part in parts if part is not None]
         found_values = _joined([bits for _, bits in done])
         if reserved is not None and bool(reserved(found_values, None, None)):
             return Changes(changed)
         positions = _joined([at for at, _ in done])
         return Changes(changed, positions, found_values.reshape(-1).view(self.dtype))
-
-    @staticmethod
-    def _found(
-        start: int, new_bits: torch.Tensor, mask: torch.Tensor, index_dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat positions in `index_dtype`, values as bits) of a block's changes."""
-        local = torch.from_numpy(set_positions(mask.numpy()))
-        values = new_bits.index_select(0, local)  # first: `to` may return `local` itself
-        return local.to(index_dtype).add_(start), values
 
     def count(self, reserved: ReservedTest | None = None) -> ChangeCount:
         """Count the changed elements, and test them for reserved values; one host read.
@@ -566,6 +562,15 @@ class ChangeScan:
             torch.index_select(new_bits, 0, local, out=values[offset:end])
             offset = end
         return positions, values.reshape(-1).view(self.dtype)
+
+
+def _taken(
+    start: int, new_bits: torch.Tensor, local: NDArray[numpy.intp], index_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions in `index_dtype`, values as bits) of a block's changes at `local`."""
+    at = torch.from_numpy(local)
+    values = new_bits.index_select(0, at)  # first: `to` may return `at` itself
+    return at.to(index_dtype).add_(start), values
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -677,7 +677,7 @@ def replay(
         # The common case, in one write: a whole contiguous tensor, positions made already.
         target = targets[0]
         if values.dtype == route.dtype and values.device == target.device:
-            write_at(target.view(-1), positions, values)
+            write_at(target, positions, values)
             return
     source = positions if positions is not None else indices
     source_device = source.device

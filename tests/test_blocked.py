@@ -241,8 +241,13 @@ WIDTHS = [
 
 
 @pytest.mark.parametrize("dtype", WIDTHS, ids=str)
-@pytest.mark.parametrize("count", [3, 5000])
-def test_write_at_moves_exact_bits_for_every_dtype(dtype: torch.dtype, count: int) -> None:
+@pytest.mark.parametrize("count", [3, _bits._FEW, _bits._FEW + 1, 5000])
+@pytest.mark.parametrize("shape", ["flat", "2-D", "2-D at an offset"])
+def test_write_at_moves_exact_bits_for_every_dtype(
+    dtype: torch.dtype, count: int, shape: str
+) -> None:
+    """``put_`` for a few positions, ``scatter_``/``index_copy_`` for more: the same bits, into
+    a flat tensor or a contiguous one of any shape (positions in row-major order)."""
     generator = torch.Generator().manual_seed(count)
     raw = torch.randint(0, 256, (16 * 10_000 * 2,), dtype=torch.uint8, generator=generator)
     width = torch.empty((), dtype=dtype).element_size()
@@ -251,7 +256,15 @@ def test_write_at_moves_exact_bits_for_every_dtype(dtype: torch.dtype, count: in
     positions = torch.randperm(10_000, generator=generator)[:count]
     expected = flat.view(torch.uint8).view(-1, width).clone()
     expected[positions] = source.view(torch.uint8).view(-1, width)
-    _bits.write_at(flat, positions, source)
+    if shape == "flat":
+        target = flat
+    elif shape == "2-D":
+        target = flat.view(100, 100)
+    else:  # a contiguous view that does not start its storage
+        storage = torch.cat([flat[:7], flat])
+        target = storage[7:].view(100, 100)
+        flat = storage[7:]
+    _bits.write_at(target, positions, source)
     assert torch.equal(flat.view(torch.uint8).view(-1, width), expected)
     other = torch.float64 if dtype != torch.float64 else torch.float32
     with pytest.raises(TypeError, match="destination"):  # a bit view would write garbage

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol, cast, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -164,11 +164,11 @@ class CheckedPatch:
         positions: torch.Tensor | None = None,
     ) -> CheckedPatch:
         self = object.__new__(cls)
-        object.__setattr__(self, "_position", position)
-        object.__setattr__(self, "_patch", patch)
-        object.__setattr__(self, "_numel", numel)
-        object.__setattr__(self, "_sorted_unique", sorted_unique)
-        object.__setattr__(self, "_positions", positions)
+        _set_position(self, position)
+        _set_patch(self, patch)
+        _set_numel(self, numel)
+        _set_sorted_unique(self, sorted_unique)
+        _set_positions(self, positions)
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -235,6 +235,20 @@ class CheckedPatch:
             sorted_unique=self._sorted_unique,
             positions=self._positions,
         )
+
+
+# The slots' own setters: `CheckedPatch.__setattr__` refuses every write from outside, and these
+# cost half of ``object.__setattr__`` (no lookup of the name), which runs per patch per call.
+def _slot_setter(name: str) -> Callable[[CheckedPatch, Any], None]:
+    setter: Callable[[CheckedPatch, Any], None] = vars(CheckedPatch)[name].__set__
+    return setter
+
+
+_set_position = _slot_setter("_position")
+_set_patch = _slot_setter("_patch")
+_set_numel = _slot_setter("_numel")
+_set_sorted_unique = _slot_setter("_sorted_unique")
+_set_positions = _slot_setter("_positions")
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -405,8 +419,8 @@ def _numeric_problems(
     if valid is not None:
         for k, item in enumerate(checked):  # made by validation just now: not shared yet
             if item._patch.indices is not None:
-                object.__setattr__(item, "_sorted_unique", True)
-                object.__setattr__(item, "_positions", valid.get(k))
+                _set_sorted_unique(item, True)
+                _set_positions(item, valid.get(k))
         return checked, []
     return _exact_numeric_problems(checked, strategy, validate_unique_indices)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import multiprocessing
@@ -71,18 +72,24 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str
     """Seconds per call of each method, the order rotating from round to round.
 
     Each method runs once first, unmeasured: first-use costs (allocator growth, caches) are
-    not what a worker applying update after update pays.
+    not what a worker applying update after update pays. The garbage collector is off while
+    timing, as in ``timeit``.
     """
     names = list(calls)
     for name in names:
         calls[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
+    gc.collect()
+    gc.disable()  # as timeit does: no collection lands inside a timed call
+    try:
+        for round_ in range(rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
     return times
 
 

@@ -139,6 +139,8 @@ def _tensor_problem(side: str, name: str, value: object) -> str | None:
         return f"{name!r}: {side}[{name!r}] is a {value.layout} tensor; pass dense (strided) ones"
     if value.dtype in _QUANTIZED:
         return f"{name!r}: {side}[{name!r}] has the quantized dtype {value.dtype}, not supported"
+    if value.is_meta:
+        return f"{name!r}: {side}[{name!r}] is a meta tensor: it holds no values to compare"
     return None
 
 

@@ -473,6 +473,9 @@ def test_every_problem_is_reported_together_before_any_work() -> None:
         ({"strategy": object()}, "takes a CopyStrategy"),
         ({"old": [torch.zeros(1)]}, "old must be a mapping"),
         ({"new": {"w": [1.0]}}, "new['w'] must be a torch.Tensor"),
+        ({"new": {"w": torch.ones(1).to_sparse()}}, "new['w'] is a torch.sparse_coo tensor"),
+        # (storage-less: without this, both sides looked like one storage at address 0)
+        ({"old": {"w": torch.empty(1, device="meta")}}, "old['w'] is a meta tensor"),
     ],
 )
 def test_wrong_types_raise_a_type_error(kwargs: dict[str, Any], message: str) -> None:

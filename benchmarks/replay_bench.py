@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import math
 import multiprocessing
@@ -47,6 +46,7 @@ from benchmarks.patch_bench import (
     DTYPES,
     PackedSlice,
     _lower_bound_plan,
+    collector_off,
     progress,
     random_patches,
 )
@@ -79,17 +79,13 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str
     for name in names:
         calls[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
-    gc.collect()
-    gc.disable()  # as timeit does: no collection lands inside a timed call
-    try:
+    with collector_off():
         for round_ in range(rounds):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
                 start = time.perf_counter()
                 calls[name]()
                 times[name].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
     return times
 
 

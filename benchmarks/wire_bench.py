@@ -35,7 +35,6 @@ run, ``--json`` for the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import platform
@@ -50,7 +49,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.patch_bench import PackedSlice
+from benchmarks.patch_bench import PackedSlice, collector_off
 from patchctx import (
     CheckpointWeightPatch,
     RouteCache,
@@ -288,12 +287,7 @@ def _time_density(
     ]
     methods += [(key, partial(_apply, v)) for key, v in variants.items()]
     progress(f"{dtype_name} hidden {hidden} {density:.2%}: {args.repeats} rounds x {len(methods)}")
-    # As timeit does: the collector is off while timing. (A collection just before each call
-    # evicts the caches, and made the call after it 0.4-0.6 ms slower here: several times a
-    # small update's whole cost, which no worker pays in its steady state.)
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         for round_ in range(args.repeats):
             shift = round_ % len(methods)
             for key, fn in methods[shift:] + methods[:shift]:
@@ -303,8 +297,6 @@ def _time_density(
                     each = variants[key]
                     each.decodes.append(_timed(partial(_decode, each.encoded)))
                     each.applies.append(_timed(fn))
-    finally:
-        gc.enable()
     reference = dict(dense_model.named_parameters())
     dense_bytes = sum(t.numel() * t.element_size() for t in new.values())
     rows: list[TimeRow] = []

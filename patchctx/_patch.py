@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 import torch
 
 from patchctx._blocks import block_size, blocks, scratch
+from patchctx._cpu_checks import increasing_below
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, as_strategy
 
@@ -395,14 +396,16 @@ def _host_read(flags: torch.Tensor) -> list[bool]:
     return [bool(v) for v in flags.tolist()]
 
 
-def _read_flags(flags: list[torch.Tensor], device: torch.device) -> list[int]:
+def _read_flags(flags: list[torch.Tensor | int], device: torch.device) -> list[int]:
     """The one host synchronisation of the common case: read a device's 0-d flags at once.
 
-    On CPU each is read where it lies (no synchronisation to save; stacking them costs more).
+    On CPU each is read where it lies (no synchronisation to save; stacking them costs more),
+    and some are host integers already.
     """
     if device.type == "cpu":
-        return cast(list[int], [f.item() for f in flags])  # ints and bools
-    return [int(v) for v in torch.stack(flags).tolist()] if flags else []
+        return cast(list[int], [f if isinstance(f, int) else f.item() for f in flags])
+    tensors = cast(list[torch.Tensor], flags)  # off CPU, every flag is a device tensor
+    return [int(v) for v in torch.stack(tensors).tolist()] if flags else []
 
 
 def _numeric_problems(
@@ -456,7 +459,7 @@ def _all_valid(
             and item._numel < _FAST_NUMEL_LIMIT
         ):
             device = item._patch.values.device
-            flags: list[torch.Tensor] = []
+            flags: list[torch.Tensor | int] = []
             checks: list[tuple[str, int]] = []
             found = _small_flags(item, indices, device, strategy, flags, checks)
             return {0: found} if _judged(_read_flags(flags, device), checks) else None
@@ -483,7 +486,7 @@ def _all_valid(
         small_values.setdefault(device, {}).setdefault(dtype, []).append(values)
     positions: dict[int, torch.Tensor] = {}
     for device in {*groups, *large}:
-        flags = []  # 0-d tensors, read in one go
+        flags = []  # 0-d tensors (on CPU, some host ints), read in one go
         checks = []  # how to judge each flag on the host
         small = [k for ks in groups.get(device, {}).values() for k in ks]
         if len(small) == 1:  # one patch: its int64 positions, no concatenation
@@ -526,7 +529,7 @@ def _small_flags(
     indices: torch.Tensor,
     device: torch.device,
     strategy: CopyStrategy,
-    flags: list[torch.Tensor],
+    flags: list[torch.Tensor | int],
     checks: list[tuple[str, int]],
 ) -> torch.Tensor:
     """`_all_valid` for one small sparse patch: its int64 positions on `device`.
@@ -555,7 +558,7 @@ def _batch_flags(
     checked: list[CheckedPatch],
     keys: list[int],
     device: torch.device,
-    flags: list[torch.Tensor],
+    flags: list[torch.Tensor | int],
     checks: list[tuple[str, int]],
     positions: dict[int, torch.Tensor],
 ) -> None:
@@ -608,17 +611,31 @@ def _blocked_flags(
     indices: torch.Tensor,
     device: torch.device,
     strategy: CopyStrategy,
-    flags: list[torch.Tensor],
+    flags: list[torch.Tensor | int],
     checks: list[tuple[str, int]],
 ) -> None:
     """`_all_valid` for one long patch (its `indices` on `device`), block by block."""
     values = item.patch.values
     count = indices.numel()
+    on_cpu = device.type == "cpu"
     # The steps go into a reused buffer (a later block has `block_size()` of them).
-    steps = scratch(device, indices.dtype, min(count, block_size()))
+    steps = None if on_cpu else scratch(device, indices.dtype, min(count, block_size()))
     for begin, end in blocks(0, count):
         whole = end - begin == count  # one block: no slicing (each slice is an operation)
         block = indices if whole else indices[begin:end]
+        if on_cpu:
+            # One numpy pass over the block and the step into it (`increasing_below`).
+            in_order = increasing_below(indices[max(begin - 1, 0) : end], item.numel)
+            flags.append(int(in_order))
+            checks.append(("eq", 1))
+            flags.append(
+                strategy.reserved_values(values if whole else values[begin:end], item.patch.dtype)
+            )
+            checks.append(("eq", 0))
+            if not in_order:
+                return  # the exact checks say which index is wrong
+            continue
+        assert steps is not None
         low, high = torch.aminmax(block)
         flags += (low, high)
         checks += (("ge", 0), ("le", item.numel - 1))

@@ -15,6 +15,7 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -35,6 +36,7 @@ from patchctx import (
     load_checkpoint_weight_patches,
     validate_patches,
 )
+from patchctx._cpu_checks import increasing_below
 from patchctx._patch import check_patches
 from tests.support.models import assert_same_state, packed_tp_model, random_checkpoint, state
 
@@ -165,6 +167,32 @@ def test_int64_differences_that_wrap_do_not_pass_for_increasing() -> None:
     for batch in ([patch], [patch, other], [other, patch]):
         with pytest.raises(InvalidPatchError, match="out of range"):
             validate_patches(batch)
+
+
+@st.composite
+def index_windows(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
+    """Index windows and bounds near every edge: 0, the int32 and int64 sign bits, wraps."""
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    bits = 32 if dtype == torch.int32 else 64
+    top = 1 << (bits - 1)
+    edges = st.sampled_from([0, 1, top - 2, top - 1, -top, -top + 1, -1, -2, top // 2])
+    value = st.one_of(st.integers(-top, top - 1), edges, st.integers(-4, 40))
+    values = draw(st.lists(value, max_size=12))
+    if draw(st.booleans()):
+        values.sort()
+    bound = draw(st.one_of(st.integers(1, 60), st.sampled_from([top - 1, top, top + 1, 2 * top])))
+    return torch.tensor(values, dtype=dtype), bound
+
+
+@given(case=index_windows(), start=st.integers(0, 3))
+def test_the_numpy_order_check_is_exact_for_every_value_and_bound(
+    case: tuple[torch.Tensor, int], start: int
+) -> None:
+    window, bound = case
+    window = window[start:]  # views that do not start their storage, too
+    listed = window.tolist()
+    truth = all(0 <= v < bound for v in listed) and all(a < b for a, b in pairwise(listed))
+    assert increasing_below(window, bound) is truth
 
 
 def test_a_declared_shape_beyond_int64_arithmetic_takes_the_exact_checks() -> None:
@@ -363,7 +391,7 @@ def test_a_call_of_many_replays_reads_the_host_twice_whatever_their_number() -> 
             reads.append("item")
         return original_item(self)
 
-    def read_flags(flags: list[torch.Tensor], device: torch.device) -> list[int]:
+    def read_flags(flags: list[torch.Tensor | int], device: torch.device) -> list[int]:
         reads.append("flags")
         inside.append(True)
         try:

@@ -210,7 +210,7 @@ def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         reads.append(flags.numel())
         return original(flags)
 
-    def counting_flags(flags: list[torch.Tensor], device: torch.device) -> list[int]:
+    def counting_flags(flags: list[torch.Tensor | int], device: torch.device) -> list[int]:
         reads.append(len(flags))
         return original_flags(flags, device)
 

@@ -34,6 +34,7 @@ import torch
 from numpy.typing import NDArray
 
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
+from patchctx._swap import builtin_copy
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -424,7 +425,7 @@ class ChangeScan:
         ):
             return bits_of(piece.reshape(-1)), False
         buffer = self._buffer(name, self.dtype)[: piece.numel()]
-        buffer.view(piece.shape).copy_(piece)
+        builtin_copy(buffer.view(piece.shape), piece)
         return bits_of(buffer), True
 
     def _xor(
@@ -442,7 +443,7 @@ class ChangeScan:
         if xor.ndim == 2:  # complex128: changed when either half changed
             torch.any(xor, dim=1, out=mask)
         else:
-            mask.copy_(xor)  # the cast to bool is `!= 0`, and much cheaper than torch.ne
+            builtin_copy(mask, xor)  # the cast to bool is `!= 0`, much cheaper than torch.ne
         return mask
 
     # -- the scan

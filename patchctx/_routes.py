@@ -24,6 +24,7 @@ import torch
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._errors import InvalidPatchError
+from patchctx._swap import builtin_copy
 from patchctx._undo import UndoLog, storage_flat
 
 if TYPE_CHECKING:
@@ -725,7 +726,7 @@ def replay(
                 if shift:
                     torch.sub(block, shift, out=at)
                 else:
-                    at.copy_(block)  # int32 to int64: a copy is cheaper than a subtraction
+                    builtin_copy(at, block)  # int32 to int64: cheaper than a subtraction
             update = device_values if whole else device_values[begin:end]
             if update.dtype != route.dtype:
                 update = update.to(dtype=route.dtype)
@@ -761,7 +762,7 @@ def replay_dense(
         start = source.storage_offset() + here.offset
         if undo is not None:
             undo.save_view(view)
-        view.copy_(torch.as_strided(source, here.size, here.stride, start))
+        builtin_copy(view, torch.as_strided(source, here.size, here.stride, start))
 
 
 def replay_bounds(

@@ -38,6 +38,7 @@ __all__ = [
     "CopyInterceptor",
     "Region",
     "active_interceptor",
+    "builtin_copy",
     "bypass",
     "end_bypass",
     "enter",
@@ -158,6 +159,19 @@ def plain_copy(
         return result
     finally:
         end_bypass(was_inside)  # a second reset, for an exception that cut the first
+
+
+def builtin_copy(
+    destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = False
+) -> torch.Tensor:
+    """Patchctx's own copy of its own data: torch's ``copy_``, whatever is swapped in.
+
+    A caller's open region (their NaNMask would keep the destination wherever patchctx's
+    source holds NaN; their IntSentinel, wherever an index or byte equals the sentinel) or
+    another library's replacement of ``copy_`` must not reach the buffers, replays, rollbacks
+    and encodings patchctx writes itself.
+    """
+    return _BUILTIN_COPY(destination, source, non_blocking)
 
 
 def is_bypassed() -> bool:

@@ -83,7 +83,7 @@ class UndoLog:
         Each entry is dropped once restored, so a restore interrupted half way can be resumed
         by calling it again.
         """
-        from patchctx._swap import plain_copy
+        from patchctx._swap import builtin_copy
 
         while len(self._entries) > mark:
             entry = self._entries[-1]
@@ -92,5 +92,5 @@ class UndoLog:
                 flat.index_copy_(0, entry.positions, entry.old)
             else:
                 target = torch.as_strided(entry.tensor, entry.size, entry.stride, entry.offset)
-                plain_copy(target, entry.old)
+                builtin_copy(target, entry.old)
             self.forget(len(self._entries) - 1)

@@ -48,6 +48,7 @@ from patchctx._encoding import (
 )
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._patch import CheckpointWeightPatch
+from patchctx._swap import builtin_copy
 
 __all__ = ["PatchPayload", "decode_patches", "decode_payload", "encode_patches"]
 
@@ -289,7 +290,7 @@ def encode_patches(
     for where, raw in zip(placed, blocks, strict=True):
         if raw.numel():
             begin = start + where["offset"]
-            view[begin : begin + raw.numel()].copy_(raw)
+            builtin_copy(view[begin : begin + raw.numel()], raw)
     return bytes(out)
 
 

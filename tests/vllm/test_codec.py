@@ -20,7 +20,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patchctx import CheckpointWeightPatch, InvalidPatchError, WireEncoding, wire_encoding
+from patchctx import (
+    CheckpointWeightPatch,
+    IntSentinel,
+    InvalidPatchError,
+    WireEncoding,
+    masked_copy,
+    wire_encoding,
+)
 from patchctx._encoding import index_dtype
 from patchctx.vllm import PatchPayload, decode_patches, decode_payload, encode_patches
 from patchctx.vllm._codec import DTYPES, FORMAT_VERSION, MAGIC, swap_bytes
@@ -92,6 +99,19 @@ def test_special_floats_survive_bit_for_bit() -> None:
     values = torch.tensor([float("nan"), float("inf"), -0.0, 1e-45, -3.0e38])
     patch = CheckpointWeightPatch("w", (5,), torch.float32, values)
     [got] = decode_patches(encode_patches([patch]))
+    assert same(got.values, values)
+
+
+@pytest.mark.parametrize("sentinel", [0, 7, 255])
+def test_encoding_inside_a_callers_int_sentinel_region_keeps_every_byte(sentinel: int) -> None:
+    # The payload's bytes are copied into place with copy_: a caller's region must not keep
+    # the (zero) destination wherever a byte equals its sentinel.
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float32)  # every byte value
+    patch = CheckpointWeightPatch("w", (64,), torch.float32, values)
+    expected = encode_patches([patch])
+    with masked_copy(strategy=IntSentinel(value=sentinel)):
+        assert encode_patches([patch]) == expected
+    [got] = decode_patches(expected)
     assert same(got.values, values)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from patchctx._blocks import scratch
 
-__all__ = ["increasing_below"]
+__all__ = ["each_increasing_below", "increasing_below"]
 
 _UNSIGNED: dict[int, type[np.unsignedinteger]] = {4: np.uint32, 8: np.uint64}
 
@@ -38,3 +38,24 @@ def increasing_below(window: torch.Tensor, bound: int) -> bool:
         return True
     steps = scratch(_CPU, torch.bool, count - 1).numpy()
     return bool(np.greater(unsigned[1:], unsigned[:-1], out=steps).all())
+
+
+def each_increasing_below(flat: torch.Tensor, lasts: list[int], bounds: list[int]) -> bool:
+    """`increasing_below` for each of many windows concatenated into `flat`, in one pass.
+
+    Window ``k`` ends at ``flat[lasts[k]]`` and must lie in ``[0, bounds[k])``; the windows are
+    non-empty and in order. The steps from one window's last index to the next one's first are
+    free to go down.
+    """
+    size = flat.element_size()
+    unsigned = flat.numpy().view(_UNSIGNED[size])
+    top = 1 << (8 * size - 1)
+    ends = unsigned[lasts].tolist()
+    if any(last >= min(bound, top) for last, bound in zip(ends, bounds, strict=True)):
+        return False
+    if unsigned.shape[0] < 2:
+        return True
+    steps = scratch(_CPU, torch.bool, unsigned.shape[0] - 1).numpy()
+    np.greater(unsigned[1:], unsigned[:-1], out=steps)
+    steps[lasts[:-1]] = True
+    return bool(steps.all())

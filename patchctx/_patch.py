@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 import torch
 
 from patchctx._blocks import block_size, blocks, scratch
-from patchctx._cpu_checks import increasing_below
+from patchctx._cpu_checks import each_increasing_below, increasing_below
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, as_strategy
 
@@ -535,13 +535,21 @@ def _small_flags(
     """`_all_valid` for one small sparse patch: its int64 positions on `device`.
 
     Adds its flags: the extremes, the smallest step and the strategy's reserved-value
-    reduction. The steps are exact once the extremes are in range (below ``2**62``).
+    reduction. The steps are exact once the extremes are in range (below ``2**62``). On CPU,
+    order and range are one numpy pass (`increasing_below`).
     """
     if indices.device != device:
         indices = indices.to(device)
     positions = indices if indices.dtype == torch.long else indices.long()
     count = positions.shape[0]
-    if count:
+    if count and device.type == "cpu":
+        patch = item._patch
+        flags += (
+            int(increasing_below(indices, item._numel)),
+            strategy.reserved_values(patch.values, patch.dtype),
+        )
+        checks += (("eq", 1), ("eq", 0))
+    elif count:
         patch = item._patch
         low, high = torch.aminmax(positions)
         flags += (low, high)
@@ -568,8 +576,9 @@ def _batch_flags(
     piece by piece, 20x slower). All of them are in range and each patch's strictly increasing
     exactly when: the smallest is at least 0, each patch's last is below its numel, and every
     non-positive step of the concatenation is a step from one patch to the next. Steps between
-    values that are all at least 0 cannot wrap. One conversion of the concatenation gives every
-    patch's int64 positions.
+    values that are all at least 0 cannot wrap. On CPU one numpy pass tests all of it
+    (`each_increasing_below`). One conversion of the concatenation gives every patch's int64
+    positions.
     """
     parts: list[torch.Tensor] = []
     sizes: list[int] = []
@@ -589,7 +598,10 @@ def _batch_flags(
             lasts.append(end - 1)
             limits.append(checked[k]._numel)
     flat = torch.cat(parts)
-    if end:
+    if end and device.type == "cpu":
+        flags.append(int(each_increasing_below(flat, lasts, limits)))
+        checks.append(("eq", 1))
+    elif end:
         nonpositive = torch.diff(flat) <= 0
         # The steps from one patch's last index to the next one's first may go down.
         between = torch.tensor(lasts[:-1], dtype=torch.long, device=device)

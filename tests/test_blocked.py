@@ -11,6 +11,7 @@ any block, huge declared shapes.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import threading
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from patchctx import (
     load_checkpoint_weight_patches,
     validate_patches,
 )
-from patchctx._cpu_checks import increasing_below
+from patchctx._cpu_checks import each_increasing_below, increasing_below
 from patchctx._patch import check_patches
 from tests.support.models import assert_same_state, packed_tp_model, random_checkpoint, state
 
@@ -193,6 +194,21 @@ def test_the_numpy_order_check_is_exact_for_every_value_and_bound(
     listed = window.tolist()
     truth = all(0 <= v < bound for v in listed) and all(a < b for a, b in pairwise(listed))
     assert increasing_below(window, bound) is truth
+
+
+@given(cases=st.lists(index_windows(), min_size=1, max_size=5), data=st.data())
+def test_the_batched_numpy_order_check_is_exact_for_every_window(
+    cases: list[tuple[torch.Tensor, int]], data: st.DataObject
+) -> None:
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    windows = [w.to(dtype) for w, _ in cases if w.numel()]  # int64 values wrap into int32
+    if not windows:
+        return
+    bounds = [bound for w, bound in cases if w.numel()]
+    lasts = list(itertools.accumulate(w.numel() for w in windows))
+    truth = all(increasing_below(w, bound) for w, bound in zip(windows, bounds, strict=True))
+    flat = torch.cat(windows)
+    assert each_increasing_below(flat, [last - 1 for last in lasts], bounds) is truth
 
 
 def test_a_declared_shape_beyond_int64_arithmetic_takes_the_exact_checks() -> None:

@@ -175,6 +175,8 @@ class Segment:
 
     def covered(self, indices: torch.Tensor) -> tuple[int, int]:
         """The slice of sorted `indices` that falls inside the source view's span."""
+        if indices.device.type == "cpu":  # no synchronisation to batch: search where they lie
+            return _host_covered(indices, self._span)
         start, stop = self.search(indices).tolist()
         return int(start), int(stop)
 
@@ -236,6 +238,18 @@ class Segment:
             return positions[valid], where
         where = picked.nonzero().squeeze(1)[valid]
         return positions[valid], where
+
+
+def _host_covered(indices: torch.Tensor, span: tuple[int, int]) -> tuple[int, int]:
+    """`Segment.covered` for indices on CPU: numpy's binary search, no torch operations."""
+    low, high = span
+    count = indices.shape[0]
+    top = torch.iinfo(indices.dtype).max
+    if low > top:  # no index of this dtype reaches the span
+        return count, count
+    found = indices.numpy()
+    start = int(found.searchsorted(low))
+    return start, count if high >= top else int(found.searchsorted(high + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -766,38 +780,48 @@ def replay_dense(
 
 
 def replay_bounds(
-    replays: list[tuple[Route, torch.Tensor, bool]],
+    replays: list[tuple[Route, torch.Tensor, bool]], *, host: bool = True
 ) -> list[list[tuple[int, int] | None] | None]:
     """The covered slices of every partly covered segment of many replays, read at once.
 
     For each ``(route, indices, sorted_unique)``, per segment: the slice of the sorted indices
     it covers, or `None` where it covers the whole tensor (or the indices are unsorted). One
     host read per device for all of them; `replay` would otherwise read each on its own, a
-    device synchronisation each.
+    device synchronisation each. Indices on CPU are searched at once by numpy (`host`; False
+    sends them the accelerators' way, for tests).
     """
     searches: dict[torch.device, list[torch.Tensor]] = {}
-    wanted: list[list[tuple[torch.device, int] | None] | None] = []
+    # Per segment: None (whole tensor), the slice found on the host, or where to read it.
+    wanted: list[list[tuple[torch.device, int] | tuple[int, int] | None] | None] = []
     for route, indices, sorted_unique in replays:
         if not sorted_unique:
             wanted.append(None)
             continue
         last = route._numel - 1
-        slots: list[tuple[torch.device, int] | None] = []
+        slots: list[tuple[torch.device, int] | tuple[int, int] | None] = []
         for segment in route.segments:
             if segment._span == (0, last):
                 slots.append(None)
-                continue
-            found = searches.setdefault(indices.device, [])
-            slots.append((indices.device, len(found)))
-            found.append(segment.search(indices))
+            elif host and indices.device.type == "cpu":  # nothing to synchronise: search now
+                slots.append(_host_covered(indices, segment._span))
+            else:
+                found = searches.setdefault(indices.device, [])
+                slots.append((indices.device, len(found)))
+                found.append(segment.search(indices))
         wanted.append(slots)
     read = {device: torch.stack(found).tolist() for device, found in searches.items()}
-    return [
-        None
-        if slots is None
-        else [None if slot is None else _pair(read[slot[0]][slot[1]]) for slot in slots]
-        for slots in wanted
-    ]
+    return [None if slots is None else [_slice(slot, read) for slot in slots] for slots in wanted]
+
+
+def _slice(
+    slot: tuple[torch.device, int] | tuple[int, int] | None, read: dict[torch.device, Any]
+) -> tuple[int, int] | None:
+    if slot is None:
+        return None
+    first, second = slot
+    if isinstance(first, torch.device):  # read from the device with the others
+        return _pair(read[first][second])
+    return first, second
 
 
 def _pair(values: list[int]) -> tuple[int, int]:

@@ -47,7 +47,13 @@ from patchctx._errors import (
     PatchProblem,
 )
 from patchctx._guard import _CONSTANT, _PURE_WRITES, _RESHAPING
-from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
+from patchctx._model import (
+    SupportsLoadWeights,
+    as_module,
+    check_model,
+    model_tensors,
+    read_names,
+)
 from patchctx._recording import Recorder
 from patchctx._report import status_counts, status_table
 from patchctx._routes import Route
@@ -621,11 +627,13 @@ def _dry_run(
             (name, DryTensor(data, Provenance(frozenset({name}), ledger, Root(data)), device))
         )
         ledger.recorder.expect(name)
-    loaded: object = None
+    reported: set[str] = set()
     regions = _swap.suspend()
     try:
         with _DryGuard(ledger):
-            loaded = module.load_weights(weights)  # type: ignore[operator]
+            # Read to the end here, under the guard and before `weights` is cleared: a
+            # generator's body runs only now.
+            reported = read_names(module.load_weights(weights))  # type: ignore[operator]
     except _Stop:
         pass
     except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
@@ -658,10 +666,6 @@ def _dry_run(
     if ledger.stopped is not None:
         verdicts = {name: ledger.settled.get(name, ledger.stopped) for name in names}
         return _Outcome({}, verdicts, ledger.stopped)
-    try:
-        reported = set() if loaded is None else set(loaded)  # type: ignore[call-overload]
-    except TypeError:
-        reported = set()
     routes = ledger.recorder.routes(
         {name: (shape, dtype) for name, shape, dtype in specs},
         other_writes=[write.how for write in ledger.other_writes()],

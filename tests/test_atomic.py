@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -323,4 +323,77 @@ def test_a_failure_after_a_large_replay_restores_every_old_value(
     with pytest.raises(RuntimeError, match="second weight"):
         load_checkpoint_weight_patches(model, [patch_a2, patch_b], routes=routes, atomic=True)
     assert routes.stats.replayed == 1
+    assert_same_state(state(model), before)
+
+
+# ------------------------------------------------------------- loaders written as generators
+
+
+class Lazy(nn.Module):
+    """A [4, 6] weight and a load counter, loaded by a ``load_weights`` that is a generator.
+
+    Its body runs only when the names it yields are read: patchctx must read them inside the
+    load, where the loader's writes are guarded and logged.
+    """
+
+    def __init__(self, *, count: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(24.0).view(4, 6), requires_grad=False)
+        self.loads: torch.Tensor
+        self.register_buffer("loads", torch.zeros((), dtype=torch.int64))
+        self.count = count
+        self.fail = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[str]:
+        for name, tensor in weights:
+            if self.count:
+                self.loads.add_(1)  # the loader's own bookkeeping: a plain write
+            self.weight.data.copy_(tensor)
+            if self.fail:
+                raise RuntimeError("the generator fails after writing")
+            yield name
+
+
+def _lazy_patch(kind: str, seed: int) -> CheckpointWeightPatch:
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "dense":
+        return CheckpointWeightPatch(
+            "w", (4, 6), torch.float32, torch.randn(24, generator=generator)
+        )
+    indices = torch.randperm(24, generator=generator)[:5].sort().values
+    return CheckpointWeightPatch(
+        "w", (4, 6), torch.float32, torch.randn(5, generator=generator), indices
+    )
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("routes", [False, True])
+def test_a_generator_loader_runs_inside_the_load_and_gives_the_dense_truth(
+    kind: str, atomic: bool, routes: bool
+) -> None:
+    model, truth = Lazy(), Lazy()
+    cache = RouteCache() if routes else None
+    checkpoint = truth.weight.detach().clone().view(-1)
+    for seed in (1, 2):
+        patch = _lazy_patch(kind, seed)
+        if patch.indices is None:
+            checkpoint = patch.values.clone()
+        else:
+            checkpoint[patch.indices] = patch.values
+        with torch.no_grad():
+            assert list(truth.load_weights([("w", checkpoint.view(4, 6).clone())])) == ["w"]
+        loaded = load_checkpoint_weight_patches(model, [patch], atomic=atomic, routes=cache)
+        assert loaded == {"w"}
+        assert_same_state(state(model), state(truth))
+    assert model.loads.item() == 2  # the body ran once per call, inside it
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_a_generator_loader_that_raises_part_way_leaves_nothing_with_atomic(kind: str) -> None:
+    model = Lazy()
+    model.fail = True
+    before = state(model)
+    with pytest.raises(RuntimeError, match="the generator fails after writing"):
+        load_checkpoint_weight_patches(model, [_lazy_patch(kind, 3)], atomic=True)
     assert_same_state(state(model), before)

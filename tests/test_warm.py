@@ -518,3 +518,25 @@ def test_a_generator_loader_is_learnt_from_its_body_and_replays_the_dense_truth(
     assert load_checkpoint_weight_patches(model, [patch], routes=routes) == {"w"}
     assert routes.stats.loader_calls == 0 and routes.stats.replayed == 1
     assert same_bits(model.weight, truth.weight)
+
+
+def test_a_name_the_loader_copies_nothing_of_is_deferred_not_learnt() -> None:
+    model, routes, row = _warm_one(lambda m, name, w: None, "elsewhere")
+    assert row.status == "deferred", row
+    assert "copied nothing" in row.reason
+    assert "elsewhere" not in routes
+    # A route recorded before, when the loader still copied it, is dropped.
+    model.load = lambda m, name, w: m.weight.data.copy_(w)
+    load_checkpoint_weight_patches(model, [_point("elsewhere", [3])], routes=routes)
+    assert "elsewhere" in routes
+    model.load = lambda m, name, w: None
+    (row,) = routes.warm(model, [("elsewhere", (4, 6), torch.float32)]).rows
+    assert row.status == "deferred" and "elsewhere" not in routes
+    # The first patch goes through the loader, which records that it writes nothing here.
+    before = state(model)
+    patch = _point("elsewhere", [3])
+    load_checkpoint_weight_patches(model, [patch], routes=routes)
+    assert routes.stats.loader_calls == 2 and model.calls == 4
+    assert_same_state(state(model), before)
+    route = routes._route("elsewhere")
+    assert route is not None and route.segments == ()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from torch import nn
 from patchctx import (
     CheckpointWeightPatch,
     LoaderContractError,
+    PatchError,
     PerTensor,
     RouteCache,
     SingleCall,
@@ -396,4 +397,117 @@ def test_a_generator_loader_that_raises_part_way_leaves_nothing_with_atomic(kind
     before = state(model)
     with pytest.raises(RuntimeError, match="the generator fails after writing"):
         load_checkpoint_weight_patches(model, [_lazy_patch(kind, 3)], atomic=True)
+    assert_same_state(state(model), before)
+
+
+# ----------------------------------------------------------- every slot of the model put back
+
+
+class Slots(nn.Module):
+    """Slots a rollback must put back exactly: ``None`` ones, persistence, requires_grad."""
+
+    def __init__(self, change: Callable[[Slots], object]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4, bias=False)  # _parameters["bias"] is None
+        self.lin.weight.requires_grad_(False)
+        self.running: torch.Tensor | None
+        self.register_buffer("running", None)
+        self.kept: torch.Tensor
+        self.register_buffer("kept", torch.zeros(4))
+        self.scratch: torch.Tensor
+        self.register_buffer("scratch", torch.zeros(4), persistent=False)
+        self.change = change
+        self.fail = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.lin.weight.data.copy_(tensor)
+            self.change(self)
+            if self.fail:
+                raise RuntimeError("the loader fails after changing a slot")
+        return {"lin.weight"}
+
+
+def _shadow(model: Slots) -> None:
+    del model.lin.weight
+    model.lin.weight = torch.zeros(4, 6)  # not a Parameter: a plain attribute now
+
+
+SLOT_CHANGES: dict[str, Callable[[Slots], object]] = {
+    "none-parameter-filled": lambda m: setattr(
+        m.lin, "bias", nn.Parameter(torch.zeros(4), requires_grad=False)
+    ),
+    "none-buffer-filled": lambda m: setattr(m, "running", torch.zeros(4)),
+    "buffer-made-non-persistent": lambda m: m.register_buffer("kept", m.kept, persistent=False),
+    "buffer-made-persistent": lambda m: m.register_buffer("scratch", m.scratch),
+    "parameter-moved-to-the-buffers": lambda m: m.lin._buffers.update(
+        weight=m.lin._parameters.pop("weight")
+    ),
+    "requires_grad-flipped": lambda m: m.lin.weight.requires_grad_(True),
+    "parameter-replaced": lambda m: setattr(
+        m.lin, "weight", nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+    ),
+    "parameter-shadowed-by-a-plain-attribute": _shadow,
+}
+
+
+class _Same:
+    """An object compared by identity (a tensor's ``==`` compares values)."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __repr__(self) -> str:
+        return f"{type(self.value).__name__} at {id(self.value):#x}"
+
+
+def _slots(model: nn.Module) -> list[tuple[object, ...]]:
+    """Every slot of every module in order: its kind, name, object, what the attribute reads,
+    persistence and requires_grad."""
+    found: list[tuple[object, ...]] = []
+    for prefix, module in model.named_modules():
+        kinds = (module._parameters, module._buffers, module._modules)
+        for kind, slots in zip(("parameter", "buffer", "module"), kinds, strict=True):
+            for name, value in slots.items():
+                found.append(
+                    (
+                        prefix,
+                        kind,
+                        name,
+                        _Same(value),
+                        _Same(getattr(module, name)),
+                        name in module._non_persistent_buffers_set,
+                        getattr(value, "requires_grad", None),
+                    )
+                )
+    return found
+
+
+@pytest.mark.parametrize(
+    ("kind", "atomic", "fail"),
+    [
+        ("sparse", False, False),
+        ("dense", True, False),
+        ("dense", True, True),
+        ("sparse", True, True),
+    ],
+)
+@pytest.mark.parametrize("change", SLOT_CHANGES)
+def test_a_refused_or_failed_load_puts_back_every_slot_exactly(
+    change: str, kind: str, atomic: bool, fail: bool
+) -> None:
+    model = Slots(SLOT_CHANGES[change])
+    model.fail = fail
+    slots, before = _slots(model), state(model)
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(24 if kind == "dense" else 3, generator=generator)
+    indices = None if kind == "dense" else torch.tensor([1, 7, 20])
+    patch = CheckpointWeightPatch("lin.weight", (4, 6), torch.float32, values, indices)
+    error = PatchError if not fail else RuntimeError
+    with pytest.raises(error):
+        load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+    assert _slots(model) == slots
     assert_same_state(state(model), before)

@@ -9,7 +9,7 @@ import torch
 
 from patchctx._errors import InvalidPatchTypeError, PatchProblem
 
-__all__ = ["SupportsLoadWeights", "as_module", "check_model", "model_tensors"]
+__all__ = ["SupportsLoadWeights", "as_module", "check_model", "model_tensors", "read_names"]
 
 
 @runtime_checkable
@@ -22,7 +22,9 @@ class SupportsLoadWeights(Protocol):
 
     - ``load_weights(weights)`` takes a list of ``(checkpoint name, tensor)`` pairs and writes
       each tensor into the model's parameters, mapping checkpoint coordinates to runtime ones;
-      it returns the names it loaded, or `None`. patchctx calls it once per chunk of patches.
+      it returns the names it loaded (any iterable of them, a generator included: patchctx
+      reads it to the end inside the load), or `None`. patchctx calls it once per chunk of
+      patches.
     - ``named_parameters()`` yields ``(qualified name, tensor)`` for every tensor the loader may
       write. patchctx guards exactly these (masked writes, refusals, routes, undo): a write of
       sparse staged data into any other lasting tensor is refused. An object that also has
@@ -94,6 +96,37 @@ def check_model(model: object, where: str) -> None:
                 )
             ]
         )
+
+
+def read_names(loaded: Iterable[str] | None) -> set[str]:
+    """The names one ``load_weights`` call returned, read to the end now.
+
+    A loader written as a generator, or returning any other lazy iterable (``map``, an
+    iterator, an object whose ``__iter__`` does the work), runs its body only while its result
+    is read. So every caller reads the result here, where the loader call itself runs (inside
+    the guard, before the staged data is dropped), never later. An iterator left unfinished by
+    an error is closed here too, so that its ``finally`` blocks run where the loader ran.
+
+    Args:
+        loaded: What ``load_weights`` returned; `None` counts as no names.
+
+    Returns:
+        The names, as a set.
+
+    Raises:
+        TypeError: `loaded` is not iterable, or holds an unhashable item.
+        BaseException: Whatever the loader's body raised while it was read.
+    """
+    if loaded is None:
+        return set()
+    iterator = iter(loaded)
+    try:
+        return set(iterator)
+    except BaseException:
+        close = getattr(iterator, "close", None)
+        if callable(close):  # a generator suspended at the item that failed
+            close()
+        raise
 
 
 def model_tensors(model: SupportsLoadWeights) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from patchctx import _swap
 from patchctx._errors import LoaderContractError
 from patchctx._guard import Guard
+from patchctx._model import read_names
 from patchctx._recording import Recorder
 from patchctx._routes import Route, Segment
 from patchctx._snapshot import Snapshot
@@ -166,14 +167,14 @@ def run_loader(
         try:
             call.enter()
             try:
-                loaded = model.load_weights(weights)
+                # Read to the end here, under the guard: a generator's body runs only now.
+                names = read_names(model.load_weights(weights))
             except BaseException:
                 call.leave()
                 raise
             call.leave()
         finally:
             call.leave()  # every cleanup runs twice, at different lines (module doc)
-        names = set() if loaded is None else set(loaded)
         if call.ledger.refusals:
             first = call.ledger.refusals[0]
             raise type(first)(

@@ -3,10 +3,13 @@
 After the call (successful or not) the structure is compared with the snapshot. A parameter,
 buffer or submodule that was replaced (``module.norm = nn.LayerNorm(...)``), deleted, rebound
 (``param.data = w``), reshaped (``as_strided_``, ``t_``) or added (a new ``nn.Parameter``,
-``register_buffer``, a new submodule) is put back as it was, and the load is refused: patch
-loads write values in place and nothing else. A storage whose
-size changed (``untyped_storage().resize_()``) cannot be put back with its contents; that is
-reported as such.
+``register_buffer``, a new submodule, a slot registered as ``None`` filled, as
+``nn.Linear(bias=False)``'s bias) is put back as it was, and the load is refused: patch
+loads write values in place and nothing else. So is every other part of a slot: whether it
+holds a parameter or a buffer, a buffer's persistence (``state_dict``), ``requires_grad``, an
+instance attribute that shadows it (``del m.w; m.w = tensor``), and the order of the slots
+(put back silently). A storage whose size changed (``untyped_storage().resize_()``) cannot be
+put back with its contents; that is reported as such.
 """
 
 from __future__ import annotations
@@ -44,6 +47,41 @@ class _Entry:
     data: torch.Tensor  # an alias of the original storage and layout, to put it back
     layout: tuple[Any, ...]
     is_parameter: bool
+    requires_grad: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Empty:
+    """A parameter or buffer slot registered as ``None``."""
+
+    module: torch.nn.Module
+    attr: str
+    name: str
+    is_parameter: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Slots:
+    """One module's slots: their names in order, persistence, and attributes that shadow them."""
+
+    module: torch.nn.Module
+    prefix: str
+    order: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]  # parameters, buffers, modules
+    members: frozenset[str]
+    non_persistent: frozenset[str]
+    unshadowed: tuple[str, ...]  # the slot names not also in the instance dict (all, normally)
+
+    def qualified(self, attr: str) -> str:
+        return f"{self.prefix}.{attr}" if self.prefix else attr
+
+
+def _dicts(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    return module._parameters, module._buffers, module._modules
+
+
+def _non_persistent(module: torch.nn.Module) -> set[str]:
+    found = module.__dict__.get("_non_persistent_buffers_set")
+    return found if isinstance(found, set) else set()
 
 
 def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -63,7 +101,8 @@ class Snapshot:
 
     def __init__(self, model: Any) -> None:
         self._entries: list[_Entry] = []
-        self._members: dict[int, tuple[torch.nn.Module, str, frozenset[str]]] = {}
+        self._empty: list[_Empty] = []
+        self._members: dict[int, _Slots] = {}
         # Each module's submodules by attribute, as objects: one replaced under its own name
         # (or deleted) leaves the set of names as it was.
         self._children: list[tuple[torch.nn.Module, str, str, torch.nn.Module | None]] = []
@@ -71,38 +110,50 @@ class Snapshot:
         for prefix, module in modules:
             if id(module) in self._members:
                 continue
-            members = frozenset([*module._parameters, *module._buffers, *module._modules])
-            self._members[id(module)] = (module, prefix, members)
+            order = tuple(tuple(slots) for slots in _dicts(module))
+            members = frozenset().union(*order)
+            slots = _Slots(
+                module,
+                prefix,
+                (order[0], order[1], order[2]),
+                members,
+                frozenset(_non_persistent(module)),
+                tuple(attr for attr in members if attr not in module.__dict__),
+            )
+            self._members[id(module)] = slots
             for attr, child in module._modules.items():
-                name = f"{prefix}.{attr}" if prefix else attr
-                self._children.append((module, attr, name, child))
+                self._children.append((module, attr, slots.qualified(attr), child))
             for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
-                if tensor is not None:
-                    name = f"{prefix}.{attr}" if prefix else attr
-                    self._entries.append(
-                        _Entry(
-                            module,
-                            attr,
-                            name,
-                            tensor,
-                            tensor.data,
-                            _layout(tensor),
-                            attr in module._parameters,
-                        )
+                is_parameter = attr in module._parameters
+                if tensor is None:
+                    self._empty.append(_Empty(module, attr, slots.qualified(attr), is_parameter))
+                    continue
+                self._entries.append(
+                    _Entry(
+                        module,
+                        attr,
+                        slots.qualified(attr),
+                        tensor,
+                        tensor.data,
+                        _layout(tensor),
+                        is_parameter,
+                        tensor.requires_grad,
                     )
+                )
 
     def restore(self) -> list[str]:
         """Put back what changed; return the qualified names that had changed (sorted)."""
         changed: set[str] = set()
         lost: set[str] = set()
-        for module, prefix, members in self._members.values():
+        for slots in self._members.values():
+            module = slots.module
             now = [*module._parameters, *module._buffers, *module._modules]
             for attr in now:
-                if attr not in members:
+                if attr not in slots.members:
                     module._parameters.pop(attr, None)
                     module._buffers.pop(attr, None)
                     module._modules.pop(attr, None)
-                    changed.add(f"{prefix}.{attr}" if prefix else attr)
+                    changed.add(slots.qualified(attr))
         for module, attr, name, child in self._children:
             if attr not in module._modules or module._modules[attr] is not child:
                 module._parameters.pop(attr, None)  # in case a tensor took its name
@@ -110,16 +161,10 @@ class Snapshot:
                 module._modules[attr] = child
                 changed.add(name)
         for entry in self._entries:
-            module, attr = entry.module, entry.attr
-            current = module._parameters.get(attr, module._buffers.get(attr))
-            if current is not entry.tensor:
-                module._parameters.pop(attr, None)
-                module._buffers.pop(attr, None)
-                module._modules.pop(attr, None)  # in case a submodule took its name
-                if entry.is_parameter:
-                    module._parameters[attr] = entry.tensor  # type: ignore[assignment]
-                else:
-                    module._buffers[attr] = entry.tensor
+            if _put(entry.module, entry.attr, entry.tensor, is_parameter=entry.is_parameter):
+                changed.add(entry.name)
+            if entry.tensor.requires_grad != entry.requires_grad:
+                entry.tensor.requires_grad_(entry.requires_grad)
                 changed.add(entry.name)
             if _layout(entry.tensor) != entry.layout:
                 old_pointer, old_nbytes = entry.layout[5], entry.layout[6]
@@ -132,6 +177,11 @@ class Snapshot:
                 with torch.no_grad():
                     entry.tensor.data = entry.data
                 changed.add(entry.name)
+        for empty in self._empty:
+            if _put(empty.module, empty.attr, None, is_parameter=empty.is_parameter):
+                changed.add(empty.name)
+        for slots in self._members.values():
+            changed.update(_restore_slots(slots))
         if lost:
             raise LoaderContractError(
                 f"the loader resized the storage of {', '.join(map(repr, sorted(lost)))} in "
@@ -139,3 +189,50 @@ class Snapshot:
                 "put back; reload these weights"
             )
         return sorted(changed)
+
+
+def _put(
+    module: torch.nn.Module, attr: str, value: torch.Tensor | None, *, is_parameter: bool
+) -> bool:
+    """Hold `value` in `module`'s parameter (or buffer) slot `attr`, and only there.
+
+    Returns:
+        Whether anything had to be put back.
+    """
+    home, other = (
+        (module._parameters, module._buffers)
+        if is_parameter
+        else (module._buffers, module._parameters)
+    )
+    if attr in home and home[attr] is value and attr not in other and attr not in module._modules:
+        return False
+    other.pop(attr, None)
+    module._modules.pop(attr, None)  # in case a submodule took its name
+    home[attr] = value  # type: ignore[assignment]
+    return True
+
+
+def _restore_slots(slots: _Slots) -> set[str]:
+    """Put back one module's buffer persistence, unshadow its slots, and restore their order.
+
+    Returns:
+        The qualified names that had changed (an order changed alone is not reported: it is
+        what putting a slot back does).
+    """
+    module = slots.module
+    changed: set[str] = set()
+    non_persistent = module.__dict__.get("_non_persistent_buffers_set")
+    if isinstance(non_persistent, set) and non_persistent != slots.non_persistent:
+        changed.update(map(slots.qualified, non_persistent ^ slots.non_persistent))
+        non_persistent.clear()
+        non_persistent.update(slots.non_persistent)
+    for attr in slots.unshadowed:
+        if attr in module.__dict__:  # `del m.w; m.w = tensor`: a plain attribute hides the slot
+            del module.__dict__[attr]
+            changed.add(slots.qualified(attr))
+    for now, order in zip(_dicts(module), slots.order, strict=True):
+        if tuple(now) != order and now.keys() == set(order):
+            held = dict(now)
+            now.clear()
+            now.update((attr, held[attr]) for attr in order)
+    return changed

@@ -22,8 +22,9 @@ writing could behave differently from a real load: it stops too.
 Every name ends up in one of three states: ``learned`` (a route, exactly the one the first
 sparse patch would record), ``unlearnable`` (the dry run saw the loader do something that
 rules a route out, so a patch load would not record one either) or ``deferred`` (the dry run
-could not follow the loader; nothing is learnt, and the first sparse patch records the route
-through the loader as before, when the loader allows one).
+could not follow the loader, or saw it copy nothing of the name; nothing is learnt, and the
+first sparse patch records the route through the loader as before, when the loader allows
+one).
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ from patchctx._errors import (
     PatchProblem,
 )
 from patchctx._guard import _CONSTANT, _PURE_WRITES, _RESHAPING
-from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
+from patchctx._model import (
+    SupportsLoadWeights,
+    as_module,
+    check_model,
+    model_tensors,
+    read_names,
+)
 from patchctx._recording import Recorder
 from patchctx._report import status_counts, status_table
 from patchctx._routes import Route
@@ -89,8 +96,9 @@ class WarmRow:
             replays in O(nnz)), ``"unlearnable"`` (the loader does something that rules a
             route out, such as a cast before ``copy_`` or an indexed write: sparse patches
             to it always go through the loader, or are refused; `audit` says which) or
-            ``"deferred"`` (a dry run cannot follow the loader for it; the first sparse patch
-            goes through the loader and records the route there, if there is one).
+            ``"deferred"`` (a dry run cannot follow the loader for it, or the loader copied
+            nothing of it; the first sparse patch goes through the loader and records the
+            route there, if there is one).
         reason: Why the name was not learnt; empty when it was.
 
     Examples:
@@ -598,6 +606,13 @@ def _kept(ledger: _DryLedger) -> set[str]:
     return kept
 
 
+_COPIED_NOTHING = (
+    "the loader copied nothing of it: a dry run does not learn that a name writes nothing "
+    "here (one another rank holds, or one the loader skips); its first sparse patch goes "
+    "through the loader"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class _Outcome:
     routes: dict[str, Route]
@@ -621,11 +636,13 @@ def _dry_run(
             (name, DryTensor(data, Provenance(frozenset({name}), ledger, Root(data)), device))
         )
         ledger.recorder.expect(name)
-    loaded: object = None
+    reported: set[str] = set()
     regions = _swap.suspend()
     try:
         with _DryGuard(ledger):
-            loaded = module.load_weights(weights)  # type: ignore[operator]
+            # Read to the end here, under the guard and before `weights` is cleared: a
+            # generator's body runs only now.
+            reported = read_names(module.load_weights(weights))  # type: ignore[operator]
     except _Stop:
         pass
     except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
@@ -658,10 +675,6 @@ def _dry_run(
     if ledger.stopped is not None:
         verdicts = {name: ledger.settled.get(name, ledger.stopped) for name in names}
         return _Outcome({}, verdicts, ledger.stopped)
-    try:
-        reported = set() if loaded is None else set(loaded)  # type: ignore[call-overload]
-    except TypeError:
-        reported = set()
     routes = ledger.recorder.routes(
         {name: (shape, dtype) for name, shape, dtype in specs},
         other_writes=[write.how for write in ledger.other_writes()],
@@ -673,6 +686,11 @@ def _dry_run(
         for name in names
         if name not in routes
     }
+    for name in [name for name, route in routes.items() if not route.segments]:
+        # Never learnt: a route of no segments replays every patch as a no-op, and only the
+        # real loader, handed the data, can show that this is what it does with the name.
+        del routes[name]
+        verdicts[name] = ("deferred", _COPIED_NOTHING)
     return _Outcome(routes, verdicts, None)
 
 
@@ -776,7 +794,7 @@ def warm(
             rows.append(WarmRow(name, "learned"))
             continue
         status, reason = verdict
-        if status == "unlearnable":
+        if status == "unlearnable" or reason == _COPIED_NOTHING:
             cache.invalidate(name)  # a route cached before is not what the loader does now
         rows.append(WarmRow(name, status, reason))
     return WarmReport(tuple(rows))

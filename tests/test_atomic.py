@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from torch import nn
 from patchctx import (
     CheckpointWeightPatch,
     LoaderContractError,
+    PatchError,
     PerTensor,
     RouteCache,
     SingleCall,
@@ -323,4 +324,190 @@ def test_a_failure_after_a_large_replay_restores_every_old_value(
     with pytest.raises(RuntimeError, match="second weight"):
         load_checkpoint_weight_patches(model, [patch_a2, patch_b], routes=routes, atomic=True)
     assert routes.stats.replayed == 1
+    assert_same_state(state(model), before)
+
+
+# ------------------------------------------------------------- loaders written as generators
+
+
+class Lazy(nn.Module):
+    """A [4, 6] weight and a load counter, loaded by a ``load_weights`` that is a generator.
+
+    Its body runs only when the names it yields are read: patchctx must read them inside the
+    load, where the loader's writes are guarded and logged.
+    """
+
+    def __init__(self, *, count: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(24.0).view(4, 6), requires_grad=False)
+        self.loads: torch.Tensor
+        self.register_buffer("loads", torch.zeros((), dtype=torch.int64))
+        self.count = count
+        self.fail = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[str]:
+        for name, tensor in weights:
+            if self.count:
+                self.loads.add_(1)  # the loader's own bookkeeping: a plain write
+            self.weight.data.copy_(tensor)
+            if self.fail:
+                raise RuntimeError("the generator fails after writing")
+            yield name
+
+
+def _lazy_patch(kind: str, seed: int) -> CheckpointWeightPatch:
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "dense":
+        return CheckpointWeightPatch(
+            "w", (4, 6), torch.float32, torch.randn(24, generator=generator)
+        )
+    indices = torch.randperm(24, generator=generator)[:5].sort().values
+    return CheckpointWeightPatch(
+        "w", (4, 6), torch.float32, torch.randn(5, generator=generator), indices
+    )
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("routes", [False, True])
+def test_a_generator_loader_runs_inside_the_load_and_gives_the_dense_truth(
+    kind: str, atomic: bool, routes: bool
+) -> None:
+    model, truth = Lazy(), Lazy()
+    cache = RouteCache() if routes else None
+    checkpoint = truth.weight.detach().clone().view(-1)
+    for seed in (1, 2):
+        patch = _lazy_patch(kind, seed)
+        if patch.indices is None:
+            checkpoint = patch.values.clone()
+        else:
+            checkpoint[patch.indices] = patch.values
+        with torch.no_grad():
+            assert list(truth.load_weights([("w", checkpoint.view(4, 6).clone())])) == ["w"]
+        loaded = load_checkpoint_weight_patches(model, [patch], atomic=atomic, routes=cache)
+        assert loaded == {"w"}
+        assert_same_state(state(model), state(truth))
+    assert model.loads.item() == 2  # the body ran once per call, inside it
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_a_generator_loader_that_raises_part_way_leaves_nothing_with_atomic(kind: str) -> None:
+    model = Lazy()
+    model.fail = True
+    before = state(model)
+    with pytest.raises(RuntimeError, match="the generator fails after writing"):
+        load_checkpoint_weight_patches(model, [_lazy_patch(kind, 3)], atomic=True)
+    assert_same_state(state(model), before)
+
+
+# ----------------------------------------------------------- every slot of the model put back
+
+
+class Slots(nn.Module):
+    """Slots a rollback must put back exactly: ``None`` ones, persistence, requires_grad."""
+
+    def __init__(self, change: Callable[[Slots], object]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4, bias=False)  # _parameters["bias"] is None
+        self.lin.weight.requires_grad_(False)
+        self.running: torch.Tensor | None
+        self.register_buffer("running", None)
+        self.kept: torch.Tensor
+        self.register_buffer("kept", torch.zeros(4))
+        self.scratch: torch.Tensor
+        self.register_buffer("scratch", torch.zeros(4), persistent=False)
+        self.change = change
+        self.fail = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.lin.weight.data.copy_(tensor)
+            self.change(self)
+            if self.fail:
+                raise RuntimeError("the loader fails after changing a slot")
+        return {"lin.weight"}
+
+
+def _shadow(model: Slots) -> None:
+    del model.lin.weight
+    model.lin.weight = torch.zeros(4, 6)  # not a Parameter: a plain attribute now
+
+
+SLOT_CHANGES: dict[str, Callable[[Slots], object]] = {
+    "none-parameter-filled": lambda m: setattr(
+        m.lin, "bias", nn.Parameter(torch.zeros(4), requires_grad=False)
+    ),
+    "none-buffer-filled": lambda m: setattr(m, "running", torch.zeros(4)),
+    "buffer-made-non-persistent": lambda m: m.register_buffer("kept", m.kept, persistent=False),
+    "buffer-made-persistent": lambda m: m.register_buffer("scratch", m.scratch),
+    "parameter-moved-to-the-buffers": lambda m: m.lin._buffers.update(
+        weight=m.lin._parameters.pop("weight")
+    ),
+    "requires_grad-flipped": lambda m: m.lin.weight.requires_grad_(True),
+    "parameter-replaced": lambda m: setattr(
+        m.lin, "weight", nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+    ),
+    "parameter-shadowed-by-a-plain-attribute": _shadow,
+}
+
+
+class _Same:
+    """An object compared by identity (a tensor's ``==`` compares values)."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __repr__(self) -> str:
+        return f"{type(self.value).__name__} at {id(self.value):#x}"
+
+
+def _slots(model: nn.Module) -> list[tuple[object, ...]]:
+    """Every slot of every module in order: its kind, name, object, what the attribute reads,
+    persistence and requires_grad."""
+    found: list[tuple[object, ...]] = []
+    for prefix, module in model.named_modules():
+        kinds = (module._parameters, module._buffers, module._modules)
+        for kind, slots in zip(("parameter", "buffer", "module"), kinds, strict=True):
+            for name, value in slots.items():
+                found.append(
+                    (
+                        prefix,
+                        kind,
+                        name,
+                        _Same(value),
+                        _Same(getattr(module, name)),
+                        name in module._non_persistent_buffers_set,
+                        getattr(value, "requires_grad", None),
+                    )
+                )
+    return found
+
+
+@pytest.mark.parametrize(
+    ("kind", "atomic", "fail"),
+    [
+        ("sparse", False, False),
+        ("dense", True, False),
+        ("dense", True, True),
+        ("sparse", True, True),
+    ],
+)
+@pytest.mark.parametrize("change", SLOT_CHANGES)
+def test_a_refused_or_failed_load_puts_back_every_slot_exactly(
+    change: str, kind: str, atomic: bool, fail: bool
+) -> None:
+    model = Slots(SLOT_CHANGES[change])
+    model.fail = fail
+    slots, before = _slots(model), state(model)
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(24 if kind == "dense" else 3, generator=generator)
+    indices = None if kind == "dense" else torch.tensor([1, 7, 20])
+    patch = CheckpointWeightPatch("lin.weight", (4, 6), torch.float32, values, indices)
+    error = PatchError if not fail else RuntimeError
+    with pytest.raises(error):
+        load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+    assert _slots(model) == slots
     assert_same_state(state(model), before)

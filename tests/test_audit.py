@@ -19,6 +19,7 @@ from tests.support.models import (
     random_checkpoint,
     state,
 )
+from tests.test_atomic import Lazy
 from tests.test_atomic import Model as WritePathModel
 from tests.test_guard import MASKED, REFUSED
 
@@ -146,3 +147,14 @@ def test_audit_takes_any_model_load_checkpoint_weight_patches_takes() -> None:
     (row,) = audit(Adapter(), [("w", (2, 3), torch.float32)]).rows
     assert row.status == "replayable"
     assert not weight.any()
+
+
+def test_a_generator_loader_is_audited_inside_the_load_and_changes_nothing() -> None:
+    spec = [("w", (4, 6), torch.float32)]
+    for count, status, reason in ((False, "replayable", ""), (True, "masked", "aten.add_")):
+        model = Lazy(count=count)
+        before = state(model)
+        (row,) = audit(model, spec).rows
+        assert row.status == status, row
+        assert reason in row.reason and "writes nothing" not in row.reason, row
+        assert_same_state(state(model), before)

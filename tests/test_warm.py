@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,7 @@ from tests.support.models import (
     packed_tp_model,
     random_checkpoint,
     random_tensor,
+    same_bits,
     state,
 )
 from tests.support.zoo import (
@@ -470,3 +471,72 @@ def test_warm_and_the_first_patch_after_it_allocate_nothing_checkpoint_sized() -
     assert cold["replayed"] == 0 and cold["first"] > 200 * mib, cold
     assert warm["replayed"] == 1, warm
     assert warm["warm"] < 8 * mib and warm["first"] < 8 * mib, warm
+
+
+def _point(name: str, indices: list[int], value: float = 5.0) -> CheckpointWeightPatch:
+    """A sparse patch of a [4, 6] float32 tensor setting `indices` to `value` and on."""
+    values = torch.arange(len(indices), dtype=torch.float32) + value
+    return CheckpointWeightPatch(name, (4, 6), torch.float32, values, torch.tensor(indices))
+
+
+class LazyLoader(nn.Module):
+    """`Loader`'s weight, loaded by a ``load_weights`` written as a generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(24.0).view(4, 6), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[str]:
+        for name, tensor in weights:
+            self.weight.data[1:].copy_(tensor[:3])  # a view: a route of one segment
+            yield name
+
+
+def test_a_generator_loader_is_learnt_from_its_body_and_replays_the_dense_truth() -> None:
+    model, routes = LazyLoader(), RouteCache()
+    before = state(model)
+    report = routes.warm(model, [("w", (4, 6), torch.float32)])
+    assert report.names("learned") == ["w"]
+    assert_same_state(state(model), before)
+    ours = routes._route("w")
+    assert ours is not None and len(ours.segments) == 1  # the body ran: one copy_ of a view
+    recorded = RouteCache()
+    load_checkpoint_weight_patches(LazyLoader(), [_point("w", [0])], routes=recorded)
+    theirs = recorded._route("w")
+    assert theirs is not None
+    assert [(s.source, s.target) for s in ours.segments] == [
+        (s.source, s.target) for s in theirs.segments
+    ]
+    patch = _point("w", [7, 8])
+    truth = LazyLoader()
+    checkpoint = torch.zeros(4, 6)
+    checkpoint[:3] = truth.weight[1:]  # the checkpoint the weights were loaded from
+    assert patch.indices is not None
+    checkpoint.view(-1)[patch.indices] = patch.values
+    with torch.no_grad():
+        assert list(truth.load_weights([("w", checkpoint)])) == ["w"]
+    assert load_checkpoint_weight_patches(model, [patch], routes=routes) == {"w"}
+    assert routes.stats.loader_calls == 0 and routes.stats.replayed == 1
+    assert same_bits(model.weight, truth.weight)
+
+
+def test_a_name_the_loader_copies_nothing_of_is_deferred_not_learnt() -> None:
+    model, routes, row = _warm_one(lambda m, name, w: None, "elsewhere")
+    assert row.status == "deferred", row
+    assert "copied nothing" in row.reason
+    assert "elsewhere" not in routes
+    # A route recorded before, when the loader still copied it, is dropped.
+    model.load = lambda m, name, w: m.weight.data.copy_(w)
+    load_checkpoint_weight_patches(model, [_point("elsewhere", [3])], routes=routes)
+    assert "elsewhere" in routes
+    model.load = lambda m, name, w: None
+    (row,) = routes.warm(model, [("elsewhere", (4, 6), torch.float32)]).rows
+    assert row.status == "deferred" and "elsewhere" not in routes
+    # The first patch goes through the loader, which records that it writes nothing here.
+    before = state(model)
+    patch = _point("elsewhere", [3])
+    load_checkpoint_weight_patches(model, [patch], routes=routes)
+    assert routes.stats.loader_calls == 2 and model.calls == 4
+    assert_same_state(state(model), before)
+    route = routes._route("elsewhere")
+    assert route is not None and route.segments == ()

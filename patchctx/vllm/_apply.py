@@ -29,8 +29,8 @@ from patchctx import (
     load_checkpoint_weight_patches,
     validate_patches,
 )
-from patchctx._errors import WeightVersionError
-from patchctx._model import SupportsLoadWeights  # public as patchctx.vllm.WeightVersionError
+from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
+from patchctx._model import SupportsLoadWeights, read_names
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._transformed import refusing_transformed, transformed_weights
 
@@ -279,12 +279,14 @@ class WorkerPatcher:
             (aliases.get(p.name, p.name), p.values.reshape(p.shape).to(p.dtype)) for p in patches
         ]
         try:
-            loaded = model.load_weights(weights)  # type: ignore[operator]
+            # A generator loader runs while its names are read: inside this try, so that a
+            # failure part way leaves the version unknown.
+            loaded = read_names(model.load_weights(weights))  # type: ignore[operator]
         except BaseException:
             self.version = UNKNOWN  # vLLM may hold part of it for finalization
             raise
         self.version = target_version
-        return _in_layerwise_reload_stats(patches, set(loaded or ()), target_version, started)
+        return _in_layerwise_reload_stats(patches, loaded, target_version, started)
 
     def check(self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]) -> None:
         """Every check `apply` makes before its first write (`InvalidPatchError` if one fails).

@@ -32,6 +32,7 @@ from patchctx import (
     PatchError,
 )
 from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
+from patchctx._model import read_names
 from patchctx.vllm._apply import WorkerPatcher
 from patchctx.vllm._codec import PatchPayload, decode_payload
 from patchctx.vllm._transport import (
@@ -311,10 +312,10 @@ def compare_apply(
 
             with set_current_vllm_config(vllm_config):
                 initialize_layerwise_reload(model)
-                model.load_weights(weights)  # type: ignore[operator]
+                read_names(model.load_weights(weights))  # type: ignore[operator]
                 finalize_layerwise_reload(model, vllm_config.model_config)
         else:
-            model.load_weights(weights)  # type: ignore[operator]
+            read_names(model.load_weights(weights))  # type: ignore[operator]  # runs a generator
     return {"milliseconds": (time.perf_counter() - started) * 1000.0, "patches": len(patches)}
 
 

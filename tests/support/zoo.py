@@ -59,7 +59,11 @@ class Norm(nn.Module):
 
 
 class ZooLayer(nn.Module):
-    """A [4, 6] weight with neighbours: a tied head, a packed [2, 6], a scale buffer, a scalar."""
+    """A [4, 6] weight with neighbours: a tied head, a packed [2, 6], a scale buffer, a scalar.
+
+    It also has a parameter slot and a buffer slot registered as ``None`` (``bias``,
+    ``running``), as ``nn.Linear(bias=False)`` and ``BatchNorm(track_running_stats=False)`` do.
+    """
 
     def __init__(self, write: Write, dtype: torch.dtype, seed: int = 0) -> None:
         super().__init__()
@@ -70,6 +74,10 @@ class ZooLayer(nn.Module):
         self.scale: torch.Tensor
         self.register_buffer("scale", torch.ones(4))
         self.norm = Norm(dtype, seed + 4)  # a submodule, never patched
+        self.bias: nn.Parameter | None
+        self.register_parameter("bias", None)
+        self.running: torch.Tensor | None
+        self.register_buffer("running", None)
         self.write = write
         self.cache: list[torch.Tensor] = []
 
@@ -556,6 +564,14 @@ entry("new-parameter", "refused", "`module.extra = nn.Parameter(w)`")(
 )
 entry("new-buffer", "refused", "`module.register_buffer('extra', w.clone())`")(
     lambda m, w: m.register_buffer("extra", w.clone())
+)
+entry(
+    "none-parameter-slot-filled",
+    "refused",
+    "`module.bias = nn.Parameter(w.clone())`, `bias` was `None`",
+)(lambda m, w: setattr(m, "bias", nn.Parameter(w.clone(), requires_grad=False)))
+entry("none-buffer-slot-filled", "refused", "`module.running = w.clone()`, the buffer was `None`")(
+    lambda m, w: setattr(m, "running", w.clone())
 )
 
 

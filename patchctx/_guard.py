@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from patchctx._errors import LoaderContractError
 from patchctx._staged import StagedTensor, _tensors, written_arguments
-from patchctx._writes import WriteLedger
+from patchctx._writes import Constant, WriteLedger
 
-__all__ = ["Guard"]
+__all__ = ["Guard", "constant_of"]
 
 aten = torch.ops.aten
 
@@ -40,9 +40,19 @@ _RESHAPING = frozenset(
         aten._resize_output_,
     }
 )
-_CONSTANT = frozenset({aten.fill_.Scalar, aten.zero_.default})
 # In-place operations that do not read the values they overwrite.
 _PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
+
+
+def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant | None:
+    """The value `func` fills its target with when it is a constant fill, else `None`."""
+    if func is aten.zero_.default:
+        return 0
+    if func is aten.fill_.Scalar and len(args) > 1:
+        value = args[1]
+        if isinstance(value, (bool, int, float, complex)):
+            return value
+    return None
 
 
 class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -97,7 +107,7 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if torch.Tag.out in func.tags:
             return self._out(func, args, kwargs, model_targets)
         for target in model_targets:
-            ledger.plain_write(target, str(func), constant=func in _CONSTANT)
+            ledger.plain_write(target, str(func), constant=constant_of(func, args))
         return func(*args, **kwargs)
 
     def _out(
@@ -129,6 +139,6 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 f"{owner.name if owner else 'a weight'!r} of shape {tuple(target.shape)}: it "
                 "would be resized (reallocated); nothing was written"
             )
-        self.ledger.plain_write(target, str(func), constant=False)
+        self.ledger.plain_write(target, str(func), constant=None)
         target.copy_(fresh)
         return target if isinstance(result, torch.Tensor) else result

@@ -21,6 +21,7 @@ from patchctx._routes import Route, RouteCache, replay, replay_bounds, replay_de
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
+from patchctx._warm import learn_alone
 
 __all__ = ["load_checkpoint_weight_patches"]
 
@@ -316,6 +317,11 @@ class _Loader:
         for load in loads:
             old = self.verifying.pop(load.name, None)
             new = result.routes.get(load.name)
+            if new is None and load.name in result.alone:
+                # Kept from a route only by the call's constant fills: whose they are shows
+                # in a dry run of the name alone (no write, nothing staged).
+                spec = (load.name, load.shape, load.dtype)
+                new = learn_alone(self.module, self.index, spec, result.segments[load.name])
             if old is not None:
                 self.routes._verified(load.name, old, new)
             if new is not None:

@@ -3,9 +3,15 @@
 A name is replayable only when replaying it does exactly what the loader did: every write of
 its staged data was a ``copy_`` of a one-to-one view of the staged tensor into a model tensor,
 made in the loader's thread; the call wrote nothing else that replay would skip (the loader's
-own writes are allowed only as constant fills outside the name's bytes); nothing read a weight
-back after the name's data reached it (a tied copy); no other name wrote the same bytes; and
-nothing read its values out of torch or changed the staged tensor itself.
+own writes are allowed only as constant fills outside the name's bytes, which the route
+records and replay makes again); nothing read a weight back after the name's data reached it
+(a tied copy); no other name wrote the same bytes; and nothing read its values out of torch or
+changed the staged tensor itself.
+
+A constant fill belongs to the name being loaded, but only a call that loads that name alone
+shows which name that is (a loader may take every tensor before writing any). So a call of
+several names that also filled something proves no route: its names are left for a call of
+their own (`Recorder.alone`), which a dry run makes cheaply (`patchctx._warm`).
 """
 
 from __future__ import annotations
@@ -19,10 +25,16 @@ import torch
 from patchctx._routes import Geometry, Route, Segment
 
 if TYPE_CHECKING:
+    from patchctx._routes import Fill
     from patchctx._staged import StagedTensor
     from patchctx._writes import Span
 
-__all__ = ["Recorder"]
+__all__ = ["LOADED_WITH_OTHERS", "Recorder"]
+
+LOADED_WITH_OTHERS = (
+    "the loader also made constant fills, in a call of several names: a route repeats the fills "
+    "of its own name, and which name a fill is for shows only in a call of that name alone"
+)
 
 
 @dataclass
@@ -32,6 +44,8 @@ class Recorder:
     segments: dict[str, list[Segment]] = field(default_factory=dict)
     spans: dict[str, list[Span]] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
+    # Names whose only obstacle was sharing a call with other names and constant fills.
+    alone: set[str] = field(default_factory=set)
 
     def expect(self, name: str) -> None:
         """`name` is a sparse name of this call (so "writes nothing" is a finding too)."""
@@ -93,10 +107,19 @@ class Recorder:
         shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
         *,
         other_writes: list[str],
-        constant_spans: list[Span],
+        constants: list[tuple[Span, Fill]],
+        loading: frozenset[str],
         reported: set[str],
     ) -> dict[str, Route]:
-        """The routes this call proves (after it succeeded)."""
+        """The routes this call proves (after it succeeded).
+
+        Args:
+            shapes: The checkpoint shape and dtype of every sparse name of the call.
+            other_writes: The loader's own writes that are not constant fills.
+            constants: The loader's constant fills, in order, with the bytes each wrote.
+            loading: Every checkpoint name of the call.
+            reported: The names the loader returned.
+        """
         if other_writes:
             self.unprovable(
                 self.segments,
@@ -104,16 +127,21 @@ class Recorder:
                 "would skip",
             )
         for name, spans in self.spans.items():
-            if any(s.overlaps(c) for s in spans for c in constant_spans):
+            if any(s.overlaps(c) for s in spans for c, _ in constants):
                 self.unprovable([name], "the loader fills part of its bytes with a constant")
             for other, other_spans in self.spans.items():
                 if other != name and any(s.overlaps(o) for s in spans for o in other_spans):
                     self.unprovable([name, other], "two names write the same bytes")
+        if constants and len(loading) > 1:
+            self.alone |= {name for name in self.segments if name not in self.reasons}
+            self.unprovable(self.segments, LOADED_WITH_OTHERS)
+        fills = tuple(fill for _, fill in constants)
         routes = {}
         for name, segments in self.segments.items():
             if name in self.reasons or name not in shapes:
                 continue
             targets = {segment.tensor_name for segment in segments}
+            targets |= {fill.tensor_name for fill in fills}
             names = frozenset(n for n in reported if n in targets or n == name)
-            routes[name] = Route(name, *shapes[name], tuple(segments), names)
+            routes[name] = Route(name, *shapes[name], tuple(segments), names, fills)
         return routes

@@ -4,10 +4,11 @@ While a sparse patch goes through the loader, every copy of its staged tensor in
 is seen by the load session. When the copy's source is a *view* of the staged tensor, its
 offset and strides and the destination's offset and strides give an affine map from checkpoint
 flat index to storage position: a `Segment`. A name whose every write was such a copy, with
-nothing else touching those positions, gets a `Route` (its segments, in order). Later sparse
+nothing else touching those positions, gets a `Route` (its segments, in order, and the
+constant fills the loader made of other bytes while loading it, each a `Fill`). Later sparse
 patches to that name skip the loader: `replay` finds which indices each segment covers (binary
 search when the indices are sorted), maps them, and writes the values with ``index_copy_``, in
-place, in O(nnz).
+place, in O(nnz); then it makes the fills again, as the loader would.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from patchctx._warm import WarmReport
 
 __all__ = [
+    "Fill",
     "Geometry",
     "LiveTensors",
     "Route",
@@ -253,11 +255,75 @@ def _host_covered(indices: torch.Tensor, span: tuple[int, int]) -> tuple[int, in
 
 
 @dataclass(frozen=True, slots=True)
+class Fill:
+    """One constant fill the loader made of model bytes outside the name's own (a padding).
+
+    Replay repeats it: the loader makes it every time it loads the name, and whatever wrote
+    those bytes since (another name, the model itself) is overwritten by the loader path too.
+
+    Attributes:
+        target: The filled view of the destination storage, in elements of `view_dtype`.
+        view_dtype: The dtype the loader viewed the storage in (a byte view, say).
+        value: The constant (``zero_`` fills 0).
+        tensor_name: Fully qualified name of the parameter or buffer owning that storage.
+        storage_ptr: The storage's data pointer when recorded (checked before replay).
+        dtype: The owning tensor's dtype.
+        layout: The owning tensor's own sizes, strides and offset when recorded.
+    """
+
+    target: Geometry
+    view_dtype: torch.dtype
+    value: bool | int | float | complex = field(compare=False)
+    tensor_name: str
+    storage_ptr: int
+    dtype: torch.dtype
+    layout: Geometry
+    # The constant as compared: its type and repr, so -0.0 is not 0.0 and NaN equals NaN.
+    _constant: tuple[str, str] = field(init=False, repr=False)
+    _data_ptr: int = field(init=False, repr=False, compare=False)
+    _needs: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        value = self.value
+        object.__setattr__(self, "_constant", (type(value).__name__, repr(value)))
+        object.__setattr__(
+            self, "_data_ptr", self.storage_ptr + self.layout.offset * self.dtype.itemsize
+        )
+        object.__setattr__(self, "_needs", (self.target.span()[1] + 1) * self.view_dtype.itemsize)
+
+    def live(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is still the storage and layout this fill was recorded on."""
+        layout = self.layout
+        return (
+            tensor.data_ptr() == self._data_ptr
+            and tensor.dtype == self.dtype
+            and tensor.storage_offset() == layout.offset
+            and tensor.stride() == layout.stride
+            and tensor.shape == layout.size
+            and self._needs <= tensor.untyped_storage().nbytes()
+        )
+
+    def apply(self, tensor: torch.Tensor, undo: UndoLog | None = None) -> None:
+        """Make the fill again in `tensor`'s storage (`tensor`: the owner, checked live)."""
+        there = self.target
+        if self.view_dtype == tensor.dtype:
+            view = torch.as_strided(tensor, there.size, there.stride, there.offset)
+        else:  # a view in another dtype (bytes, say): the same storage, reinterpreted
+            view = torch.empty(0, dtype=self.view_dtype, device=tensor.device).set_(
+                tensor.untyped_storage(), there.offset, there.size, there.stride
+            )
+        if undo is not None:
+            undo.save_view(view)
+        view.fill_(self.value)
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     """How one checkpoint name reaches the model: its segments in the order they were copied.
 
     `reported` holds the names the loader returned for it when the route was recorded, so a
-    replay reports what the loader path would.
+    replay reports what the loader path would. `fills` are the constant fills the loader made
+    of other bytes while loading the name alone, in order: replay makes them again.
     """
 
     name: str
@@ -265,6 +331,7 @@ class Route:
     dtype: torch.dtype
     segments: tuple[Segment, ...]
     reported: frozenset[str] = frozenset()
+    fills: tuple[Fill, ...] = ()
     _numel: int = field(init=False, repr=False, compare=False)
     # One whole-tensor segment in the checkpoint dtype (see `Segment._whole`): replay writes
     # a patch's positions into the live tensor's ``view(-1)`` as they are.
@@ -277,6 +344,7 @@ class Route:
             self,
             "_whole",
             len(self.segments) == 1
+            and not self.fills
             and self.segments[0]._whole
             and self.segments[0].source.numel == numel
             and self.segments[0].dtype == self.dtype,
@@ -559,7 +627,7 @@ for a loader that copies views
     def _verified(self, name: str, old: Route, new: Route | None) -> None:
         """Compare a route the loader just recorded with the cached one."""
         self.stats.verified += 1
-        if new is None or new.segments != old.segments:
+        if new is None or new.segments != old.segments or new.fills != old.fills:
             self.stats.mismatched += 1
             self._mismatches.append(name)
 
@@ -572,7 +640,8 @@ for a loader that copies views
     ) -> tuple[Route, list[torch.Tensor]] | None:
         """The route of `name` if it matches the patch's tensor and every destination is live.
 
-        Returns it with each segment's destination tensor, as checked (what replay writes).
+        Returns it with each segment's destination tensor, then each fill's, as checked (what
+        replay writes).
         """
         route = self._routes.get(name)
         if route is None:
@@ -585,6 +654,13 @@ for a loader that copies views
         for segment in route.segments:
             tensor = tensors.get(segment.tensor_name)
             if tensor is None or not segment.live(tensor):
+                self.invalidate(name)
+                self.stats.invalidated += 1
+                return None
+            targets.append(tensor)
+        for fill in route.fills:
+            tensor = tensors.get(fill.tensor_name)
+            if tensor is None or not fill.live(tensor):
                 self.invalidate(name)
                 self.stats.invalidated += 1
                 return None
@@ -749,6 +825,14 @@ def replay(
             if undo is not None:
                 undo.save_positions(target, at)
             write_at(flat, at, update)
+    _refill(route, targets, undo)
+
+
+def _refill(route: Route, targets: Sequence[torch.Tensor], undo: UndoLog | None) -> None:
+    """Make the route's constant fills again, in order (`targets`: segments', then fills')."""
+    if route.fills:
+        for fill, target in zip(route.fills, targets[len(route.segments) :], strict=True):
+            fill.apply(target, undo)
 
 
 def replay_dense(
@@ -761,14 +845,15 @@ def replay_dense(
     """Write a dense patch along `route`: each segment's view of it into its destination view.
 
     What the loader would do with the full tensor (a route records only view copies, made
-    without reading values), without calling it: one strided ``copy_`` per segment, casting
-    as the loader path does (to the checkpoint dtype when staging, then by ``copy_``).
+    without reading values, and constant fills), without calling it: one strided ``copy_``
+    per segment, casting as the loader path does (to the checkpoint dtype when staging, then
+    by ``copy_``), then the fills.
     """
     # The segments' source geometry is that of the staged tensor: contiguous, from its start.
     # (as_strided takes an offset into the storage, so `values` may not start it: a view into
     # a received payload, say.)
     full = values.to(dtype=route.dtype).contiguous()
-    for segment, target in zip(route.segments, targets, strict=True):
+    for segment, target in zip(route.segments, targets[: len(route.segments)], strict=True):
         source = full if full.device == target.device else full.to(target.device)
         there = segment.target
         view = torch.as_strided(target, there.size, there.stride, there.offset)
@@ -777,6 +862,7 @@ def replay_dense(
         if undo is not None:
             undo.save_view(view)
         builtin_copy(view, torch.as_strided(source, here.size, here.stride, start))
+    _refill(route, targets, undo)
 
 
 def replay_bounds(

@@ -62,6 +62,9 @@ class LoadResult:
     routes: dict[str, Route]
     segments: Mapping[str, list[Segment]]
     unprovable: Mapping[str, str]
+    # Names that only sharing the call with other names and constant fills kept from a route:
+    # a call of their own would settle them (`patchctx._recording`).
+    alone: frozenset[str] = frozenset()
 
 
 def _tensor_for(load: Load, ledger: WriteLedger, *, atomic: bool) -> torch.Tensor:
@@ -206,7 +209,9 @@ def run_loader(
     routes = call.recorder.routes(
         shapes,
         other_writes=[write.how for write in call.ledger.other_writes()],
-        constant_spans=call.ledger.constant_spans(),
+        constants=call.ledger.constants(),
+        loading=call.ledger.loading,
         reported=names,
     )
-    return LoadResult(names, routes, call.recorder.segments, call.recorder.reasons)
+    recorder = call.recorder
+    return LoadResult(names, routes, recorder.segments, recorder.reasons, frozenset(recorder.alone))

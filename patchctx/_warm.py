@@ -16,8 +16,10 @@ It follows the loader only as far as a dry run can follow it exactly:
   dry run cannot mirror exactly stops the run.
 
 The loader's own plain writes into the model (a constant fill of padding, say) are checked
-and logged as a patch load logs them, then skipped. A run that reads back bytes it skipped
-writing could behave differently from a real load: it stops too.
+and logged as a patch load logs them, then skipped (a constant fill goes into the route, which
+makes it again on replay; a run of several names that fills anything tells whose fill it is
+by a run of each name alone). A run that reads back bytes it skipped writing could behave
+differently from a real load: it stops too.
 
 Every name ends up in one of three states: ``learned`` (a route, exactly the one the first
 sparse patch would record), ``unlearnable`` (the dry run saw the loader do something that
@@ -32,7 +34,7 @@ from __future__ import annotations
 import gc
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
@@ -47,7 +49,7 @@ from patchctx._errors import (
     LoaderContractError,
     PatchProblem,
 )
-from patchctx._guard import _CONSTANT, _PURE_WRITES, _RESHAPING
+from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of
 from patchctx._model import (
     SupportsLoadWeights,
     as_module,
@@ -55,9 +57,9 @@ from patchctx._model import (
     model_tensors,
     read_names,
 )
-from patchctx._recording import Recorder
+from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
-from patchctx._routes import Route
+from patchctx._routes import Route, Segment
 from patchctx._snapshot import Snapshot
 from patchctx._staged import (
     _LAYOUT,
@@ -565,7 +567,7 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 "deferred", f"a dry run cannot follow {func} into {labels} ({type(error).__name__})"
             )
         try:
-            ledger.plain_write(targets[0], str(func), constant=func in _CONSTANT)
+            ledger.plain_write(targets[0], str(func), constant=constant_of(func, args))
         except LoaderContractError as error:
             ledger.stop("unlearnable", str(error), ledger.loading)
         return args[0]  # the write is skipped
@@ -618,6 +620,9 @@ class _Outcome:
     routes: dict[str, Route]
     verdicts: dict[str, tuple[_Status, str]]  # the names without a route, and why
     stopped: tuple[_Status, str] | None  # why the run ended early (then: no routes)
+    # Names kept from a route only by constant fills in a run of several names, with the
+    # segments the run recorded for them (`Recorder.alone`): a run of their own settles them.
+    alone: dict[str, tuple[Segment, ...]] = field(default_factory=dict)
 
 
 def _dry_run(
@@ -678,7 +683,8 @@ def _dry_run(
     routes = ledger.recorder.routes(
         {name: (shape, dtype) for name, shape, dtype in specs},
         other_writes=[write.how for write in ledger.other_writes()],
-        constant_spans=ledger.constant_spans(),
+        constants=ledger.constants(),
+        loading=ledger.loading,
         reported=reported,
     )
     verdicts = {
@@ -691,7 +697,54 @@ def _dry_run(
         # real loader, handed the data, can show that this is what it does with the name.
         del routes[name]
         verdicts[name] = ("deferred", _COPIED_NOTHING)
-    return _Outcome(routes, verdicts, None)
+    recorder = ledger.recorder
+    alone = {
+        name: tuple(recorder.segments.get(name, ()))
+        for name in recorder.alone
+        if name not in ledger.settled
+    }
+    return _Outcome(routes, verdicts, None, alone)
+
+
+def _alone(
+    module: torch.nn.Module,
+    index: ModelIndex,
+    spec: tuple[str, tuple[int, ...], torch.dtype],
+    device: torch.device,
+    segments: tuple[Segment, ...],
+) -> Route | tuple[_Status, str]:
+    """The route of a name kept from one only by constant fills in a run of several names.
+
+    A dry run of the name alone shows which fills are its own. Its route is taken only when
+    its segments are those the run with the others recorded (that run checked them against
+    the other names).
+    """
+    name = spec[0]
+    one = _dry_run(module, index, [spec], device)
+    route = one.routes.get(name)
+    if route is None:
+        return one.verdicts.get(name, ("deferred", LOADED_WITH_OTHERS))
+    if route.segments != segments:
+        return (
+            "deferred",
+            "the loader copies it differently alone than together with the other names",
+        )
+    return route
+
+
+def learn_alone(
+    module: torch.nn.Module,
+    index: ModelIndex,
+    spec: tuple[str, tuple[int, ...], torch.dtype],
+    segments: Sequence[Segment],
+) -> Route | None:
+    """The route of a name of a patch load that only the call's constant fills kept from one.
+
+    Learnt by a dry run of the name alone (see `_alone`); `None` if it has none.
+    """
+    device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
+    found = _alone(module, index, spec, device, tuple(segments))
+    return found if isinstance(found, Route) else None
 
 
 def _learn(
@@ -706,10 +759,14 @@ def _learn(
     such as two names writing the same bytes, need them in one call). When it stops, each
     name runs alone to say which one stops it, and the names learnt alone run together again.
     """
+    by_name = {spec[0]: spec for spec in specs}
     whole = _dry_run(module, index, specs, device)
     if whole.stopped is None or len(specs) == 1:
-        return {**whole.verdicts, **whole.routes}
-    found: dict[str, Route | tuple[_Status, str]] = {}
+        found: dict[str, Route | tuple[_Status, str]] = {**whole.verdicts, **whole.routes}
+        for name, segments in whole.alone.items():  # constant fills: whose they are
+            found[name] = _alone(module, index, by_name[name], device, segments)
+        return found
+    found = {}
     alone: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for spec in specs:
         one = _dry_run(module, index, [spec], device)
@@ -723,7 +780,18 @@ def _learn(
             reason = f"learnt alone, but not together with the others: {together.stopped[1]}"
             found.update({name: ("deferred", reason) for name, _, _ in alone})
         else:
+            learnt = {name: found[name] for name in together.alone}
             found.update({**together.verdicts, **together.routes})
+            for name, segments in together.alone.items():  # the fills of its run alone
+                route = learnt[name]
+                found[name] = (
+                    route
+                    if isinstance(route, Route) and route.segments == segments
+                    else (
+                        "deferred",
+                        "the loader copies it differently alone than together with the other names",
+                    )
+                )
     return found
 
 

@@ -21,17 +21,21 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
 from patchctx._arguments import known_names
 from patchctx._errors import LoaderContractError
 from patchctx._recording import Recorder
-from patchctx._routes import Geometry
+from patchctx._routes import Fill, Geometry
 from patchctx._staged import StagedTensor
 from patchctx._undo import UndoLog
 
-__all__ = ["ModelIndex", "Span", "WriteLedger", "span_of", "storage_key"]
+__all__ = ["Constant", "ModelIndex", "Span", "WriteLedger", "span_of", "storage_key"]
+
+# The value of a constant fill (``fill_`` with a Python scalar; ``zero_`` fills 0).
+Constant: TypeAlias = bool | int | float | complex
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:
@@ -114,6 +118,7 @@ class _Plain:
     owner: str
     how: str
     constant: bool
+    fill: Fill | None = None  # a constant fill of some bytes, as a route would make it again
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +245,15 @@ class WriteLedger:
 
     # -- plain writes and reads (the guard, in the loader's thread) -------------------------
 
-    def plain_write(self, target: torch.Tensor, how: str, *, constant: bool) -> None:
-        """Before the loader's own write into `target` (a model tensor): check and log it."""
+    def plain_write(self, target: torch.Tensor, how: str, *, constant: Constant | None) -> None:
+        """Before the loader's own write into `target` (a model tensor): check and log it.
+
+        Args:
+            target: The tensor written.
+            how: The operation, for messages.
+            constant: The value of a constant fill (``fill_``, ``zero_``), `None` for any
+                other write.
+        """
         owner = self.index.owner(target)
         if owner is None:
             return
@@ -251,10 +263,21 @@ class WriteLedger:
         key = storage_key(target)
         assert key is not None
         span = span_of(target, key)
+        fill = None
+        if constant is not None and target.numel():  # (an empty view: nothing to make again)
+            fill = Fill(
+                Geometry.of(target),
+                target.dtype,
+                constant,
+                owner.name,
+                key,
+                owner.tensor.dtype,
+                Geometry.of(owner.tensor),
+            )
         with self._lock:
             for earlier in self.masked:
                 if earlier.span.overlaps(span):
-                    if not constant:
+                    if constant is None:
                         raise LoaderContractError(
                             f"the loader changes {owner.name!r} with {how} after writing staged "
                             f"data of {_label(earlier.names)} into the same bytes: the positions "
@@ -264,7 +287,7 @@ class WriteLedger:
                     self.recorder.unprovable(
                         earlier.names, f"the loader overwrites part of it with {how}"
                     )
-            self.plain.append(_Plain(span, owner.name, how, constant))
+            self.plain.append(_Plain(span, owner.name, how, constant is not None, fill))
             if self.log_plain:
                 self.undo.save_view(target)
 
@@ -293,5 +316,6 @@ class WriteLedger:
         """The loader's own writes that replay would skip (not constant fills)."""
         return [write for write in self.plain if not write.constant]
 
-    def constant_spans(self) -> list[Span]:
-        return [write.span for write in self.plain if write.constant]
+    def constants(self) -> list[tuple[Span, Fill]]:
+        """The loader's constant fills of at least one element, in order, with their bytes."""
+        return [(write.span, write.fill) for write in self.plain if write.fill is not None]

@@ -268,21 +268,24 @@ def test_every_name_of_the_packed_model_records_a_route_and_then_replays() -> No
     assert_same_state(state(model), state(reference))
 
 
-def test_vocabulary_padding_zero_fill_does_not_prevent_a_route() -> None:
-    model = ToyModel({"emb": PaddedEmbedding(13, 4)})
+@pytest.mark.parametrize("vocab", [13, 16], ids=["padded", "no-padding"])
+def test_vocabulary_padding_zero_fill_does_not_prevent_a_route(vocab: int) -> None:
+    """The route makes the fill again; vLLM's fill of no rows (nothing to pad) is not kept."""
+    model = ToyModel({"emb": PaddedEmbedding(vocab, 4)})
     model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
     routes = RouteCache()
     patch = CheckpointWeightPatch(
-        "emb.embed.weight", (13, 4), torch.float32, torch.tensor([1.0]), torch.tensor([51])
+        "emb.embed.weight", (vocab, 4), torch.float32, torch.tensor([1.0]), torch.tensor([51])
     )
     load_checkpoint_weight_patches(model, [patch], routes=routes)
-    assert "emb.embed.weight" in routes
+    route = routes._route("emb.embed.weight")
+    assert route is not None and len(route.fills) == (vocab < 16)
     load_checkpoint_weight_patches(
         model, [patch._replace(values=torch.tensor([2.0]))], routes=routes
     )
-    assert routes.stats.replayed == 1
+    assert routes.stats.replayed == 1 and routes.stats.invalidated == 0
     assert model.layer("emb").weight[12, 3] == 2.0
-    assert not model.layer("emb").weight[13:].any()
+    assert not model.layer("emb").weight[vocab:].any()
 
 
 # ------------------------------------------------------------------ never cached
@@ -363,6 +366,249 @@ def test_writes_elsewhere_in_the_model_do_not_prevent_a_route() -> None:
     )
     load_checkpoint_weight_patches(model, [patch], routes=routes)
     assert "w" in routes
+
+
+# ------------------------------------------------------------------ constant fills
+
+
+class Filling(nn.Module):
+    """A padded embedding whose loader makes constant fills, like vLLM's at TP=1.
+
+    Loading ``embed`` copies the 4 vocabulary rows of `weight`, fills its 2 padding rows (with
+    zeros, as vLLM does, unless `pad` says otherwise), into which ``added`` (extra tokens)
+    loads, and raises the `stale` flag that `refresh` lowers. ``other`` is a plain weight.
+    `gather`: the loader takes every tensor before writing any, so the order it is handed the
+    names in says nothing about whose a fill is.
+    """
+
+    stale: torch.Tensor
+
+    def __init__(self, *, gather: bool = False, pad: float = 0.0) -> None:
+        super().__init__()
+        self.gather, self.pad = gather, pad
+        self.weight = nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.other = nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+        self.register_buffer("stale", torch.zeros(1))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in list(weights) if self.gather else weights:
+            if name == "embed":
+                self.weight.data[:4].copy_(tensor)
+                self.weight.data[4:].fill_(self.pad)
+                self.stale.fill_(1.0)  # what it derives must be recomputed
+            elif name == "added":
+                self.weight.data[4:].copy_(tensor)
+            elif name == "other":
+                self.other.data.copy_(tensor)
+            else:
+                raise KeyError(name)
+        return {"weight", "other"}
+
+    def refresh(self) -> None:
+        """What the model does after a load: recompute what it derives, lower the flag."""
+        self.stale.zero_()
+
+
+FILLING_SHAPES = {"embed": (4, 4), "added": (2, 4), "other": (3, 2)}
+
+
+def filling_patch(name: str, indices: list[int], values: list[float]) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(
+        name,
+        FILLING_SHAPES[name],
+        torch.float32,
+        torch.tensor(values, dtype=torch.float32),
+        torch.tensor(indices, dtype=torch.long),
+    )
+
+
+class DenseTruth:
+    """The loader fed the full patched checkpoint tensors: what every call must give."""
+
+    def __init__(self, model: Filling) -> None:
+        self.checkpoint = {
+            name: torch.arange(math.prod(shape), dtype=torch.float32).view(shape) + 1
+            for name, shape in FILLING_SHAPES.items()
+        }
+        model.load_weights(list(self.checkpoint.items()))
+        self.model = copy.deepcopy(model)
+
+    def load(self, patches: list[CheckpointWeightPatch]) -> None:
+        weights = []
+        for patch in patches:
+            full = self.checkpoint[patch.name].clone()
+            if patch.indices is None:
+                full = patch.values.view(patch.shape).clone()
+            else:
+                full.view(-1)[patch.indices.long()] = patch.values
+            self.checkpoint[patch.name] = full
+            weights.append((patch.name, full))
+        self.model.load_weights(weights)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_a_replay_makes_the_loaders_constant_fills_again(dense: bool) -> None:
+    """The loader raises a flag the model lowers since: a replay raises it again."""
+    model, routes = Filling(), RouteCache()
+    truth = DenseTruth(model)
+    first = filling_patch("embed", [5], [-1.0])
+    load_checkpoint_weight_patches(model, [first], routes=routes)
+    truth.load([first])
+    assert "embed" in routes
+    model.refresh()
+    truth.model.refresh()
+    second = filling_patch("embed", [6], [-2.0])
+    if dense:
+        second = second._replace(values=truth.checkpoint["embed"].flatten(), indices=None)
+        second.values[6] = -2.0
+    load_checkpoint_weight_patches(model, [second], routes=routes)
+    truth.load([second])
+    assert routes.stats.replayed == 1 and routes.stats.loader_calls == 1
+    assert model.stale.item() == 1.0
+    assert_same_state(state(model), state(truth.model))
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_replay_zeroes_padding_rows_that_another_name_wrote(atomic: bool) -> None:
+    """vLLM's padded embedding: the loader path zeroes the padding each time, so replay does."""
+    model, routes = Filling(), RouteCache()
+    truth = DenseTruth(model)
+    # (``added`` goes dense: every load of ``embed`` zeroes its rows, so the model no longer
+    # holds its checkpoint values, which a sparse patch keeps where it changes nothing.)
+    added = CheckpointWeightPatch("added", (2, 4), torch.float32, torch.arange(8.0) + 5, None)
+    for patch in [
+        filling_patch("embed", [1], [1.0]),  # records the route of embed
+        added,  # writes the padding rows
+        filling_patch("embed", [3], [2.0]),  # replayed: the padding rows zeroed again
+    ]:
+        load_checkpoint_weight_patches(model, [patch], routes=routes, atomic=atomic)
+        truth.load([patch])
+        assert_same_state(state(model), state(truth.model))
+    assert routes.stats.replayed == 1
+    assert not model.weight[4:].any()
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["streaming", "gathering"])
+def test_fills_in_a_call_of_several_names_belong_to_the_name_that_makes_them(
+    gather: bool,
+) -> None:
+    """Only ``embed`` raises the flag: replaying ``other`` must not, whatever the call order."""
+    model, routes = Filling(gather=gather), RouteCache()
+    truth = DenseTruth(model)
+    calls = [
+        [filling_patch("other", [0], [7.0]), filling_patch("embed", [0], [8.0])],
+        [filling_patch("other", [1], [9.0])],
+        [filling_patch("embed", [2], [3.0]), filling_patch("other", [2], [4.0])],
+    ]
+    for patches in calls:
+        model.refresh()
+        truth.model.refresh()
+        load_checkpoint_weight_patches(model, patches, routes=routes, chunking=SingleCall())
+        truth.load(patches)
+        assert_same_state(state(model), state(truth.model))
+    assert set(routes) == {"embed", "other"}  # learnt alone, after the call of both
+    assert routes.stats.loader_calls == 1 and routes.stats.replayed == 3
+    (embed,) = [routes._route("embed")]
+    (other,) = [routes._route("other")]
+    assert embed is not None and [f.tensor_name for f in embed.fills] == ["weight", "stale"]
+    assert other is not None and other.fills == ()
+
+
+def test_verify_finds_a_constant_fill_the_loader_no_longer_makes() -> None:
+    model, routes = Filling(), RouteCache(verify_every=2)
+    load_checkpoint_weight_patches(model, [filling_patch("embed", [0], [1.0])], routes=routes)
+    assert routes.verify(model) == []
+    model.pad = -0.0  # another constant: the route must follow the loader
+    assert routes.verify(model) == ["embed"]
+    load_checkpoint_weight_patches(model, [filling_patch("embed", [1], [2.0])], routes=routes)
+    assert routes.stats.replayed == 1
+    assert torch.equal(model.weight[4:].view(torch.int32), torch.full((2, 4), -(2**31)))
+
+
+def test_a_filled_tensor_rebound_or_protected_stops_its_replay() -> None:
+    model, routes = Filling(), RouteCache()
+    load_checkpoint_weight_patches(model, [filling_patch("embed", [0], [1.0])], routes=routes)
+    model.stale = torch.zeros(1)  # a new buffer: the fill must reach it, not the old one
+    load_checkpoint_weight_patches(model, [filling_patch("embed", [1], [2.0])], routes=routes)
+    assert routes.stats.invalidated == 1 and routes.stats.replayed == 0
+    assert model.stale.item() == 1.0 and "embed" in routes  # recorded again
+    model.refresh()
+    before = state(model)
+    with pytest.raises(LoaderContractError, match="protected"):
+        load_checkpoint_weight_patches(
+            model,
+            [filling_patch("embed", [2], [3.0])],
+            routes=routes,
+            protect={"stale": "read by the scheduler"},
+        )
+    assert_same_state(state(model), before)
+
+
+@st.composite
+def filling_steps(draw: st.DrawFn) -> list[list[CheckpointWeightPatch] | str]:
+    """Calls of sparse and dense patches, and writes of the model's own in between."""
+    steps: list[list[CheckpointWeightPatch] | str] = []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["call", "call", "refresh", "scribble"]))
+        if kind != "call":
+            steps.append(kind)
+            continue
+        patches = []
+        for name in draw(st.lists(st.sampled_from(sorted(FILLING_SHAPES)), min_size=1, max_size=3)):
+            numel = math.prod(FILLING_SHAPES[name])
+            # Sparse patches assume the model holds the checkpoint; ``added``'s rows are
+            # zeroed by every load of ``embed``, so it is sent dense.
+            if name == "added" or draw(st.booleans()) is False:
+                values = draw(st.lists(st.floats(-4, 4, width=32), min_size=numel, max_size=numel))
+                patches.append(
+                    CheckpointWeightPatch(
+                        name, FILLING_SHAPES[name], torch.float32, torch.tensor(values), None
+                    )
+                )
+                continue
+            indices = draw(st.lists(st.integers(0, numel - 1), min_size=0, max_size=4, unique=True))
+            values = [draw(st.floats(-4, 4, width=32)) for _ in indices]
+            patches.append(filling_patch(name, sorted(indices), values))
+        steps.append(patches)
+    return steps
+
+
+@given(
+    steps=filling_steps(),
+    gather=st.booleans(),
+    warm=st.booleans(),
+    atomic=st.booleans(),
+    single_call=st.booleans(),
+)
+def test_replays_with_constant_fills_equal_the_dense_truth_whatever_wrote_since(
+    steps: list[list[CheckpointWeightPatch] | str],
+    gather: bool,
+    warm: bool,
+    atomic: bool,
+    single_call: bool,
+) -> None:
+    model, routes = Filling(gather=gather), RouteCache()
+    truth = DenseTruth(model)
+    if warm:
+        routes.warm(model, [(name, shape, torch.float32) for name, shape in FILLING_SHAPES.items()])
+    for step in steps:
+        if step == "refresh":
+            model.refresh()
+            truth.model.refresh()
+        elif step == "scribble":  # the model writes the padding rows itself
+            model.weight.data[4:].fill_(9.0)
+            truth.model.weight.data[4:].fill_(9.0)
+        else:
+            assert not isinstance(step, str)
+            load_checkpoint_weight_patches(
+                model,
+                step,
+                routes=routes,
+                atomic=atomic,
+                chunking=SingleCall() if single_call else None,
+            )
+            truth.load(step)
+        assert_same_state(state(model), state(truth.model))
 
 
 # ------------------------------------------------------------------ invalidation
@@ -610,18 +856,22 @@ def test_overlaps_are_compared_in_storage_bytes() -> None:
                 self.weight.data[:2].copy_(tensor[:2])
                 # bytes 48..95 of the storage are elements 12..23 (rows 2-3): disjoint from rows
                 # 0-1 in bytes, though not in "positions" of a uint8 view (0..47 vs 12..23)
-                self.weight.data.view(torch.uint8)[48:].fill_(0)
+                self.weight.data.view(-1).view(torch.uint8)[48:].fill_(0)
             return {"weight"}
 
     model, routes = Bytes(), RouteCache()
     load_checkpoint_weight_patches(model, [ranked_patch(1, 1.0)], routes=routes)
     assert "w" in routes, "disjoint in bytes: replayable"
+    model.weight.data[2:] = 5.0  # written since: the replay fills the same bytes again
+    load_checkpoint_weight_patches(model, [ranked_patch(2, 2.0)], routes=routes)
+    assert routes.stats.replayed == 1 and not model.weight[2:].any()
+    assert model.weight[0, 1:3].tolist() == [1.0, 2.0]
 
     class Overlapping(Bytes):
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             for _, tensor in weights:
                 self.weight.data[2:].copy_(tensor[2:])
-                self.weight.data.view(torch.uint8)[:8].fill_(0)  # elements 0 and 1
+                self.weight.data.view(-1).view(torch.uint8)[:8].fill_(0)  # elements 0 and 1
                 self.weight.data[:2].copy_(tensor[:2])
             return {"weight"}
 

@@ -55,7 +55,15 @@ from tests.support.zoo import (
     same_state,
     sparse,
 )
-from tests.test_routes import ChainModel, ViewChain, view_chains
+from tests.test_routes import (
+    FILLING_SHAPES,
+    ChainModel,
+    DenseTruth,
+    Filling,
+    ViewChain,
+    filling_patch,
+    view_chains,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -328,6 +336,50 @@ def test_two_names_writing_the_same_bytes_in_one_call_are_not_learnt() -> None:
     report = routes.warm(model, [("a", (4, 6), torch.float32), ("b", (4, 6), torch.float32)])
     assert report.names("unlearnable") == ["a", "b"]
     assert "two names write the same bytes" in report.rows[0].reason
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["streaming", "gathering"])
+@pytest.mark.parametrize("stopped", [False, True], ids=["one-call", "after-a-stop"])
+def test_warm_learns_the_constant_fills_of_each_name_as_it_makes_them(
+    gather: bool, stopped: bool
+) -> None:
+    """Fills seen in a dry call of several names are told apart by a dry call of each alone.
+
+    `stopped`: an unknown name stops the dry call of all names, so the others are learnt alone,
+    then checked together.
+    """
+    model = Filling(gather=gather)
+    truth = DenseTruth(model)
+    before = state(model)
+    # (Not ``added``: it loads into the padding ``embed`` fills, so no call has both.)
+    names = ["other", "embed"]
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]]
+    specs = [(name, FILLING_SHAPES[name], torch.float32) for name in names]
+    if stopped:
+        specs.append(("unknown", (1,), torch.float32))
+    warmed = RouteCache()
+    report = warmed.warm(model, specs)
+    assert_same_state(state(model), before)
+    assert report.names("learned") == names, report
+    embed, other = warmed._route("embed"), warmed._route("other")
+    assert embed is not None and [f.tensor_name for f in embed.fills] == ["weight", "stale"]
+    assert other is not None and other.fills == ()
+    recorded = RouteCache()  # what a patch of each name alone records
+    for name in names:
+        copied = copy.deepcopy(model)  # other storages: compare all but the pointers
+        load_checkpoint_weight_patches(copied, [filling_patch(name, [0], [0.5])], routes=recorded)
+        ours, theirs = warmed._route(name), recorded._route(name)
+        assert ours is not None and theirs is not None
+        assert [(f.target, f.tensor_name, f._constant) for f in ours.fills] == [
+            (f.target, f.tensor_name, f._constant) for f in theirs.fills
+        ]
+    model.refresh()
+    truth.model.refresh()
+    for patch in [filling_patch("other", [1], [2.0]), filling_patch("embed", [2], [3.0])]:
+        load_checkpoint_weight_patches(model, [patch], routes=warmed)
+        truth.load([patch])
+        assert_same_state(state(model), state(truth.model))
+    assert warmed.stats.replayed == 2 and warmed.stats.loader_calls == 0
 
 
 def test_a_route_cached_before_is_replaced_or_dropped() -> None:

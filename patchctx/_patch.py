@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 import torch
 
 from patchctx._blocks import block_size, blocks, scratch
-from patchctx._cpu_checks import each_increasing_below, increasing_below
+from patchctx._cpu_passes import each_increasing_below, increasing_below
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, as_strategy
 

@@ -24,6 +24,7 @@ import torch
 
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, blocks, scratch
+from patchctx._cpu_passes import positions_into
 from patchctx._errors import InvalidPatchError
 from patchctx._swap import builtin_copy
 from patchctx._undo import UndoLog, storage_flat
@@ -813,7 +814,9 @@ def replay(
             else:
                 buffer = scratch(device, torch.long, min(block_size(), stop - start))
                 at = buffer[: end - begin]
-                if shift:
+                if device.type == "cpu":
+                    positions_into(block, shift, at)  # numpy: no intra-op threads to wait on
+                elif shift:
                     torch.sub(block, shift, out=at)
                 else:
                     builtin_copy(at, block)  # int32 to int64: cheaper than a subtraction

@@ -18,6 +18,7 @@ import torch
 from patchctx import _swap
 from patchctx._arguments import instance_of, optional_int
 from patchctx._bits import indexable, scatter_flat
+from patchctx._cpu_passes import has_nan_bits, has_value, nan_bits_known
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, LoaderContractError
 from patchctx._staged import StagedTensor, stage
 
@@ -214,6 +215,10 @@ _HALF_NAN = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 # From this many values the bit test above beats the float amax (2.5x at 1M, 3x slower at 4K).
 _INTEGER_NAN_FROM = 1 << 15
 
+# From this many elements a torch reduction on CPU runs on every intra-op thread (torch's grain
+# size), and waits for a busy core: above it, the CPU reserved-value tests are numpy passes.
+_HOST_FROM = 1 << 15
+
 
 @functools.cache
 def _reduces(dtype: torch.dtype, reduction: str) -> bool:
@@ -269,6 +274,9 @@ class NaNMask:
         values = values.to(dtype=dtype)
         if not values.numel():
             return torch.zeros((), dtype=torch.bool, device=values.device)
+        if values.numel() > _HOST_FROM and nan_bits_known(values):
+            # On CPU, two numpy maxima of the bits (see `patchctx._cpu_passes`).
+            return torch.tensor(has_nan_bits(values))
         half = _HALF_NAN.get(dtype)
         if half is not None and values.numel() > _INTEGER_NAN_FROM:
             # bf16 / fp16: a NaN's bits without the sign exceed those of infinity. Two integer
@@ -381,6 +389,9 @@ class IntSentinel:
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         values = values.to(dtype=dtype)
         sentinel = self.sentinel(dtype)
+        if values.numel() > _HOST_FROM and values.device.type == "cpu" and not values.is_neg():
+            # One numpy pass on the calling thread (see `patchctx._cpu_passes`).
+            return torch.tensor(has_value(values, sentinel))
         if values.numel():
             # The default sentinel is an extreme of the dtype: one reduction finds it.
             info = torch.iinfo(dtype)

@@ -28,6 +28,7 @@ from patchctx import (
     Auto,
     BoolMask,
     CheckpointWeightPatch,
+    IntSentinel,
     InvalidPatchError,
     NaNMask,
     RouteCache,
@@ -38,7 +39,12 @@ from patchctx import (
     load_checkpoint_weight_patches,
     validate_patches,
 )
-from patchctx._cpu_checks import each_increasing_below, increasing_below
+from patchctx._cpu_passes import (
+    each_increasing_below,
+    has_nan_bits,
+    has_value,
+    increasing_below,
+)
 from patchctx._patch import check_patches
 from tests.support.models import assert_same_state, packed_tp_model, random_checkpoint, state
 
@@ -371,6 +377,63 @@ def test_the_16_bit_nan_check_by_bits_agrees_with_isnan_on_every_bit_pattern(
     assert bool(strategy.reserved_values(every, dtype))
     assert not bool(strategy.reserved_values(every[~torch.isnan(every)], dtype))
     assert not bool(strategy.reserved_values(every[:0], dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_host_nan_check_agrees_with_isnan_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    assert [has_nan_bits(every[i : i + 1]) for i in range(2**16)] == torch.isnan(every).tolist()
+
+
+_INTEGER_OF = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+@given(
+    dtype=st.sampled_from(list(_INTEGER_OF)),
+    at=st.integers(0, 40_000),
+    data=st.data(),
+)
+def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
+    dtype: torch.dtype, at: int, data: st.DataObject
+) -> None:
+    integer = _INTEGER_OF[dtype]
+    info = torch.iinfo(integer)
+    float_info = torch.finfo(dtype)
+    width = float_info.bits
+    exponent = {16: 8 if dtype == torch.bfloat16 else 5, 32: 8, 64: 11}[width]
+    infinity = ((1 << exponent) - 1) << (width - 1 - exponent)  # the bits of +inf
+    edges = [infinity, infinity + 1, (1 << (width - 1)) - 1, 0, -1, info.min, info.min + 1]
+    edges += [infinity - (1 << (width - 1)), infinity + 1 - (1 << (width - 1))]  # -inf, -NaN
+    bits = data.draw(st.one_of(st.sampled_from(edges), st.integers(info.min, info.max)))
+    values = torch.linspace(-3, 3, 40_001).to(dtype)
+    values.view(integer)[at] = bits
+    expected = bool(torch.isnan(values).any())
+    assert has_nan_bits(values) is expected
+    assert bool(NaNMask().reserved_values(values, dtype)) is expected
+
+
+@given(
+    dtype=st.sampled_from([torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]),
+    at=st.integers(0, 40_000),
+    data=st.data(),
+)
+def test_the_host_sentinel_check_finds_the_sentinel_among_many_values(
+    dtype: torch.dtype, at: int, data: st.DataObject
+) -> None:
+    info = torch.iinfo(dtype)
+    value = data.draw(st.sampled_from([info.min, info.max, 0, 7]))
+    planted = data.draw(st.sampled_from([value, info.min, info.max, 3]))
+    values = torch.full((40_001,), 5, dtype=dtype)
+    values[at] = planted
+    strategy = IntSentinel(value=value)
+    expected = bool((values == value).any())
+    assert has_value(values, value) is expected
+    assert bool(strategy.reserved_values(values, dtype)) is expected
 
 
 def test_a_call_of_many_replays_reads_the_host_once_whatever_their_number() -> None:

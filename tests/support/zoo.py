@@ -376,6 +376,50 @@ entry("torch.add-out-reading-the-weight", "refused", "`torch.add(p, w, out=p)`")
     lambda m, w: torch.add(m.weight.data, w, out=m.weight.data)
 )
 
+# -- staged data as an index: a codebook-quantized weight, dequantized by the loader ---------
+# The checkpoint tensor holds codes; the weight is the codebook looked up at them. A code the
+# patch keeps is a placeholder in the staged data, not the checkpoint's code, so any lookup
+# with it would fetch the wrong entry.
+
+
+def _codes(w: torch.Tensor, count: int) -> torch.Tensor:
+    """`w` read as integer codes in ``[0, count)``."""
+    return w.long().remainder(count)
+
+
+entry("dequantize-index_select", "refused", "`p.data.copy_(book.index_select(0, codes))`")(
+    lambda m, w: m.weight.data.copy_(
+        m.norm.weight.data.index_select(0, _codes(w, 6).reshape(-1)).view(SHAPE)
+    )
+)
+entry("dequantize-take", "refused", "`p.data.copy_(torch.take(book, codes))`")(
+    lambda m, w: m.weight.data.copy_(torch.take(m.norm.weight.data, _codes(w, 6)))
+)
+entry("dequantize-gather", "refused", "`p.data.copy_(book.expand(4, 6).gather(1, codes))`")(
+    lambda m, w: m.weight.data.copy_(m.norm.weight.data.expand(SHAPE).gather(1, _codes(w, 6)))
+)
+entry("dequantize-getitem", "refused", "`p.data.copy_(book[codes])`")(
+    lambda m, w: m.weight.data.copy_(m.norm.weight.data[_codes(w, 6)])
+)
+
+
+@entry("setitem-at-staged-positions", "refused", "`p.data.view(-1)[codes] = 0`")
+def _setitem_at_codes(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.weight.data.view(-1)[_codes(w, 24)] = 0
+
+
+@entry(
+    "staged-index_fill_-at-staged-positions",
+    "refused",
+    "`t = w.clone(); t.view(-1).index_fill_(0, codes, 0); p.data.copy_(t)`",
+)
+def _index_fill_at_codes(m: ZooLayer, w: torch.Tensor) -> None:
+    filled = w.clone()
+    filled.view(-1).index_fill_(0, _codes(w, 24).reshape(-1), 0)
+    m.weight.data.copy_(filled)
+
+
 # -- reading values out of torch ---------------------------------------------------------
 
 entry("fill-from-item-of-a-changed-element", "refused", "`one.fill_(w.view(-1)[1].item())`")(

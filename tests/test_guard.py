@@ -392,6 +392,48 @@ def test_codes_the_patch_changes_everywhere_index_exactly(path: str, atomic: boo
     assert not same_state(full_state(model), full_state(truth), storages=False)
 
 
+class QR(nn.Module):
+    """Keeps Q of its weight in a buffer; R goes to a temporary whose diagonal is kept too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        self.q: torch.Tensor
+        self.r_diagonal: torch.Tensor
+        self.register_buffer("q", torch.zeros(4, 4))
+        self.register_buffer("r_diagonal", torch.zeros(4))
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.w.copy_(tensor)
+            r = torch.empty(0)
+            torch.linalg.qr(self.w, out=(self.q, r))
+            self.r_diagonal.copy_(r.diagonal())
+        return {"w"}
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+@pytest.mark.parametrize("atomic", [False, True])
+def test_each_output_of_an_out_operation_lands_where_the_loader_put_it(
+    dense: bool, atomic: bool
+) -> None:
+    values = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    if dense:
+        patch = CheckpointWeightPatch("w", (4, 4), torch.float32, values)
+        checkpoint = values.view(4, 4).clone()
+    else:
+        patch = CheckpointWeightPatch(
+            "w", (4, 4), torch.float32, values[:3], torch.tensor([0, 5, 10])
+        )
+        checkpoint = torch.zeros(16).index_copy_(0, torch.tensor([0, 5, 10]), values[:3])
+    model = QR()
+    truth = copy.deepcopy(model)
+    truth.load_weights([("w", checkpoint.view(4, 4))])
+    load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+    assert not same_state(full_state(model), full_state(truth), storages=False)
+    assert bool(truth.r_diagonal.any())  # R was computed aside, and part of it kept
+
+
 def test_an_empty_sparse_patch_changes_nothing_and_reports_the_same_names() -> None:
     model, routes = ZooLayer(dict(MASKED)["copy_"], torch.float32), RouteCache()
     before = model.weight.detach().clone()

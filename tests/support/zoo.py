@@ -420,6 +420,65 @@ def _index_fill_at_codes(m: ZooLayer, w: torch.Tensor) -> None:
     m.weight.data.copy_(filled)
 
 
+# -- out= operations with several outputs ----------------------------------------------------
+
+
+@entry(
+    "aminmax-out-into-a-neighbour-and-a-temporary",
+    "masked",
+    "`torch.aminmax(p, dim=0, out=(other[0], spare))`, then `other[1].copy_(spare)`",
+)
+def _aminmax_aside(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    spare = torch.empty(0, dtype=w.dtype)
+    torch.aminmax(m.weight.data, dim=0, out=(m.other.data[0], spare))
+    m.other.data[1].copy_(spare)
+
+
+@entry(
+    "aminmax-out-into-two-neighbour-rows",
+    "masked",
+    "`torch.aminmax(p, dim=0, out=(other[0], other[1]))`",
+)
+def _aminmax_rows(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    torch.aminmax(m.weight.data, dim=0, out=(m.other.data[0], m.other.data[1]))
+
+
+@entry(
+    "aminmax-out-twice-into-one-row",
+    "refused",
+    "`torch.aminmax(p, dim=0, out=(other[0], other[0]))`: which output lands is the kernel's",
+)
+def _aminmax_overlapping(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    torch.aminmax(m.weight.data, dim=0, out=(m.other.data[0], m.other.data[0]))
+
+
+@entry(
+    "sort-out-values-into-the-head",
+    "masked",
+    "`torch.sort(p, out=(head, order))` (int64 order aside), then `scale.copy_(order[:, 0])`",
+)
+def _sort_aside(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    order = torch.empty(0, dtype=torch.long)
+    torch.sort(m.weight.data, dim=1, stable=True, out=(m.head.data, order))
+    m.scale.copy_(order[:, 0])
+
+
+@entry(
+    "split_copy-out-into-a-neighbour-and-a-temporary",
+    "masked",
+    "`torch.split_copy(p, 2, out=[other, spare])`, then `head[:2].copy_(spare)`",
+)
+def _split_copy_aside(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    spare = torch.empty(2, 6, dtype=w.dtype)
+    torch.split_copy(m.weight.data, 2, out=[m.other.data, spare])
+    m.head.data[:2].copy_(spare)
+
+
 # -- reading values out of torch ---------------------------------------------------------
 
 entry("fill-from-item-of-a-changed-element", "refused", "`one.fill_(w.view(-1)[1].item())`")(

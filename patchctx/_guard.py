@@ -5,19 +5,23 @@ What is left is what the loader does with plain tensors in its own thread: write
 tensors (constant fills, its own bookkeeping, dense patches) and reads of weights it has
 already written. The guard reports each to the `WriteLedger` *before* the operation runs, so a
 refused write never happens. ``out=`` writes into a model tensor are computed aside first, so a
-result of the wrong shape is refused instead of resizing (reallocating) the weight.
+result of the wrong shape is refused instead of resizing (reallocating) the weight; each output
+of an operation with several gets a tensor of its own, and a temporary among them is written
+as the loader asked.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from patchctx._errors import LoaderContractError
 from patchctx._staged import StagedTensor, _tensors, written_arguments
-from patchctx._writes import Constant, WriteLedger
+from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
 __all__ = ["Guard", "constant_of"]
 
@@ -117,28 +121,65 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any],
         targets: list[torch.Tensor],
     ) -> Any:
-        """``op(..., out=weight)``: computed aside, refused if it would resize the weight."""
-        if len(targets) != 1:
-            raise LoaderContractError(
-                f"the loader writes several model tensors at once with {func}; nothing was written"
-            )
-        target = targets[0]
-        fresh = torch.empty(0, dtype=target.dtype, device=target.device)
+        """``op(..., out=weight)``: computed aside, refused if it would resize the weight.
+
+        Every model tensor among the outputs gets a fresh tensor of its own (an operation with
+        several outputs, ``aminmax`` or ``qr``, writes each into its own); the other outputs,
+        the loader's temporaries, are written as the loader asked. Each result is checked
+        against its weight's shape before any weight is written, then copied into it.
+        """
+        index = self.ledger.index
+        spans = [span_of(target, storage_key(target) or 0) for target in targets]
+        for i, span in enumerate(spans):
+            for j in range(i):
+                if span.overlaps(spans[j]):
+                    owner = index.owner(targets[i])
+                    raise LoaderContractError(
+                        f"the loader writes two outputs of {func} into the same bytes of "
+                        f"{owner.name if owner else 'a weight'!r}: which one lands there is "
+                        "the kernel's choice; nothing was written"
+                    )
+        fresh: dict[int, torch.Tensor] = {}  # id(model target) -> the tensor computed aside
+        back: dict[int, torch.Tensor] = {}  # id(fresh tensor) -> its model target
+
+        def aside(value: Any, *, sized: bool) -> Any:
+            if not isinstance(value, torch.Tensor) or all(value is not t for t in targets):
+                return value
+            if id(value) not in fresh:
+                # Empty, so that a kernel resizes it silently and a result of the wrong shape is
+                # refused below; the tensors of a list output come sized, as the *_copy kernels
+                # (split_copy, unbind_copy...) that write them require.
+                shape = value.shape if sized else (0,)
+                tensor = torch.empty(shape, dtype=value.dtype, device=value.device)
+                fresh[id(value)] = tensor
+                back[id(tensor)] = value
+            return fresh[id(value)]
+
         new_args = list(args)
         new_kwargs = dict(kwargs)
         for position, name in written_arguments(func):
-            if position < len(new_args):
-                new_args[position] = fresh
+            in_args = position < len(new_args)
+            if not in_args and name not in new_kwargs:
+                continue
+            value = new_args[position] if in_args else new_kwargs[name]
+            sized = isinstance(value, (list, tuple))
+            value = tree_map(functools.partial(aside, sized=sized), value)
+            if in_args:
+                new_args[position] = value
             else:
-                new_kwargs[name] = fresh
+                new_kwargs[name] = value
         result = func(*new_args, **new_kwargs)
-        if fresh.shape != target.shape:
-            owner = self.ledger.index.owner(target)
-            raise LoaderContractError(
-                f"the loader writes a {tuple(fresh.shape)} result with {func} into "
-                f"{owner.name if owner else 'a weight'!r} of shape {tuple(target.shape)}: it "
-                "would be resized (reallocated); nothing was written"
-            )
-        self.ledger.plain_write(target, str(func), constant=None)
-        target.copy_(fresh)
-        return target if isinstance(result, torch.Tensor) else result
+        for target in targets:
+            computed = fresh[id(target)]
+            if computed.shape != target.shape:
+                owner = index.owner(target)
+                raise LoaderContractError(
+                    f"the loader writes a {tuple(computed.shape)} result with {func} into "
+                    f"{owner.name if owner else 'a weight'!r} of shape {tuple(target.shape)}: "
+                    "it would be resized (reallocated); nothing was written"
+                )
+        for target in targets:
+            self.ledger.plain_write(target, str(func), constant=None)
+        for target in targets:
+            target.copy_(fresh[id(target)])
+        return tree_map(lambda value: back.get(id(value), value), result)

@@ -16,6 +16,10 @@ it with `LoaderContractError` before anything is written:
   staged input is changed there (and refuse when staged inputs disagree);
 - any other computation is allowed only when its staged inputs are entirely changed or entirely
   unchanged, since its results mix positions;
+- staged data that chooses elements rather than being carried (the index of ``index_select``,
+  ``take``, ``gather`` or an indexed write, the mask of ``masked_fill_``) is refused unless the
+  patch changes every element of it: a kept element holds a placeholder, not the checkpoint's
+  value, so it would choose wrong, and no mask of the result can say where;
 - a write of staged data into a plain tensor is the masked merge (positions marked "keep" keep
   the destination), done for ``copy_``, indexed assignment, ``index_copy_``, ``masked_scatter_``,
   ``scatter_``, ``fill_`` and the ``out=`` form of pointwise operations; every other in-place
@@ -488,6 +492,53 @@ def _leaking(
     return [t for t in _tensors(deciding) if isinstance(t, StagedTensor)]
 
 
+# The data argument of a view, a factory shaped like its input or a layout copy: ``self``, or
+# the tensor list of cat/stack (position 0 either way).
+_SELF = frozenset({0})
+
+
+@functools.cache
+def _operand_slots(
+    func: torch._ops.OpOverload, data: frozenset[int]
+) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every tensor argument of `func` outside the `data` positions."""
+    return tuple(
+        (position, argument.name)
+        for position, argument in enumerate(func._schema.arguments)
+        if position not in data and "Tensor" in str(argument.type)
+    )
+
+
+def _refuse_kept_operands(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    data: frozenset[int],
+) -> None:
+    """Refuse staged data with kept positions in any argument of `func` but its `data` ones.
+
+    The data arguments of a view, a layout copy or a move are carried element by element, and
+    their masks along with them. Any other tensor argument (an index, a mask, a source of
+    shape) decides *which* elements are read or written; at a position the patch keeps, staged
+    data holds a placeholder, not the checkpoint's value, so what it decides there is wrong,
+    and no mask of the result can say so. Exact only when the patch keeps none of its
+    positions (a dense patch, or a part of a sparse one that the patch changes entirely).
+    """
+    for position, name in _operand_slots(func, data):
+        for tensor in _tensors(_argument(args, kwargs, position, name)):
+            if not isinstance(tensor, StagedTensor) or tensor._prov.dense:
+                continue
+            if bool((tensor._update == KEEP).any()):
+                _refuse(
+                    f"the loader passes staged data of {_label(tensor._prov.names)} to {func} "
+                    f"as its {name!r} argument, which decides which elements are read or "
+                    "written (an index, a mask): the patch does not change every element of it, "
+                    "and where it does not, the staged data holds a placeholder instead of the "
+                    "checkpoint's value, so the result would be wrong there. Send this tensor "
+                    "as a dense patch"
+                )
+
+
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     staged = [t for t in _tensors((args, kwargs)) if isinstance(t, StagedTensor)]
     for leaking in _leaking(func, args, kwargs):
@@ -508,10 +559,13 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
         staged[0]._require_all_changed(".item()")
         return func(staged[0]._data)
     if func.is_view:
+        _refuse_kept_operands(func, args, kwargs, _SELF)
         return _view(func, args, kwargs, staged)
     if packet in _LIKE:
+        _refuse_kept_operands(func, args, kwargs, _SELF)
         return _like(func, args, kwargs, staged, known=_LIKE[packet])
     if packet in _LAYOUT:
+        _refuse_kept_operands(func, args, kwargs, _SELF)
         return _layout(func, args, kwargs, staged)
     if torch.Tag.pointwise in func.tags:
         return _pointwise(func, args, kwargs, staged)
@@ -616,8 +670,10 @@ def _layout(
         mask_args[0] = [_known(t) for t in args[0]]
     else:
         mask_args[0] = _known(args[0])
-    mask_kwargs = tree_map(_mask, kwargs)
-    masks = func(*[_data(a) if i else a for i, a in enumerate(mask_args)], **mask_kwargs)
+    # The other arguments (indices...) hold no kept position here (`_refuse_kept_operands`):
+    # their values are the data's, for the mask as for the data.
+    mask_kwargs = tree_map(_data, kwargs)
+    masks = func(mask_args[0], *tree_map(_data, mask_args[1:]), **mask_kwargs)
     if isinstance(result, (list, tuple)):
         return type(result)(StagedTensor(d, m, prov) for d, m in zip(result, masks, strict=True))
     return StagedTensor(result, masks, prov)
@@ -716,17 +772,20 @@ def _write_into_staged(
     prov = target._prov
     if len(targets) != 1 or target is not args[0] or not prov.mask_is_view:
         _refuse(f"the loader writes into staged data of {_label(prov.names)} with {func}")
+    packet = func.overloadpacket
+    moves = packet in _MOVES and not _accumulates(func, args, kwargs)
+    if moves:
+        _refuse_kept_operands(func, args, kwargs, frozenset({0, *_MOVES[packet]}))
     if prov.root is not None:
         prov.root.tampered = True
     prov.binary = False  # the write may bring CONST positions in
     if prov.ledger is not None:
         prov.ledger.unprovable(prov.names, f"the loader modified it with {func}")
-    packet = func.overloadpacket
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
-    if packet in _MOVES and not _accumulates(func, args, kwargs):
+    if moves:
         moved = _MOVES[packet]
         mask_args = [target._update] + [
-            _moved_mask(a) if i in moved else _data(a) for i, a in enumerate(args) if i
+            _moved_mask(a) if i in moved else tree_map(_data, a) for i, a in enumerate(args) if i
         ]
         func(*data_args, **data_kwargs)
         func(*mask_args, **tree_map(_data, kwargs))
@@ -772,18 +831,16 @@ def _write_into_plain(
         _merge(target, source._data, source._update, source, names, prov, binary=prov.binary)
         return target
     if packet in _MOVES and in_place and not _accumulates(func, args, kwargs):
-        if any(
-            isinstance(a, StagedTensor) for i, a in enumerate(args) if i and i not in _MOVES[packet]
-        ):
-            _refuse(f"the loader indexes with staged data of {_label(names)} ({func})")
-        _admit(prov, target, names, str(func))
         moved = _MOVES[packet]
+        _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
+        _admit(prov, target, names, str(func))
         scratch = target.clone()
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
         func(scratch, *data_args[1:], **data_kwargs)
         update = torch.zeros(target.shape, dtype=torch.uint8, device=target.device)  # KEEP
         mask_args = [
-            _moved_mask(a, target.device) if i in moved else _data(a) for i, a in enumerate(args)
+            _moved_mask(a, target.device) if i in moved else tree_map(_data, a)
+            for i, a in enumerate(args)
         ]
         func(update, *mask_args[1:], **data_kwargs)
         _merge(target, scratch, update, None, names, prov)

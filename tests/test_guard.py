@@ -9,6 +9,7 @@ outcome is the catalogue the docs' write-path table lists.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -28,7 +29,17 @@ from patchctx import (
     RouteCache,
     load_checkpoint_weight_patches,
 )
-from tests.support.zoo import SHAPE, ZOO, Entry, Write, ZooLayer, check, sparse
+from tests.support.zoo import (
+    SHAPE,
+    ZOO,
+    Entry,
+    Write,
+    ZooLayer,
+    check,
+    full_state,
+    same_state,
+    sparse,
+)
 
 __all__ = ["MASKED", "REFUSED", "Write"]
 
@@ -330,6 +341,97 @@ def test_a_sparse_patch_covering_every_element_loads_as_dense() -> None:
         routes=False,
     )
     assert verdict.outcomes == ["masked"]
+
+
+# Loaders that use the checkpoint tensor as an index (codes of a codebook) or write at positions
+# it gives: exact only where the patch changes every code they use.
+INDEXING = [
+    "dequantize-index_select",
+    "dequantize-take",
+    "dequantize-gather",
+    "setitem-at-staged-positions",
+    "staged-index_fill_-at-staged-positions",
+]
+
+
+def test_staged_codes_used_as_an_index_are_refused_naming_the_patch_and_the_argument() -> None:
+    verdict = check(
+        dict(REFUSED)["dequantize-index_select"],
+        torch.float32,
+        _patches(torch.float32),
+        strategy=None,
+        atomic=False,
+        routes=False,
+    )
+    (message,) = verdict.messages
+    assert "'w'" in message and "aten.index_select" in message and "'index' argument" in message
+    assert "dense patch" in message and "nothing was written" in message
+
+
+@pytest.mark.parametrize("path", INDEXING)
+@pytest.mark.parametrize("atomic", [False, True])
+def test_codes_the_patch_changes_everywhere_index_exactly(path: str, atomic: bool) -> None:
+    """A sparse patch naming every code, then a dense patch: no code is a placeholder."""
+    every = list(range(24))
+    codes = [float((7 * i) % 24) for i in every]
+    verdict = check(
+        dict(REFUSED)[path],
+        torch.float32,
+        [sparse(every, codes, torch.float32)],
+        strategy=None,
+        atomic=atomic,
+        routes=False,
+    )
+    assert verdict.outcomes == ["masked"], verdict.messages
+    model = ZooLayer(dict(REFUSED)[path], torch.float32)
+    truth = copy.deepcopy(model)
+    values = torch.tensor(codes[::-1])
+    truth.load_weights([("w", values.view(SHAPE).clone())])
+    dense = CheckpointWeightPatch("w", SHAPE, torch.float32, values)
+    load_checkpoint_weight_patches(model, [dense], atomic=atomic)
+    assert not same_state(full_state(model), full_state(truth), storages=False)
+
+
+class QR(nn.Module):
+    """Keeps Q of its weight in a buffer; R goes to a temporary whose diagonal is kept too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        self.q: torch.Tensor
+        self.r_diagonal: torch.Tensor
+        self.register_buffer("q", torch.zeros(4, 4))
+        self.register_buffer("r_diagonal", torch.zeros(4))
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.w.copy_(tensor)
+            r = torch.empty(0)
+            torch.linalg.qr(self.w, out=(self.q, r))
+            self.r_diagonal.copy_(r.diagonal())
+        return {"w"}
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+@pytest.mark.parametrize("atomic", [False, True])
+def test_each_output_of_an_out_operation_lands_where_the_loader_put_it(
+    dense: bool, atomic: bool
+) -> None:
+    values = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    if dense:
+        patch = CheckpointWeightPatch("w", (4, 4), torch.float32, values)
+        checkpoint = values.view(4, 4).clone()
+    else:
+        patch = CheckpointWeightPatch(
+            "w", (4, 4), torch.float32, values[:3], torch.tensor([0, 5, 10])
+        )
+        checkpoint = torch.zeros(16).index_copy_(0, torch.tensor([0, 5, 10]), values[:3])
+    model = QR()
+    truth = copy.deepcopy(model)
+    truth.load_weights([("w", checkpoint.view(4, 4))])
+    load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+    assert not same_state(full_state(model), full_state(truth), storages=False)
+    assert bool(truth.r_diagonal.any())  # R was computed aside, and part of it kept
 
 
 def test_an_empty_sparse_patch_changes_nothing_and_reports_the_same_names() -> None:

@@ -8,6 +8,7 @@ changed positions written (with the loader's casts), everything else untouched.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from patchctx import (
     BoolMask,
     CopyStrategy,
     IntSentinel,
+    LoaderContractError,
     NaNMask,
     masked_copy,
 )
@@ -112,3 +114,30 @@ def test_nan_as_a_value_with_bool_mask_through_a_tp_slice() -> None:
         model, BoolMask(), Sparse("down.down_proj.weight", spec, indices, values)
     )
     assert torch.isnan(model.layer("down").weight[0, 4])
+
+
+LOOKUPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "index_select": lambda book, codes: book.index_select(0, codes.reshape(-1)).view(2, 3),
+    "take": lambda book, codes: torch.take(book, codes),
+    "gather": lambda book, codes: book.expand(2, 4).gather(1, codes),
+}
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS.values(), ids=LOOKUPS.keys())
+def test_staged_codes_that_look_up_a_codebook_are_refused_before_any_write(
+    lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
+    """Every kept code is a placeholder (0): looking it up would fetch ``book[0]``."""
+    book = torch.tensor([10.0, 20.0, 30.0, 40.0])
+    weight = torch.full((2, 3), 20.0)  # book[1] everywhere: the checkpoint's codes are all 1
+    staged = BoolMask().stage((2, 3), torch.int64, torch.tensor([4]), torch.tensor([3]))
+    with (
+        pytest.raises(LoaderContractError, match="'index' argument"),
+        masked_copy(strategy=BoolMask()),
+    ):
+        weight.copy_(lookup(book, staged))
+    assert bool((weight == 20).all())
+    every = BoolMask().stage((2, 3), torch.int64, torch.arange(6), torch.tensor([0, 1, 2, 3, 0, 1]))
+    with masked_copy(strategy=BoolMask()):
+        weight.copy_(lookup(book, every))  # every code known: exact
+    assert weight.view(-1).tolist() == [10.0, 20.0, 30.0, 40.0, 10.0, 20.0]

@@ -384,6 +384,109 @@ entry("torch.add-out-reading-the-weight", "refused", "`torch.add(p, w, out=p)`")
     lambda m, w: torch.add(m.weight.data, w, out=m.weight.data)
 )
 
+# -- staged data as an index: a codebook-quantized weight, dequantized by the loader ---------
+# The checkpoint tensor holds codes; the weight is the codebook looked up at them. A code the
+# patch keeps is a placeholder in the staged data, not the checkpoint's code, so any lookup
+# with it would fetch the wrong entry.
+
+
+def _codes(w: torch.Tensor, count: int) -> torch.Tensor:
+    """`w` read as integer codes in ``[0, count)``."""
+    return w.long().remainder(count)
+
+
+entry("dequantize-index_select", "refused", "`p.data.copy_(book.index_select(0, codes))`")(
+    lambda m, w: m.weight.data.copy_(
+        m.norm.weight.data.index_select(0, _codes(w, 6).reshape(-1)).view(SHAPE)
+    )
+)
+entry("dequantize-take", "refused", "`p.data.copy_(torch.take(book, codes))`")(
+    lambda m, w: m.weight.data.copy_(torch.take(m.norm.weight.data, _codes(w, 6)))
+)
+entry("dequantize-gather", "refused", "`p.data.copy_(book.expand(4, 6).gather(1, codes))`")(
+    lambda m, w: m.weight.data.copy_(m.norm.weight.data.expand(SHAPE).gather(1, _codes(w, 6)))
+)
+entry("dequantize-getitem", "refused", "`p.data.copy_(book[codes])`")(
+    lambda m, w: m.weight.data.copy_(m.norm.weight.data[_codes(w, 6)])
+)
+
+
+@entry("setitem-at-staged-positions", "refused", "`p.data.view(-1)[codes] = 0`")
+def _setitem_at_codes(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    m.weight.data.view(-1)[_codes(w, 24)] = 0
+
+
+@entry(
+    "staged-index_fill_-at-staged-positions",
+    "refused",
+    "`t = w.clone(); t.view(-1).index_fill_(0, codes, 0); p.data.copy_(t)`",
+)
+def _index_fill_at_codes(m: ZooLayer, w: torch.Tensor) -> None:
+    filled = w.clone()
+    filled.view(-1).index_fill_(0, _codes(w, 24).reshape(-1), 0)
+    m.weight.data.copy_(filled)
+
+
+# -- out= operations with several outputs ----------------------------------------------------
+
+
+@entry(
+    "aminmax-out-into-a-neighbour-and-a-temporary",
+    "masked",
+    "`torch.aminmax(p, dim=0, out=(other[0], spare))`, then `other[1].copy_(spare)`",
+)
+def _aminmax_aside(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    spare = torch.empty(0, dtype=w.dtype)
+    torch.aminmax(m.weight.data, dim=0, out=(m.other.data[0], spare))
+    m.other.data[1].copy_(spare)
+
+
+@entry(
+    "aminmax-out-into-two-neighbour-rows",
+    "masked",
+    "`torch.aminmax(p, dim=0, out=(other[0], other[1]))`",
+)
+def _aminmax_rows(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    torch.aminmax(m.weight.data, dim=0, out=(m.other.data[0], m.other.data[1]))
+
+
+@entry(
+    "aminmax-out-twice-into-one-row",
+    "refused",
+    "`torch.aminmax(p, dim=0, out=(other[0], other[0]))`: which output lands is the kernel's",
+)
+def _aminmax_overlapping(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    torch.aminmax(m.weight.data, dim=0, out=(m.other.data[0], m.other.data[0]))
+
+
+@entry(
+    "sort-out-values-into-the-head",
+    "masked",
+    "`torch.sort(p, out=(head, order))` (int64 order aside), then `scale.copy_(order[:, 0])`",
+)
+def _sort_aside(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    order = torch.empty(0, dtype=torch.long)
+    torch.sort(m.weight.data, dim=1, stable=True, out=(m.head.data, order))
+    m.scale.copy_(order[:, 0])
+
+
+@entry(
+    "split_copy-out-into-a-neighbour-and-a-temporary",
+    "masked",
+    "`torch.split_copy(p, 2, out=[other, spare])`, then `head[:2].copy_(spare)`",
+)
+def _split_copy_aside(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(w)
+    spare = torch.empty(2, 6, dtype=w.dtype)
+    torch.split_copy(m.weight.data, 2, out=[m.other.data, spare])
+    m.head.data[:2].copy_(spare)
+
+
 # -- reading values out of torch ---------------------------------------------------------
 
 entry("fill-from-item-of-a-changed-element", "refused", "`one.fill_(w.view(-1)[1].item())`")(

@@ -424,6 +424,10 @@ class ChangeScan:
             and not piece.is_neg()
         ):
             return bits_of(piece.reshape(-1)), False
+        if piece.is_neg() or piece.is_conj():
+            # Resolved first: torch's cast copy of a contiguous negative view to another dtype
+            # drops the sign (torch 2.13, float32 to float16). A rare, block-sized copy.
+            piece = piece.resolve_neg().resolve_conj()
         buffer = self._buffer(name, self.dtype)[: piece.numel()]
         builtin_copy(buffer.view(piece.shape), piece)
         return bits_of(buffer), True

@@ -452,7 +452,7 @@ def _diff_tensor(
         return CheckpointWeightPatch(name, tuple(new.shape), dtype, values, positions)
     # A dense patch owns its values: the trainer may keep updating `new` in place. (A lazy
     # conjugate or negative view is resolved: its bit would not survive the wire.)
-    flat = new.to(dtype=dtype).resolve_conj().resolve_neg().reshape(-1)
+    flat = new.resolve_conj().resolve_neg().to(dtype=dtype).reshape(-1)
     if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
         flat = flat.clone()
     return CheckpointWeightPatch(name, tuple(new.shape), dtype, flat)
@@ -594,7 +594,9 @@ def diff_state_dicts(
     diffed: set[tuple[object, ...]] = set()
     for name, receiver in plan.tensors:
         before, after = old[name], new[name]
-        key = _view_key(after)
+        view = _view_key(after)
+        # Tied names are one tensor on the receiver only when it holds them in one dtype.
+        key = None if view is None else (*view, receiver)
         if key is not None and key in diffed:
             continue  # tied to a name diffed before (lm_head and embed_tokens): sent once
         if key is not None:

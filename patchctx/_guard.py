@@ -97,6 +97,8 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for tensor in tensors:
                 if not pure_write or all(tensor is not t for t in targets):
                     ledger.read(tensor)
+        for target in targets:
+            ledger.input_write(target)  # a dense patch's values: undone when the call ends
         model_targets = [t for t in targets if ledger.index.owner(t) is not None]
         if not model_targets:
             return func(*args, **kwargs)

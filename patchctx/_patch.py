@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 import torch
 
 from patchctx._blocks import block_size, blocks, scratch
-from patchctx._cpu_passes import each_increasing_below, increasing_below
+from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, as_strategy
 
@@ -305,7 +305,7 @@ def _well_formed(
         return None
     if not isinstance(values, torch.Tensor):
         return None
-    if values.ndim != 1:
+    if values.ndim != 1 or values.is_neg() or values.is_conj():
         return None
     if indices is None:
         return numel if values.shape[0] == numel else None
@@ -388,6 +388,10 @@ def _structure(
                 problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
     if not problems and shape != patch.shape:
         patch = patch._replace(shape=shape)
+    if not problems and (values.is_neg() or values.is_conj()):
+        # A lazy negation or conjugation (``z.conj().imag``) is resolved once, here: torch's
+        # cast copy of a contiguous negative view drops the sign (2.13, float32 to float16).
+        patch = patch._replace(values=values.resolve_conj().resolve_neg())
     return patch, numel, problems
 
 
@@ -540,7 +544,7 @@ def _small_flags(
     """
     if indices.device != device:
         indices = indices.to(device)
-    positions = indices if indices.dtype == torch.long else indices.long()
+    positions = indices if indices.dtype == torch.long else _int64(indices)
     count = positions.shape[0]
     if count and device.type == "cpu":
         patch = item._patch
@@ -560,6 +564,20 @@ def _small_flags(
         flags.append(strategy.reserved_values(patch.values, patch.dtype))
         checks.append(("eq", 0))
     return positions
+
+
+def _int64(indices: torch.Tensor) -> torch.Tensor:
+    """`indices` as a new int64 tensor; long ones on CPU by numpy (see `patchctx._cpu_passes`)."""
+    if indices.device.type != "cpu" or indices.shape[0] <= _HOST_FROM:
+        return indices.long()
+    positions = torch.empty(indices.shape, dtype=torch.long)
+    positions_into(indices, 0, positions)
+    return positions
+
+
+# From this many elements a torch elementwise operation on CPU runs on every intra-op thread
+# (torch's grain size) and waits for a busy core: longer conversions are numpy passes.
+_HOST_FROM = 1 << 15
 
 
 def _batch_flags(
@@ -613,7 +631,7 @@ def _batch_flags(
             (last >= top).sum(),
         )
         checks += (("eq", 0), ("ge", 0), ("eq", 0))
-    pieces = flat.long().split_with_sizes(sizes)
+    pieces = _int64(flat).split_with_sizes(sizes)
     for k, piece in zip(keys, pieces, strict=True):
         positions[k] = piece
 

@@ -461,6 +461,7 @@ class RouteCache:
         """
         from patchctx._load import load_checkpoint_weight_patches
         from patchctx._patch import CheckpointWeightPatch
+        from patchctx._strategies import BoolMask
 
         with self._lock:
             routes = list(self._routes.values())
@@ -471,7 +472,10 @@ class RouteCache:
         ]
         self._verify_all, self._mismatches = True, []
         try:
-            load_checkpoint_weight_patches(model, patches, routes=self, atomic=True)
+            # BoolMask stages every dtype (bool and complex routes too); the probes are empty.
+            load_checkpoint_weight_patches(
+                model, patches, routes=self, atomic=True, strategy=BoolMask()
+            )
         finally:
             self._verify_all = False
         return sorted(self._mismatches)

@@ -38,7 +38,7 @@ from patchctx._routes import Route, Segment
 from patchctx._snapshot import Snapshot
 from patchctx._staged import stage, stage_dense
 from patchctx._undo import UndoLog
-from patchctx._writes import ModelIndex, WriteLedger
+from patchctx._writes import ModelIndex, WriteLedger, storage_key
 
 __all__ = ["Load", "LoadResult", "ModelIndex", "run_loader"]
 
@@ -70,9 +70,21 @@ class LoadResult:
 def _tensor_for(load: Load, ledger: WriteLedger, *, atomic: bool) -> torch.Tensor:
     if load.indices is None:
         data = load.values.to(dtype=load.dtype).view(load.shape)
-        # Under atomic, dense data carries its provenance too: its writes are logged for the
-        # rollback in whatever thread the loader makes them.
-        return stage_dense(data, name=load.name, ledger=ledger) if atomic else data
+        shared = storage_key(data)
+        if atomic:
+            # Under atomic, dense data carries its provenance too: its writes are logged for
+            # the rollback in whatever thread the loader makes them. Writes into the staged
+            # tensor itself land in its data: a copy, never the caller's values.
+            if shared is not None and shared == storage_key(load.values):
+                data = data.clone()
+            return stage_dense(data, name=load.name, ledger=ledger)
+        if (
+            shared is not None
+            and shared == storage_key(load.values)
+            and ledger.index.owner(data) is None  # values that are a weight: the model's own
+        ):
+            ledger.inputs.add(shared)  # the loader's in-place writes into it are undone
+        return data
     return stage(load.shape, load.dtype, load.indices, load.values, name=load.name, ledger=ledger)
 
 
@@ -205,6 +217,7 @@ def run_loader(
     finally:
         if not done:
             call.rollback()
+        call.ledger.restore_inputs()  # the caller's dense values, as they sent them
     shapes = {load.name: (load.shape, load.dtype) for load in sparse}
     routes = call.recorder.routes(
         shapes,

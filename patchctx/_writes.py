@@ -160,6 +160,11 @@ class WriteLedger:
         self.plain: list[_Plain] = []
         self.masked: list[_Masked] = []
         self.born: weakref.WeakSet[StagedTensor] = weakref.WeakSet()
+        # The storages of the caller's dense patch values, handed to the loader as they are
+        # (no copy): the loader's in-place writes into them are undone when the call ends,
+        # so the caller's patches stay what they sent (a retry, a second replica).
+        self.inputs: set[int] = set()
+        self.input_undo = UndoLog()
         self._lock = threading.RLock()
 
     # -- masked writes (patchctx._staged.Ledger) -------------------------------------------
@@ -290,6 +295,16 @@ class WriteLedger:
             self.plain.append(_Plain(span, owner.name, how, constant is not None, fill))
             if self.log_plain:
                 self.undo.save_view(target)
+
+    def input_write(self, target: torch.Tensor) -> None:
+        """Before the loader writes `target` in place: save it if it is a caller's input."""
+        if self.inputs and storage_key(target) in self.inputs:
+            with self._lock:
+                self.input_undo.save_view(target)
+
+    def restore_inputs(self) -> None:
+        """Put back every caller's input the loader wrote in place (idempotent)."""
+        self.input_undo.restore()
 
     def read(self, tensor: torch.Tensor) -> None:
         """The loader reads `tensor`: a weight it has written from staged data feeds another."""

@@ -511,3 +511,50 @@ def test_a_refused_or_failed_load_puts_back_every_slot_exactly(
         load_checkpoint_weight_patches(model, [patch], atomic=atomic)
     assert _slots(model) == slots
     assert_same_state(state(model), before)
+
+
+class ScalesItsInput(nn.Module):
+    """A loader that folds a scale into its checkpoint tensor in place, then copies it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.fail = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            if name == "w":
+                tensor.mul_(2)
+                self.w.copy_(tensor)
+            elif self.fail:
+                raise RuntimeError("a transient failure")
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_loader_writing_its_input_in_place_leaves_the_callers_dense_patch_as_sent(
+    atomic: bool, fails: bool
+) -> None:
+    """The caller's values are handed to the loader without a copy: whatever it writes into
+    them in place is undone when the call ends, so a retry, or the same patches applied to a
+    second replica, gives the dense truth again."""
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    sent = values.clone()
+    patches = [
+        CheckpointWeightPatch("w", (4,), torch.float32, values),
+        CheckpointWeightPatch("other", (1,), torch.float32, torch.zeros(1)),
+    ]
+    model = ScalesItsInput()
+    model.fail = fails
+    raised = pytest.raises(RuntimeError) if fails else contextlib.nullcontext()
+    with raised:
+        load_checkpoint_weight_patches(model, patches, atomic=atomic, max_chunk_bytes=16)
+    assert same_bits(values, sent)
+    if not fails or atomic:
+        expected = sent * 2 if not fails else torch.zeros(4)
+        assert same_bits(model.w.detach(), expected)
+    replica = ScalesItsInput()
+    load_checkpoint_weight_patches(replica, patches, atomic=atomic, max_chunk_bytes=16)
+    assert same_bits(replica.w.detach(), sent * 2)
+    assert same_bits(values, sent)

@@ -36,6 +36,7 @@ from patchctx import (
     _blocks,
     _patch,
     _routes,
+    _strategies,
     load_checkpoint_weight_patches,
     validate_patches,
 )
@@ -51,12 +52,15 @@ from tests.support.models import assert_same_state, packed_tp_model, random_chec
 
 @contextmanager
 def small_blocks(block: int = 7, batched: int = 5, few: int = 2) -> Iterator[None]:
-    """Blocks of `block` positions, batches of patches up to `batched` indices, and the
-    CPU ``scatter_`` write from `few` positions on."""
+    """Blocks of `block` positions, batches of patches up to `batched` indices, the CPU
+    ``scatter_`` write from `few` positions on, and numpy's CPU passes from `block` // 2."""
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setattr(_blocks, "BLOCK", block)
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
         patcher.setattr(_bits, "_FEW", few)
+        # The CPU passes numpy makes from torch's grain size up, on small tensors too.
+        patcher.setattr(_patch, "_HOST_FROM", block // 2)
+        patcher.setattr(_strategies, "_HOST_FROM", block // 2)
         yield
 
 

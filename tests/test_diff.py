@@ -389,6 +389,39 @@ def test_lazy_conjugate_and_negative_views_are_diffed_by_their_values(single_pas
         assert same_bits(receiver, truth)
 
 
+@pytest.mark.parametrize("receiver", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("single_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_a_contiguous_negative_view_is_diffed_by_its_sign_in_every_receiver_dtype(
+    receiver: torch.dtype, single_pass: bool
+) -> None:
+    """``z.conj().imag`` of one complex element is a *contiguous* negative view, which torch's
+    cast copy to fp16 reads without its sign: the diff must still see the change."""
+    z = torch.complex(torch.zeros(1), torch.tensor([1.5]))
+    old = {"w": torch.tensor([1.5]), "same": torch.tensor([-2.5])}
+    new = {"w": z.conj().imag, "same": torch._neg_view(torch.tensor([2.5]))}
+    assert new["w"].is_neg() and new["w"].is_contiguous()
+    passes = frozenset({"cpu"}) if single_pass else frozenset()
+    with mock.patch.object(changes, "SINGLE_PASS_DEVICES", passes):
+        patches = diff_state_dicts(old, new, dtype=receiver)
+    assert [p.name for p in patches] == ["w"]  # "same" holds -2.5 on both sides
+    assert same_bits(patches[0].values, torch.tensor([-1.5]).to(receiver))
+
+
+def test_a_tied_tensor_is_sent_under_each_name_the_receiver_holds_in_another_dtype() -> None:
+    weight = torch.randn(8)
+    old = {"a": weight.clone(), "b": weight.clone()}
+    shared = weight.clone()
+    shared[3] = 7.0
+    new = {"a": shared, "b": shared}  # tied on the trainer
+    patches = diff_state_dicts(old, new, dtype={"a": torch.bfloat16, "b": torch.float32})
+    assert sorted((p.name, p.dtype) for p in patches) == [
+        ("a", torch.bfloat16),
+        ("b", torch.float32),
+    ]
+    # One receiver dtype: one tensor there too, sent once.
+    assert [p.name for p in diff_state_dicts(old, new, dtype=torch.float32)] == ["a"]
+
+
 def test_non_contiguous_tensors_and_trainable_parameters() -> None:
     base = torch.randn(8, 6)
     old = {"t": base.t(), "p": torch.nn.Parameter(torch.randn(5))}

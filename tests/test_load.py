@@ -553,3 +553,33 @@ def test_protect_names_that_match_no_tensor_are_refused() -> None:
         )
     assert [problem.name for problem in info.value.problems] == ["layers.tr.wieght"]
     assert_same_state(state(model), before)
+
+
+@pytest.mark.parametrize("parameter", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dense", [True, False])
+def test_values_that_are_a_lazy_negative_view_load_with_their_sign(
+    parameter: torch.dtype, dense: bool
+) -> None:
+    """A contiguous negative view (``torch._neg_view``, ``z.conj().imag``) as patch values:
+    torch's cast copy drops its sign, so validation resolves it once."""
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, dtype=parameter), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+            return {"w"}
+
+    stored = torch.tensor([1.5, 2.0, 3.0, 4.0])
+    values = torch._neg_view(stored if dense else stored[:2])
+    assert values.is_neg() and values.is_contiguous()
+    indices = None if dense else torch.tensor([1, 3])
+    model = One()
+    load_checkpoint_weight_patches(
+        model, [CheckpointWeightPatch("w", (4,), torch.float32, values, indices)]
+    )
+    expected = torch.tensor([-1.5, -2.0, -3.0, -4.0] if dense else [0.0, -1.5, 0.0, -2.0])
+    assert torch.equal(model.w.detach(), expected.to(parameter))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from patchctx import (
+    BoolMask,
     CheckpointWeightPatch,
     InvalidPatchError,
     LoaderContractError,
@@ -935,3 +936,40 @@ def test_whole_tensor_routes_write_in_one_step_only_where_positions_are_element_
         storage = model.weight.untyped_storage()
         around = torch.tensor([], dtype=torch.float32).set_(storage)
         assert not around[:7].any() and not around[31:].any()
+
+
+def test_verify_checks_every_route_when_some_hold_bool_or_complex_data() -> None:
+    """Routes learnt with BoolMask for a bool buffer and a complex weight: `verify` still
+    probes all of them (the default strategy stages neither) and finds the stale one."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rank = 0
+            self.w = nn.Parameter(torch.zeros(2), requires_grad=False)
+            self.mask = nn.Buffer(torch.zeros(3, dtype=torch.bool))
+            self.z = nn.Parameter(torch.zeros(2, dtype=torch.complex64), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, tensor in weights:
+                if name == "w":
+                    self.w.copy_(tensor.view(2, 2)[self.rank])
+                else:
+                    getattr(self, name).copy_(tensor)
+            return {"w", "mask", "z"}
+
+    model, routes = Mixed(), RouteCache()
+    patches = [
+        CheckpointWeightPatch("w", (4,), torch.float32, torch.ones(1), torch.tensor([0])),
+        CheckpointWeightPatch(
+            "mask", (3,), torch.bool, torch.ones(1, dtype=torch.bool), torch.tensor([1])
+        ),
+        CheckpointWeightPatch(
+            "z", (2,), torch.complex64, torch.ones(1, dtype=torch.complex64), torch.tensor([0])
+        ),
+    ]
+    load_checkpoint_weight_patches(model, patches, routes=routes, strategy=BoolMask())
+    assert set(routes) == {"w", "mask", "z"}
+    assert routes.verify(model) == []
+    model.rank = 1  # the mapping of "w" changed: its route is stale
+    assert routes.verify(model) == ["w"]

@@ -11,8 +11,9 @@ and fuses some: patchctx's own passes over CPU tensors are made here.
   order test and the bound on the last index together rule out negatives, and no difference is
   taken that could wrap. torch needs three passes (``aminmax``, ``diff`` into a buffer, ``min``).
 - `positions_into`: indices minus a shift, as int64 positions, into a buffer.
-- `has_nan_bits`: a NaN among IEEE floats, by two integer maxima of the same bits (signed,
-  then unsigned), without a temporary; `has_value`: an integer sentinel among integers.
+- `has_nan_bits`: a NaN among IEEE floats, by numpy's float maximum (fp32, fp64) or by two
+  integer maxima of the same bits (signed, then unsigned: bf16, fp16), without a temporary;
+  `has_value`: an integer sentinel among integers.
 """
 
 from __future__ import annotations
@@ -113,9 +114,16 @@ def nan_bits_known(values: torch.Tensor) -> bool:
 
 
 def has_nan_bits(values: torch.Tensor) -> bool:
-    """Whether `values` (see `nan_bits_known`) hold a NaN of any sign or payload."""
+    """Whether `values` (see `nan_bits_known`) hold a NaN of any sign or payload.
+
+    fp32 and fp64 by numpy's float maximum, which propagates NaN (one pass, as fast as
+    torch's ``amax`` at one thread); bf16 and fp16, which numpy cannot reduce fast, by the
+    bits.
+    """
     if not values.numel():
         return False
+    if values.dtype in (torch.float32, torch.float64):
+        return bool(np.isnan(values.detach().numpy().max()))
     integer, unsigned, positive, negative = _NAN_ABOVE[values.dtype]
     bits = values.detach().view(integer).numpy()
     return bool(bits.max() > positive) or bool(bits.view(unsigned).max() > negative)

@@ -251,8 +251,11 @@ def _host_covered(indices: torch.Tensor, span: tuple[int, int]) -> tuple[int, in
     if low > top:  # no index of this dtype reaches the span
         return count, count
     found = indices.numpy()
-    start = int(found.searchsorted(low))
-    return start, count if high >= top else int(found.searchsorted(high + 1))
+    # The bounds in the indices' own dtype: numpy casts the whole array to a wider one first
+    # (O(n)) for a needle of another dtype, a Python int included.
+    needle = found.dtype.type
+    start = int(found.searchsorted(needle(low)))
+    return start, count if high >= top else int(found.searchsorted(needle(high + 1)))
 
 
 @dataclass(frozen=True, slots=True)

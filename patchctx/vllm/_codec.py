@@ -144,7 +144,12 @@ def _dtype_name(dtype: object, problem: str) -> str:
 
 def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as contiguous little-endian bytes on the CPU (uint8, 1-D)."""
-    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    # A lazy negation or conjugation is resolved: its bytes are the values before it.
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).cpu()
+    if flat.numel() and flat.stride() != (1,):
+        # Contiguous is not enough for a byte view: a one-element view keeps its stride (the
+        # imaginary part of a complex number has 2), and the view needs 1.
+        flat = flat.clone(memory_format=torch.contiguous_format)
     raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
     if sys.byteorder == "big":
         raw = swap_bytes(raw, flat.element_size())

@@ -7,6 +7,7 @@ inference side through any ``VLLMWeightSyncClient`` (vLLM's HTTP or Ray clients,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -395,8 +396,13 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     def remember(self, state: Mapping[str, torch.Tensor]) -> None:
         """Take `state` as what the workers hold now (what the next diff starts from)."""
         dtype = self.init_info.dtype
+        # `dtype` is the receiver's for floating tensors only (as `diff_state_dicts` reads it):
+        # an integer step counter or quantized weight stays exact, in its own dtype.
         self.sent = {
-            name: tensor.detach().to(dtype or tensor.dtype, copy=True)
+            name: tensor.detach().to(
+                dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
+                copy=True,
+            )
             for name, tensor in state.items()
         }
 
@@ -474,15 +480,24 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         nbytes, transports = 0, set()
         groups = _chunks(patches, self.init_info.chunk_bytes)
         self.client.start_weight_update()
-        # When update_weights fails, vLLM has ended the update on every worker already.
-        for position, group in enumerate(groups):
-            begin = time.perf_counter()
-            payload = encode_patches(group, base_version=self.version, target_version=target)
-            encoded = time.perf_counter()
-            transports.add(self._transfer(payload, last=position == len(groups) - 1))
-            update_s += time.perf_counter() - encoded
-            encode_s += encoded - begin
-            nbytes += len(payload)
+        try:
+            for position, group in enumerate(groups):
+                begin = time.perf_counter()
+                payload = encode_patches(group, base_version=self.version, target_version=target)
+                encoded = time.perf_counter()
+                transports.add(self._transfer(payload, last=position == len(groups) - 1))
+                update_s += time.perf_counter() - encoded
+                encode_s += encoded - begin
+                nbytes += len(payload)
+        except BaseException:
+            # When update_weights fails, vLLM has ended the update on every worker already;
+            # a failure here (a patch that cannot be encoded, a payload a transport refuses)
+            # must end it too, or every later update is refused as "already active". Ended
+            # without a version: the workers drop the chunks they hold, and vLLM's version
+            # stays where it is.
+            with contextlib.suppress(Exception):
+                self.client.finish_weight_update()
+            raise
         self.client.finish_weight_update(target)
         self.version = target
         return SendStats(

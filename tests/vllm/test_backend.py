@@ -19,7 +19,13 @@ from vllm.distributed.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 
-from patchctx import CheckpointWeightPatch, InvalidPatchError, LoaderContractError, PatchError
+from patchctx import (
+    CheckpointWeightPatch,
+    InvalidPatchError,
+    LoaderContractError,
+    PatchError,
+    diff_state_dicts,
+)
 from patchctx.vllm import (
     NCCLTransport,
     PatchctxInitInfo,
@@ -144,6 +150,45 @@ def test_a_refusal_on_the_worker_changes_nothing_and_names_class_and_rank() -> N
     with pytest.raises(WeightVersionError):
         trainer.send_weights([good])
     assert not worker.model.w.any()
+
+
+def test_a_send_that_fails_on_the_trainer_ends_the_update_and_the_next_one_lands() -> None:
+    """A patch the codec cannot encode (complex64) fails after the update started: the update
+    must end on the workers (vLLM refuses to start another while one is active), without a
+    version, so that the next send goes through."""
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0, chunk_bytes=1), client=client
+    )
+    unencodable = CheckpointWeightPatch(
+        "z", (2,), torch.complex64, torch.ones(2, dtype=torch.complex64)
+    )
+    with pytest.raises(InvalidPatchError, match="cannot be encoded"):
+        # The first chunk is held by the worker; the second cannot be encoded.
+        trainer.send_weights([sparse("w", (4, 4), [1.0], [3]), unencodable])
+    assert not client.active
+    assert not worker.model.w.any()
+    assert (worker.patcher.version, client.version, trainer.version) == ("default",) * 3
+    stats = trainer.send_weights([sparse("w", (4, 4), [2.0], [5])])
+    assert stats is not None and stats.version == "1"
+    assert worker.model.w.view(-1)[[3, 5]].tolist() == [0.0, 2.0]
+
+
+def test_the_trainer_remembers_integer_tensors_exactly_whatever_its_float_dtype() -> None:
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0, dtype=torch.bfloat16), client=client
+    )
+    trainer.remember({"w": torch.zeros(4, 4), "b": torch.zeros(4)})
+    state = {"w": torch.zeros(4, 4), "b": torch.zeros(4), "steps": torch.tensor([257])}
+    trainer.remember(state)
+    assert trainer.sent["steps"].dtype == torch.int64 and trainer.sent["steps"].item() == 257
+    assert trainer.sent["w"].dtype == torch.bfloat16
+    changed = dict(state, steps=torch.tensor([256]), w=torch.ones(4, 4))
+    diff = [p.name for p in diff_state_dicts(trainer.sent, changed, dtype=torch.bfloat16)]
+    assert sorted(diff) == ["steps", "w"]  # 257 -> 256 is seen (bf16 would round both to 256)
 
 
 def test_chunks_apply_together_with_the_last_and_not_without_it() -> None:

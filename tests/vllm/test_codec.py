@@ -115,6 +115,16 @@ def test_encoding_inside_a_callers_int_sentinel_region_keeps_every_byte(sentinel
     assert same(got.values, values)
 
 
+def test_values_that_are_one_element_strided_or_lazily_negated_views_encode() -> None:
+    # ``z.imag`` of one complex element is "contiguous" with stride 2 (a byte view needs 1);
+    # ``z.conj().imag`` is a lazy negation besides.
+    z = torch.tensor([1 + 2j])
+    for values, expected in ((z.imag, 2.0), (z.conj().imag, -2.0)):
+        patch = CheckpointWeightPatch("w", (4,), torch.float32, values, torch.tensor([2]))
+        [got] = decode_patches(encode_patches([patch]))
+        assert got.values.tolist() == [expected]
+
+
 def test_empty_payloads_and_empty_patches() -> None:
     assert decode_payload(encode_patches([])) == PatchPayload(())
     empty = CheckpointWeightPatch("w", (0, 4), torch.bfloat16, torch.empty(0, dtype=torch.bfloat16))

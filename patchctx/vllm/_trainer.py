@@ -338,6 +338,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         self.inline = InlineTransport(limit=self.init_info.inline_below)  # None: the default
         self.version: str | None = None
         self.sent: dict[str, torch.Tensor] = {}
+        self._ended_by_workers = False  # the current update's update_weights raised
 
     @classmethod
     def trainer_init(
@@ -457,14 +458,21 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         try:
             if sender.concurrent:
                 with ThreadPoolExecutor(max_workers=1) as pool:
-                    pending = pool.submit(self.client.update_weights, info)
+                    pending = pool.submit(self._update_weights, info)
                     sender.transmit(payload)
                     pending.result()
             else:
-                self.client.update_weights(info)
+                self._update_weights(info)
         finally:
             sender.release()
         return sender.name
+
+    def _update_weights(self, info: dict[str, Any]) -> None:
+        try:
+            self.client.update_weights(info)
+        except BaseException:
+            self._ended_by_workers = True  # vLLM ends an update whose update_weights raised
+            raise
 
     def _send(
         self,
@@ -479,6 +487,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         encode_s = update_s = 0.0
         nbytes, transports = 0, set()
         groups = _chunks(patches, self.init_info.chunk_bytes)
+        self._ended_by_workers = False
         self.client.start_weight_update()
         try:
             for position, group in enumerate(groups):
@@ -490,13 +499,14 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
                 encode_s += encoded - begin
                 nbytes += len(payload)
         except BaseException:
-            # When update_weights fails, vLLM has ended the update on every worker already;
-            # a failure here (a patch that cannot be encoded, a payload a transport refuses)
-            # must end it too, or every later update is refused as "already active". Ended
-            # without a version: the workers drop the chunks they hold, and vLLM's version
-            # stays where it is.
-            with contextlib.suppress(Exception):
-                self.client.finish_weight_update()
+            # When update_weights fails, vLLM has ended the update on every worker already
+            # (ending it again is an error there). A failure of the trainer's own (a patch
+            # that cannot be encoded, a payload a transport refuses) must end it too, or every
+            # later update is refused as "already active". Ended without a version: the
+            # workers drop the chunks they hold, and vLLM's version stays where it is.
+            if not self._ended_by_workers:
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
             raise
         self.client.finish_weight_update(target)
         self.version = target

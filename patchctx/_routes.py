@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 
@@ -43,6 +43,15 @@ __all__ = [
     "replay_bounds",
     "replay_dense",
 ]
+
+
+def _release(lock: Any) -> None:
+    """Release every level of the reentrant `lock` this thread holds (none: nothing)."""
+    while lock._is_owned():
+        lock.release()
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,7 +422,7 @@ class RouteCache:
             )
         self._routes: dict[str, Route] = {}
         self._model: weakref.ref[Any] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # taken only through `_locked`
         self._verify_every = verify_every
         self._uses: dict[str, int] = {}
         self._verify_all = False
@@ -466,8 +475,7 @@ class RouteCache:
         from patchctx._patch import CheckpointWeightPatch
         from patchctx._strategies import BoolMask
 
-        with self._lock:
-            routes = list(self._routes.values())
+        routes = self._locked(lambda: list(self._routes.values()))
         nothing = torch.zeros(0, dtype=torch.long)
         patches = [
             CheckpointWeightPatch(r.name, r.shape, r.dtype, torch.zeros(0, dtype=r.dtype), nothing)
@@ -567,26 +575,42 @@ for a loader that copies views
     def _route(self, name: str) -> Route | None:
         return self._routes.get(name)
 
+    def _locked(self, body: Callable[[], _T]) -> _T:
+        """Run `body` holding the lock; release it on every exit, even an asynchronous one.
+
+        Never a ``with`` block: an exception raised between its body's last line and its exit
+        would keep the lock, and every later call would wait for ever.
+        """
+        lock = self._lock
+        try:
+            lock.acquire()
+            result = body()
+            _release(lock)
+            return result
+        finally:
+            _release(lock)  # a second release, for an exception that cut the first
+
     def clear(self) -> None:
         """Forget every route (the next patch to each name goes through the loader)."""
-        with self._lock:
-            self._routes.clear()
+        self._locked(self._routes.clear)
 
     def invalidate(self, name: str) -> None:
         """Forget the route of `name` (no error if there is none)."""
-        with self._lock:
-            self._routes.pop(name, None)
+        self._locked(lambda: self._routes.pop(name, None))
 
     # -- used by load_checkpoint_weight_patches ------------------------------------------
 
     def _bind(self, model: object) -> None:
         """Tie the cache to `model`; a different model clears it."""
-        with self._lock:
+
+        def bind() -> None:
             bound = self._model() if self._model is not None else None
             if bound is not model:
                 self._routes.clear()
                 self._model = weakref.ref(model)
                 self._slots = {}
+
+        self._locked(bind)
 
     def _live(self) -> LiveTensors:
         """The bound model's tensors by name, looked up where they are registered right now.
@@ -618,8 +642,7 @@ for a loader that copies views
         return tensor if tensor is not None else module._buffers.get(attr)
 
     def _store(self, route: Route) -> None:
-        with self._lock:
-            self._routes[route.name] = route
+        self._locked(lambda: self._routes.__setitem__(route.name, route))
         self.stats.recorded += 1
 
     def _due_for_verification(self, name: str) -> bool:

@@ -215,9 +215,15 @@ def run_loader(
         call.rollback()
         raise
     finally:
-        if not done:
-            call.rollback()
-        call.ledger.restore_inputs()  # the caller's dense values, as they sent them
+        try:
+            if not done:
+                call.rollback()
+        finally:
+            # The caller's dense values, as they sent them (twice, like every undo).
+            try:
+                call.ledger.restore_inputs()
+            finally:
+                call.ledger.restore_inputs()
     shapes = {load.name: (load.shape, load.dtype) for load in sparse}
     routes = call.recorder.routes(
         shapes,

@@ -415,7 +415,8 @@ class StagedTensor(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         was_inside = is_bypassed()
-        try:  # our own copies of values and masks are never a region's business
+        # Our own copies of values and masks are never a region's business.
+        try:
             bypass()
             result = _dispatch(func, args, kwargs or {})
             end_bypass(was_inside)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_map
 
 from patchctx import _swap
@@ -284,11 +284,14 @@ class DryTensor(StagedTensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         was_inside = _swap.is_bypassed()
-        try:  # our own work on meta tensors is never a masked region's business
+        # Our own work on meta tensors is never a masked region's business.
+        try:
             _swap.bypass()
-            return _dispatch(func, args, kwargs or {})
-        finally:
+            result = _dispatch(func, args, kwargs or {})
             _swap.end_bypass(was_inside)
+            return result
+        finally:
+            _swap.end_bypass(was_inside)  # a second reset, for an exception that cut the first
 
 
 def _twin(tensor: torch.Tensor) -> torch.Tensor:
@@ -517,6 +520,12 @@ def _write_into_plain(
     )
 
 
+def _leave(guard: _DryGuard) -> None:
+    """Pop `guard` off this thread's mode stack if it is on top (idempotent)."""
+    if _get_current_dispatch_mode() is guard:
+        guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
 class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The loader's plain operations in a dry run (its thread): model writes checked, skipped."""
 
@@ -642,12 +651,20 @@ def _dry_run(
         )
         ledger.recorder.expect(name)
     reported: set[str] = set()
+    guard = _DryGuard(ledger)
     regions = _swap.suspend()
     try:
-        with _DryGuard(ledger):
+        # Not a ``with`` block: an exception raised as its exit starts would leave the guard
+        # on this thread's mode stack, skipping (or refusing) every later write. Every step
+        # that undoes something runs twice (see `patchctx._session`).
+        try:
+            guard.__enter__()  # type: ignore[no-untyped-call]
             # Read to the end here, under the guard and before `weights` is cleared: a
             # generator's body runs only now.
             reported = read_names(module.load_weights(weights))  # type: ignore[operator]
+            _leave(guard)
+        finally:
+            _leave(guard)
     except _Stop:
         pass
     except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
@@ -655,9 +672,18 @@ def _dry_run(
     except Exception as error:
         ledger.halt("deferred", f"the loader raised {type(error).__name__}: {error}")
     finally:
-        ledger.open = False
-        _swap.resume(regions)
-    changed = snapshot.restore()
+        try:
+            _leave(guard)
+            ledger.open = False
+            _swap.resume(regions)
+        finally:
+            _leave(guard)
+            ledger.open = False
+            _swap.resume(regions)
+    try:
+        changed = snapshot.restore()
+    finally:
+        snapshot.restore()  # idempotent: redone only when an exception cut the first
     if changed:
         ledger.halt(
             "unlearnable",

@@ -14,17 +14,25 @@ import contextvars
 import linecache
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import patchctx
-from patchctx import NaNMask, RouteCache, _swap, load_checkpoint_weight_patches, masked_copy
+from patchctx import (
+    CheckpointWeightPatch,
+    NaNMask,
+    RouteCache,
+    _swap,
+    load_checkpoint_weight_patches,
+    masked_copy,
+)
 from tests.support.zoo import ZooLayer, full_state, same_state, sparse
 
 ORIGINAL = torch.Tensor.copy_
@@ -35,26 +43,43 @@ class Injected(KeyboardInterrupt):
     pass
 
 
-def run_with_interrupt_at(line: int | None, body: Callable[[], object]) -> tuple[int, bool]:
+def run_with_interrupt_at(
+    line: int | None, body: Callable[[], object], *, calls: bool = False
+) -> tuple[int, bool]:
     """Run `body`, raising `Injected` at the `line`-th line event in patchctx's code.
+
+    With `calls`, the start of every Python function patchctx's code calls (torch's
+    ``TorchDispatchMode.__exit__``, say) counts as a line event too: CPython checks for a
+    signal as a frame starts, so an interrupt can arrive there before its first line runs.
 
     Returns the number of line events seen and whether the interrupt was raised.
     """
     seen = 0
     raised = False
 
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
+    def count(frame: FrameType) -> None:
         nonlocal seen, raised
+        seen += 1
+        if seen == line:
+            raised = True
+            raise Injected
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and not _irreducible(frame):
-            seen += 1
-            if seen == line:
-                raised = True
-                raise Injected
+            count(frame)
         return local
 
     def tracer(frame: FrameType, event: str, arg: Any) -> Any:
         if frame.f_code.co_filename.startswith(PACKAGE):
             return local
+        caller = frame.f_back
+        if (
+            calls
+            and caller is not None
+            and caller.f_code.co_filename.startswith(PACKAGE)
+            and not _finalizer(frame)
+        ):
+            count(frame)  # raised in the called frame, before its first line
         return None
 
     sys.settrace(tracer)
@@ -65,6 +90,13 @@ def run_with_interrupt_at(line: int | None, body: Callable[[], object]) -> tuple
     finally:
         sys.settrace(None)
     return seen, raised
+
+
+def _finalizer(frame: FrameType) -> bool:
+    """A finalizer or weak-reference callback: Python reports what it raises, never propagates
+    it (an interrupt there is lost whatever the code around it does)."""
+    code = frame.f_code
+    return code.co_name == "__del__" or code.co_filename.endswith("_weakrefset.py")
 
 
 _EXIT = (patchctx.MaskedCopy.__exit__.__code__, _swap.innermost.__code__)
@@ -169,6 +201,121 @@ def test_an_interrupt_at_any_line_of_a_load_leaves_the_model_as_before_or_as_aft
         as_before = same_state(state, before, storages=False)
         as_after = same_state(state, after, storages=False)
         assert as_before == [] or as_after == [], f"line {line}: half written: {as_before}"
+
+
+class PaddedPair(nn.Module):
+    """Two weights; the loader zero-fills `e`'s padding rows (a constant fill), so a call of
+    both names learns each one's route by a dry run of that name alone, inside the load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(8), requires_grad=False)
+        self.e = nn.Parameter(torch.zeros(10), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            if name == "e":
+                self.e[:8].copy_(tensor)
+                self.e[8:].zero_()
+            else:
+                self.w.copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_an_interrupt_anywhere_in_a_load_that_learns_routes_by_dry_runs_leaves_no_guard(
+    atomic: bool,
+) -> None:
+    """The dry runs push a dispatch mode and bypass masked regions: an interrupt at any line,
+    or as any function they call starts (``TorchDispatchMode.__exit__`` included), must leave
+    neither behind, and the model as before or as after."""
+
+    def patches() -> list[CheckpointWeightPatch]:
+        return [
+            CheckpointWeightPatch("w", (8,), torch.float32, torch.tensor([1.0]), torch.tensor([1])),
+            CheckpointWeightPatch("e", (8,), torch.float32, torch.tensor([2.0]), torch.tensor([2])),
+        ]
+
+    after_model = PaddedPair()
+    load_checkpoint_weight_patches(after_model, patches())
+    after = full_state(after_model)
+    before = full_state(PaddedPair())
+    model = PaddedPair()
+
+    def body() -> None:
+        load_checkpoint_weight_patches(model, patches(), routes=RouteCache(), atomic=atomic)
+
+    total, _ = run_with_interrupt_at(None, body, calls=True)
+    assert total > 200
+    for line in range(1, total + 1):
+        model = PaddedPair()
+        run_with_interrupt_at(line, body, calls=True)
+        assert_consistent()
+        state = full_state(model)
+        as_before = same_state(state, before, storages=False)
+        as_after = same_state(state, after, storages=False)
+        assert as_after == [] or (as_before == [] if atomic else True), f"line {line}"
+        # The thread carries on: a later load writes, and a region still masks.
+        load_checkpoint_weight_patches(model, patches())
+        assert same_state(full_state(model), after, storages=False) == [], f"line {line}"
+
+
+class ScalesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            tensor.mul_(2)
+            self.w.copy_(tensor)
+        return {"w"}
+
+
+def test_an_interrupt_anywhere_leaves_the_callers_dense_values_as_sent() -> None:
+    """A loader that writes its dense input in place: its writes are undone when the call
+    ends, however it ends."""
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    sent = values.clone()
+
+    def body() -> None:
+        load_checkpoint_weight_patches(
+            ScalesItsInput(), [CheckpointWeightPatch("w", (4,), torch.float32, values)]
+        )
+
+    total, _ = run_with_interrupt_at(None, body, calls=True)
+    assert total > 50
+    for line in range(1, total + 1):
+        run_with_interrupt_at(line, body, calls=True)
+        assert_consistent()
+        assert torch.equal(values, sent), f"line {line}: {values.tolist()}"
+
+
+def _run_then_mark(body: Callable[[], object], finished: list[bool]) -> None:
+    body()
+    finished.append(True)
+
+
+def test_a_route_cache_is_usable_after_an_interrupt_anywhere_in_its_calls() -> None:
+    """Its lock is never held past an interrupt (it is not taken by a ``with`` block)."""
+    model = PaddedPair()
+    patch = CheckpointWeightPatch("w", (8,), torch.float32, torch.tensor([1.0]), torch.tensor([1]))
+    cache = RouteCache()
+
+    def body() -> None:
+        load_checkpoint_weight_patches(model, [patch], routes=cache)
+        cache.invalidate("w")
+        cache.clear()
+
+    total, _ = run_with_interrupt_at(None, body, calls=True)
+    for line in range(1, total + 1):
+        run_with_interrupt_at(line, body, calls=True)
+        assert_consistent()
+        finished: list[bool] = []
+        worker = threading.Thread(target=_run_then_mark, args=(body, finished))
+        worker.start()
+        worker.join(timeout=10)
+        assert finished, f"line {line}: the cache's lock is still held"
 
 
 def test_a_region_left_from_another_thread_frees_the_lock() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import linecache
 import sys
 import threading
@@ -82,6 +83,10 @@ def run_with_interrupt_at(
             count(frame)  # raised in the called frame, before its first line
         return None
 
+    # Other libraries' garbage-collector callbacks (hypothesis has one) run inside patchctx's
+    # gc.collect(): not patchctx's code, and an interrupt there is only reported.
+    callbacks = gc.callbacks[:]
+    gc.callbacks.clear()
     sys.settrace(tracer)
     try:
         body()
@@ -89,14 +94,20 @@ def run_with_interrupt_at(
         pass
     finally:
         sys.settrace(None)
+        gc.callbacks[:] = callbacks
     return seen, raised
 
 
 def _finalizer(frame: FrameType) -> bool:
-    """A finalizer or weak-reference callback: Python reports what it raises, never propagates
-    it (an interrupt there is lost whatever the code around it does)."""
+    """A finalizer, weak-reference or garbage-collector callback (another library's, say):
+    Python reports what it raises, never propagates it (an interrupt there is lost whatever
+    the code around it does)."""
     code = frame.f_code
-    return code.co_name == "__del__" or code.co_filename.endswith("_weakrefset.py")
+    return (
+        code.co_name == "__del__"
+        or code.co_filename.endswith("_weakrefset.py")
+        or any(getattr(callback, "__code__", None) is code for callback in gc.callbacks)
+    )
 
 
 _EXIT = (patchctx.MaskedCopy.__exit__.__code__, _swap.innermost.__code__)

@@ -23,7 +23,7 @@ from patchctx._errors import LoaderContractError
 from patchctx._staged import StagedTensor, _tensors, written_arguments
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["Guard", "constant_of"]
+__all__ = ["HOST_READS", "Guard", "constant_of"]
 
 aten = torch.ops.aten
 
@@ -43,6 +43,11 @@ _RESHAPING = frozenset(
         aten.detach_,
         aten._resize_output_,
     }
+)
+# Operations whose result leaves torch as a Python value (``.item()``, ``bool(t)``,
+# ``torch.equal``): what the loader does next may depend on it.
+HOST_READS = frozenset(
+    {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 )
 # In-place operations that do not read the values they overwrite.
 _PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
@@ -86,6 +91,9 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tensors = _tensors((args, kwargs))
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the staged data handles it
+        if func in HOST_READS:  # a value leaves torch: the loader may decide on it
+            for tensor in tensors:
+                self.ledger.host_read(tensor)
         written = written_arguments(func)
         targets: list[torch.Tensor] = []
         for position, name in written:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from patchctx._routes import Geometry, Route, Segment
+from patchctx._routes import Geometry, Read, Route, Segment
 
 if TYPE_CHECKING:
     from patchctx._routes import Fill
@@ -46,10 +46,19 @@ class Recorder:
     reasons: dict[str, str] = field(default_factory=dict)
     # Names whose only obstacle was sharing a call with other names and constant fills.
     alone: set[str] = field(default_factory=set)
+    # Model tensors the loader read out of torch, by name (the last read of each).
+    reads: dict[str, Read] = field(default_factory=dict)
 
     def expect(self, name: str) -> None:
         """`name` is a sparse name of this call (so "writes nothing" is a finding too)."""
         self.segments.setdefault(name, [])
+
+    def host_read(self, name: str, tensor: torch.Tensor) -> None:
+        """The loader read model tensor `name` out of torch: every route of the call hangs on it.
+
+        Which name's decision the value fed cannot be told, so all of them do.
+        """
+        self.reads[name] = Read(name, tensor.data_ptr(), tensor._version)
 
     def unprovable(self, names: Iterable[str], reason: str) -> None:
         for name in names:
@@ -80,6 +89,10 @@ class Recorder:
         low, high = source_geometry.span()
         if (
             data.dtype != root.data.dtype
+            or data.is_conj()
+            or data.is_neg()
+            or destination.is_conj()  # a lazy conjugation or negation: not the stored bits
+            or destination.is_neg()
             or source.shape != destination.shape
             or destination.dtype != owner.dtype
             or not source_geometry.injective()
@@ -143,5 +156,7 @@ class Recorder:
             targets = {segment.tensor_name for segment in segments}
             targets |= {fill.tensor_name for fill in fills}
             names = frozenset(n for n in reported if n in targets or n == name)
-            routes[name] = Route(name, *shapes[name], tuple(segments), names, fills)
+            routes[name] = Route(
+                name, *shapes[name], tuple(segments), names, fills, tuple(self.reads.values())
+            )
         return routes

@@ -331,6 +331,23 @@ class Fill:
 
 
 @dataclass(frozen=True, slots=True)
+class Read:
+    """A model tensor the loader read out of torch (``.item()``) while loading the name.
+
+    The loader may have decided where to write on it (an expert map): the route holds only
+    while the tensor is the same one, unchanged since (its version counter, which every
+    in-place write bumps).
+    """
+
+    tensor_name: str
+    data_ptr: int
+    version: int
+
+    def live(self, tensor: torch.Tensor) -> bool:
+        return tensor.data_ptr() == self.data_ptr and tensor._version == self.version
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     """How one checkpoint name reaches the model: its segments in the order they were copied.
 
@@ -345,6 +362,7 @@ class Route:
     segments: tuple[Segment, ...]
     reported: frozenset[str] = frozenset()
     fills: tuple[Fill, ...] = ()
+    reads: tuple[Read, ...] = field(default=(), compare=False)
     _numel: int = field(init=False, repr=False, compare=False)
     # One whole-tensor segment in the checkpoint dtype (see `Segment._whole`): replay writes
     # a patch's positions into the live tensor's ``view(-1)`` as they are.
@@ -696,6 +714,12 @@ for a loader that copies views
                 self.stats.invalidated += 1
                 return None
             targets.append(tensor)
+        for read in route.reads:  # what the loader decided on is unchanged
+            tensor = tensors.get(read.tensor_name)
+            if tensor is None or not read.live(tensor):
+                self.invalidate(name)
+                self.stats.invalidated += 1
+                return None
         return route, targets
 
 

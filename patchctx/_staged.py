@@ -911,6 +911,12 @@ def _merge(
 
     Cast, moved and broadcast as ``copy_`` does.
     """
+    if target.is_conj() or target.is_neg():
+        # ``torch.where(..., out=)`` would write the stored bits, not what the view stands for.
+        _refuse(
+            f"the loader copies staged data of {_label(names)} into a lazily conjugated or "
+            "negated view of a tensor (w.conj(), w.conj().imag); copy into the tensor itself"
+        )
     try:
         update = update.expand(target.shape)
     except RuntimeError:

@@ -296,6 +296,13 @@ class WriteLedger:
             if self.log_plain:
                 self.undo.save_view(target)
 
+    def host_read(self, tensor: torch.Tensor) -> None:
+        """The loader reads `tensor` out of torch (``.item()``): a model tensor is noted."""
+        owner = self.index.owner(tensor)
+        if owner is not None:
+            with self._lock:
+                self.recorder.host_read(owner.name, owner.tensor)
+
     def input_write(self, target: torch.Tensor) -> None:
         """Before the loader writes `target` in place: save it if it is a caller's input."""
         if self.inputs and storage_key(target) in self.inputs:

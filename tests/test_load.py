@@ -26,6 +26,7 @@ from patchctx import (
     InputOrder,
     IntSentinel,
     InvalidPatchError,
+    LoaderContractError,
     NaNMask,
     OrderingPolicy,
     PerTensor,
@@ -583,3 +584,40 @@ def test_values_that_are_a_lazy_negative_view_load_with_their_sign(
     )
     expected = torch.tensor([-1.5, -2.0, -3.0, -4.0] if dense else [0.0, -1.5, 0.0, -2.0])
     assert torch.equal(model.w.detach(), expected.to(parameter))
+
+
+@pytest.mark.parametrize("view", ["conj", "conj-imag"])
+def test_staged_data_copied_into_a_lazily_conjugated_view_is_refused_with_nothing_written(
+    view: str,
+) -> None:
+    """``p.conj().copy_(w)`` or ``p.conj().imag.copy_(w)``: the view stands for other values
+    than the bits it holds, and a masked merge would write the bits. Refused; a dense patch
+    (a plain ``copy_``, which resolves the view) loads the dense truth."""
+
+    class Conjugating(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                if view == "conj":
+                    self.p.data.conj().copy_(tensor)
+                else:
+                    self.p.data.conj().imag.copy_(tensor)
+            return {"p"}
+
+    dtype = torch.complex64 if view == "conj" else torch.float32
+    value = torch.tensor([2 + 3j]) if view == "conj" else torch.tensor([9.0])
+    model = Conjugating()
+    before = model.p.detach().clone()
+    sparse = CheckpointWeightPatch("p", (4,), dtype, value.to(dtype), torch.tensor([1]))
+    with pytest.raises(LoaderContractError, match="conjugated or negated view"):
+        load_checkpoint_weight_patches(model, [sparse], routes=RouteCache(), strategy=BoolMask())
+    assert torch.equal(model.p.detach(), before)
+    full = torch.zeros(4, dtype=dtype)
+    full[1] = value.to(dtype)[0]
+    truth = Conjugating()
+    truth.load_weights([("p", full)])
+    load_checkpoint_weight_patches(model, [CheckpointWeightPatch("p", (4,), dtype, full)])
+    assert torch.equal(model.p.detach(), truth.p.detach())

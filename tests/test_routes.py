@@ -973,3 +973,63 @@ def test_verify_checks_every_route_when_some_hold_bool_or_complex_data() -> None
     assert routes.verify(model) == []
     model.rank = 1  # the mapping of "w" changed: its route is stale
     assert routes.verify(model) == ["w"]
+
+
+class Experts(nn.Module):
+    """Two local expert slots; the loader looks up each expert's slot in a model buffer, as
+    vLLM's expert-parallel MoE loader does with its expert map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+        self.expert_map = nn.Buffer(torch.tensor([0, 1]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            if name == "expert_map":
+                self.expert_map.copy_(tensor)
+            else:  # "experts.E.w"
+                slot = int(self.expert_map[int(name.split(".")[1])].item())
+                self.w.data[slot].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["warm", "first patch"])
+@pytest.mark.parametrize("change", ["dense patch", "in place"])
+def test_a_route_follows_the_model_state_its_loader_read_out_of_torch(
+    how: str, change: str
+) -> None:
+    """The loader decided where to write on a value it read with ``.item()``: once that
+    tensor changes (a rebalance of the expert map), the route is not replayed."""
+    model, routes = Experts(), RouteCache()
+    if how == "warm":
+        specs = [("experts.0.w", (4,), torch.float32), ("experts.1.w", (4,), torch.float32)]
+        routes.warm(model, specs)
+    else:
+        first = CheckpointWeightPatch(
+            "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+        )
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.0.w" in routes
+    patch = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([5.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [patch], routes=routes)  # unchanged: replayed
+    assert routes.stats.replayed == 1 and model.w[0, 2] == 5.0
+    swapped = torch.tensor([1, 0])  # the experts swap slots
+    if change == "dense patch":
+        load_checkpoint_weight_patches(
+            model, [CheckpointWeightPatch("expert_map", (2,), torch.int64, swapped)]
+        )
+    else:
+        model.expert_map.copy_(swapped)
+    truth = copy.deepcopy(model)
+    full = torch.zeros(4)
+    full[2] = 7.0
+    truth.load_weights([("experts.0.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert torch.equal(model.w, truth.w)
+    assert routes.stats.invalidated == 1

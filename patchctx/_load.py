@@ -111,13 +111,16 @@ def _apply_ordering(
 ) -> list[CheckedPatch]:
     if isinstance(ordering, InputOrder):
         return items
+    # What validation saw: a policy that writes into a patch's tensors in place (or returns a
+    # patch checked elsewhere) gets it validated again, like a patch it made.
+    seen = {id(item): _versions(item) for item in items}
     result: list[CheckedPatch | None] = []
     fresh: list[tuple[int, object]] = []
     for entry in ordering.order(items):
-        if isinstance(entry, CheckedPatch):
+        if isinstance(entry, CheckedPatch) and seen.get(id(entry)) == _versions(entry):
             result.append(entry)
         else:
-            fresh.append((len(result), entry))
+            fresh.append((len(result), entry.patch if isinstance(entry, CheckedPatch) else entry))
             result.append(None)
     if fresh:
         # A policy made new patches: validate them as if they were input.
@@ -139,6 +142,12 @@ def _apply_ordering(
         for (slot, _), item in zip(fresh, rechecked, strict=True):
             result[slot] = item.unpositioned()
     return [item for item in result if item is not None]
+
+
+def _versions(item: CheckedPatch) -> tuple[int, int]:
+    """The version counters of a checked patch's values and indices (bumped in place)."""
+    indices = item.patch.indices
+    return item.patch.values._version, -1 if indices is None else indices._version
 
 
 class _Loader:

@@ -243,6 +243,31 @@ def test_user_ordering_that_builds_new_patches_is_validated() -> None:
     assert_same_state(state(model), before)
 
 
+@pytest.mark.parametrize("change", ["index out of range", "NaN value"])
+def test_a_checked_patch_a_policy_changed_in_place_is_validated_again(change: str) -> None:
+    """Validation ran before the policy: a policy that writes into a patch's tensors in place
+    hands back a patch nobody checked, which is then checked like one it made."""
+
+    class Tampering:
+        def order(self, patches: Sequence[CheckedPatch]) -> list[CheckedPatch]:
+            patch = patches[0].patch
+            assert patch.indices is not None
+            if change == "index out of range":
+                patch.indices[0] = -1
+            else:
+                patch.values[0] = float("nan")
+            return list(patches)
+
+    model = packed_tp_model()
+    loaded(model)
+    before = state(model)
+    patch = sparse("tr.proj.weight", model, [1, 4], [4.0, 5.0])
+    reason = "out of range" if change == "index out of range" else "NaN"
+    with pytest.raises(InvalidPatchError, match=rf"Tampering.*produced an invalid patch.*{reason}"):
+        load_checkpoint_weight_patches(model, [patch], ordering=Tampering())
+    assert_same_state(state(model), before)
+
+
 def test_coalesce_merges_dense_then_sparse_and_sparse_runs() -> None:
     model = packed_tp_model()
     checkpoint = loaded(model)

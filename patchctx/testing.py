@@ -16,6 +16,7 @@ refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -281,6 +282,62 @@ def _case_cast(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
     return check
 
 
+def _specials(dtype: torch.dtype) -> torch.Tensor:
+    """Values random draws never give: infinities, signed zeros, NaN, extremes, subnormals."""
+    if dtype == torch.bool:
+        return torch.tensor([True, False])
+    if dtype.is_floating_point or dtype.is_complex:
+        real = torch.float64 if dtype.is_complex else dtype
+        info = torch.finfo(real)
+        edges = [math.inf, -math.inf, -0.0, 0.0, math.nan, info.max, info.min, info.tiny]
+        edges.append(info.smallest_normal / 2)  # subnormal (zero where the dtype has none)
+        column = torch.tensor(edges, dtype=torch.float64).to(real)
+        if dtype.is_complex:
+            return torch.complex(column, column.flip(0)).to(dtype)
+        return column
+    bounds = torch.iinfo(dtype)
+    extremes = sorted({bounds.min, bounds.max, 0, 1, max(bounds.min, -1)})
+    return torch.tensor(extremes, dtype=torch.int64).to(dtype)
+
+
+def _case_special_values(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
+    """Kept destinations holding special values stay bit for bit.
+
+    And every special value, and the value the strategy fills unchanged positions with, is
+    either reserved (validation refuses it) or lands exactly.
+    """
+
+    def check(strategy: CopyStrategy) -> None:
+        specials = _specials(dtype)
+        count = specials.numel()
+        patch = _patch(strategy, dtype, (count,), seed=3, density=0.5)
+        destination = specials.clone()
+        expected = _reference(destination, patch, dtype)
+        strategy.merge(destination, strategy.stage(patch.shape, dtype, patch.indices, patch.values))
+        _assert_same_bits(destination, expected, "merge over special values")
+        one = _patch(strategy, dtype, (2,), seed=5, density=0.5)  # one index of two changes
+        staged = strategy.stage(one.shape, dtype, one.indices, one.values)
+        data = staged._data if isinstance(staged, StagedTensor) else staged
+        kept = 1 - int(one.indices[0])
+        candidates = [specials[k : k + 1] for k in range(count)]
+        candidates.append(data.reshape(-1)[kept : kept + 1].clone())
+        for value in candidates:
+            if bool(strategy.reserved_values(value, dtype)):
+                continue  # refused by validation: never staged
+            destination = _random((3,), dtype, torch.Generator().manual_seed(4))
+            expected = destination.clone()
+            expected[1:2] = value
+            merged = strategy.stage((3,), dtype, torch.tensor([1]), value)
+            strategy.merge(destination, merged)
+            _assert_same_bits(
+                destination,
+                expected,
+                f"the update {value.item()!r}, not reserved by reserved_values, must land",
+            )
+
+    return check
+
+
 def _case_reserved_flag(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
     def check(strategy: CopyStrategy) -> None:
         values = torch.zeros(0, dtype=dtype)
@@ -328,7 +385,7 @@ def conformance_cases(
         >>> from patchctx.testing import conformance_cases
         >>> cases = conformance_cases(NaNMask(), [torch.bfloat16, torch.int8])
         >>> len(cases), cases[0].id, cases[-1].id
-        (10, 'stage-layout[bfloat16]', 'refuses-unsupported[int8]')
+        (11, 'stage-layout[bfloat16]', 'refuses-unsupported[int8]')
 
         In a pytest suite, one test per case:
 
@@ -355,6 +412,7 @@ def conformance_cases(
             ("refuses-shape-mismatch", _case_shape_mismatch(dtype)),
             ("cast-exact-or-refused", _case_cast(dtype)),
             ("reserved-values-flag", _case_reserved_flag(dtype)),
+            ("special-values-land-or-are-reserved", _case_special_values(dtype)),
         ]
         cases.extend(ConformanceCase(f"{label}[{name}]", dtype, fn) for label, fn in builders)
     return cases

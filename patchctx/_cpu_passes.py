@@ -24,6 +24,7 @@ import torch
 from patchctx._blocks import scratch
 
 __all__ = [
+    "HOST_FROM",
     "each_increasing_below",
     "has_nan_bits",
     "has_value",
@@ -31,6 +32,11 @@ __all__ = [
     "nan_bits_known",
     "positions_into",
 ]
+
+# From this many elements a torch elementwise operation or reduction on CPU runs on every
+# intra-op thread (torch's grain size) and waits for a busy core: callers pass longer tensors
+# here (read as `_cpu_passes.HOST_FROM`, so tests can lower it).
+HOST_FROM = 1 << 15
 
 _UNSIGNED: dict[int, type[np.unsignedinteger]] = {4: np.uint32, 8: np.uint64}
 

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
+from patchctx import _cpu_passes
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
@@ -568,16 +569,11 @@ def _small_flags(
 
 def _int64(indices: torch.Tensor) -> torch.Tensor:
     """`indices` as a new int64 tensor; long ones on CPU by numpy (see `patchctx._cpu_passes`)."""
-    if indices.device.type != "cpu" or indices.shape[0] <= _HOST_FROM:
+    if indices.device.type != "cpu" or indices.shape[0] <= _cpu_passes.HOST_FROM:
         return indices.long()
     positions = torch.empty(indices.shape, dtype=torch.long)
     positions_into(indices, 0, positions)
     return positions
-
-
-# From this many elements a torch elementwise operation on CPU runs on every intra-op thread
-# (torch's grain size) and waits for a busy core: longer conversions are numpy passes.
-_HOST_FROM = 1 << 15
 
 
 def _batch_flags(

@@ -107,6 +107,24 @@ class Geometry:
         return True
 
 
+def _still(
+    tensor: torch.Tensor, data_ptr: int, dtype: torch.dtype, layout: Geometry, needs: int
+) -> bool:
+    """Whether `tensor` is the one recorded, live checks of segments and fills alike.
+
+    Its first element at `data_ptr`, in `dtype` and `layout`, its storage at least `needs`
+    bytes: the first element's address and the storage offset together fix the storage's.
+    """
+    return (
+        tensor.data_ptr() == data_ptr
+        and tensor.dtype == dtype
+        and tensor.storage_offset() == layout.offset
+        and tensor.stride() == layout.stride
+        and tensor.shape == layout.size
+        and needs <= tensor.untyped_storage().nbytes()
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One recorded copy: a view of the staged checkpoint tensor into a view of a parameter.
@@ -174,16 +192,7 @@ class Segment:
 
     def live(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is still the storage and layout this segment was recorded on."""
-        layout = self.layout
-        # The first element's address and the storage offset together fix the storage's.
-        return (
-            tensor.data_ptr() == self._data_ptr
-            and tensor.dtype == self.dtype
-            and tensor.storage_offset() == layout.offset
-            and tensor.stride() == layout.stride
-            and tensor.shape == layout.size
-            and self._needs <= tensor.untyped_storage().nbytes()
-        )
+        return _still(tensor, self._data_ptr, self.dtype, self.layout, self._needs)
 
     def covered(self, indices: torch.Tensor) -> tuple[int, int]:
         """The slice of sorted `indices` that falls inside the source view's span."""
@@ -306,15 +315,7 @@ class Fill:
 
     def live(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is still the storage and layout this fill was recorded on."""
-        layout = self.layout
-        return (
-            tensor.data_ptr() == self._data_ptr
-            and tensor.dtype == self.dtype
-            and tensor.storage_offset() == layout.offset
-            and tensor.stride() == layout.stride
-            and tensor.shape == layout.size
-            and self._needs <= tensor.untyped_storage().nbytes()
-        )
+        return _still(tensor, self._data_ptr, self.dtype, self.layout, self._needs)
 
     def apply(self, tensor: torch.Tensor, undo: UndoLog | None = None) -> None:
         """Make the fill again in `tensor`'s storage (`tensor`: the owner, checked live)."""

@@ -15,7 +15,7 @@ from typing import Protocol, cast, runtime_checkable
 
 import torch
 
-from patchctx import _swap
+from patchctx import _cpu_passes, _swap
 from patchctx._arguments import instance_of, optional_int
 from patchctx._bits import indexable, scatter_flat
 from patchctx._cpu_passes import has_nan_bits, has_value, nan_bits_known
@@ -215,10 +215,6 @@ _HALF_NAN = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 # From this many values the bit test above beats the float amax (2.5x at 1M, 3x slower at 4K).
 _INTEGER_NAN_FROM = 1 << 15
 
-# From this many elements a torch reduction on CPU runs on every intra-op thread (torch's grain
-# size), and waits for a busy core: above it, the CPU reserved-value tests are numpy passes.
-_HOST_FROM = 1 << 15
-
 
 @functools.cache
 def _reduces(dtype: torch.dtype, reduction: str) -> bool:
@@ -274,7 +270,7 @@ class NaNMask:
         values = values.to(dtype=dtype)
         if not values.numel():
             return torch.zeros((), dtype=torch.bool, device=values.device)
-        if values.numel() > _HOST_FROM and nan_bits_known(values):
+        if values.numel() > _cpu_passes.HOST_FROM and nan_bits_known(values):
             # On CPU, two numpy maxima of the bits (see `patchctx._cpu_passes`).
             return torch.tensor(has_nan_bits(values))
         half = _HALF_NAN.get(dtype)
@@ -389,7 +385,11 @@ class IntSentinel:
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         values = values.to(dtype=dtype)
         sentinel = self.sentinel(dtype)
-        if values.numel() > _HOST_FROM and values.device.type == "cpu" and not values.is_neg():
+        if (
+            values.numel() > _cpu_passes.HOST_FROM
+            and values.device.type == "cpu"
+            and not values.is_neg()
+        ):
             # One numpy pass on the calling thread (see `patchctx._cpu_passes`).
             return torch.tensor(has_value(values, sentinel))
         if values.numel():

@@ -34,9 +34,9 @@ from patchctx import (
     RouteCache,
     _bits,
     _blocks,
+    _cpu_passes,
     _patch,
     _routes,
-    _strategies,
     load_checkpoint_weight_patches,
     validate_patches,
 )
@@ -59,8 +59,7 @@ def small_blocks(block: int = 7, batched: int = 5, few: int = 2) -> Iterator[Non
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
         patcher.setattr(_bits, "_FEW", few)
         # The CPU passes numpy makes from torch's grain size up, on small tensors too.
-        patcher.setattr(_patch, "_HOST_FROM", block // 2)
-        patcher.setattr(_strategies, "_HOST_FROM", block // 2)
+        patcher.setattr(_cpu_passes, "HOST_FROM", block // 2)
         yield
 
 

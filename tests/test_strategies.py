@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -313,55 +312,20 @@ def test_wide_unsigned_integers_stage_and_merge(strategy: CopyStrategy, dtype: t
     assert weight.view(-1).tolist() == [9, 7, 9, 9, 9, 0]
 
 
-_MARKER = 1e30
-
-
 @dataclass(frozen=True, slots=True)
-class _MarkerStrategy:
-    """A user's value-marker strategy for fp32/fp64 (unchanged positions hold 1e30)."""
-
-    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
-        return None if dtype in (torch.float32, torch.float64) else f"not {dtype}"
-
-    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (values.to(dtype) == _MARKER).any()
-
-    def describe_reserved(self, dtype: torch.dtype) -> str:
-        return "1e30"
-
-    def stage(
-        self, shape: Sequence[int], dtype: torch.dtype, indices: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        reason = self.unsupported_reason(dtype)
-        if reason is not None:
-            raise InvalidPatchError(reason)
-        flat = torch.full((math.prod(shape),), _MARKER, dtype=dtype)
-        flat[indices.long()] = values.to(dtype)
-        return flat.view(tuple(shape))
-
-    def merge(
-        self, destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool = False
-    ) -> torch.Tensor:
-        if destination.shape != source.shape:
-            raise LoaderContractError("shape")
-        keep = source == _MARKER
-        return torch.where(keep, destination, source.to(destination.dtype), out=destination)
-
-
-@dataclass(frozen=True, slots=True)
-class _Blends(_MarkerStrategy):
+class _Blends(ValueMask):
     """Merges by arithmetic instead of selection: inf * 0 is NaN, and -0.0 + 0.0 is +0.0."""
 
     def merge(
         self, destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool = False
     ) -> torch.Tensor:
-        keep = (source == _MARKER).to(destination.dtype)
-        new = torch.where(source == _MARKER, 0, source).to(destination.dtype)
+        keep = (source == self.marker).to(destination.dtype)
+        new = torch.where(source == self.marker, 0, source).to(destination.dtype)
         return destination.copy_(destination * keep + new * (1 - keep))
 
 
 @dataclass(frozen=True, slots=True)
-class _LiesAboutReserved(_MarkerStrategy):
+class _LiesAboutReserved(ValueMask):
     """Says no value is reserved, so validation lets its marker through as an update."""
 
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -369,7 +333,7 @@ class _LiesAboutReserved(_MarkerStrategy):
 
 
 def test_the_conformance_cases_pass_a_correct_marker_strategy() -> None:
-    check_strategy(_MarkerStrategy(), dtypes=[torch.float32, torch.float64])
+    check_strategy(ValueMask(), dtypes=[torch.float32, torch.float64])
 
 
 @pytest.mark.parametrize("strategy", [_Blends(), _LiesAboutReserved()], ids=repr)

@@ -436,6 +436,10 @@ def _numeric_problems(
 # Sparse patches of at most this many indices are checked together, in one concatenation
 # (int64, kept as their replay positions); longer ones block by block.
 _BATCHED_UP_TO = 1 << 16
+# On CPU, from a few thousand indices up, a patch is checked on its own by numpy (two passes,
+# nothing concatenated, no int64 copy made: replay converts its indices with the segment's
+# shift in one pass). The concatenation of `_batch_flags` pays for tiny patches only.
+_CPU_BATCHED_UP_TO = 1 << 12
 
 # Above this, a patch's numel could overflow int64 arithmetic on indices: exact checks only.
 _FAST_NUMEL_LIMIT = 1 << 62
@@ -450,8 +454,8 @@ def _all_valid(
     when some patch has an index out of range, indices that are not strictly increasing, or a
     reserved value (the exact checks then find which). One host read per device.
 
-    Small patches with indices of one dtype are checked together (`_batch_flags`), a lone
-    one on its device by itself (`_small_flags`). Large patches: per block of `BLOCK`
+    Small patches (`_batched_up_to`) with indices of one dtype are checked together
+    (`_batch_flags`), a lone one on its device by itself (`_small_flags`). Large patches: per block of `BLOCK`
     indices, the extremes, the smallest step (into a reused buffer) and the strategy's
     reserved-value reduction; no temporary exceeds a block.
     """
@@ -460,7 +464,7 @@ def _all_valid(
         indices = item._patch.indices
         if (
             indices is not None
-            and indices.shape[0] <= _BATCHED_UP_TO
+            and indices.shape[0] <= _batched_up_to(item._patch.values.device)
             and item._numel < _FAST_NUMEL_LIMIT
         ):
             device = item._patch.values.device
@@ -481,7 +485,7 @@ def _all_valid(
             return None
         values = patch.values
         device = values.device
-        if indices.shape[0] > _BATCHED_UP_TO:
+        if indices.shape[0] > _batched_up_to(device):
             large.setdefault(device, []).append(k)
             continue
         groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)
@@ -515,6 +519,11 @@ def _all_valid(
         if not _judged(_read_flags(flags, device), checks):
             return None
     return positions
+
+
+def _batched_up_to(device: torch.device) -> int:
+    """The most indices of a patch checked with others (its device's `_BATCHED_UP_TO`)."""
+    return _CPU_BATCHED_UP_TO if device.type == "cpu" else _BATCHED_UP_TO
 
 
 def _judged(read: list[int], checks: list[tuple[str, int]]) -> bool:

@@ -57,6 +57,7 @@ def small_blocks(block: int = 7, batched: int = 5, few: int = 2) -> Iterator[Non
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setattr(_blocks, "BLOCK", block)
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
+        patcher.setattr(_patch, "_CPU_BATCHED_UP_TO", batched)
         patcher.setattr(_bits, "_FEW", few)
         # The CPU passes numpy makes from torch's grain size up, on small tensors too.
         patcher.setattr(_cpu_passes, "HOST_FROM", block // 2)

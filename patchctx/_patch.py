@@ -455,9 +455,9 @@ def _all_valid(
     reserved value (the exact checks then find which). One host read per device.
 
     Small patches (`_batched_up_to`) with indices of one dtype are checked together
-    (`_batch_flags`), a lone one on its device by itself (`_small_flags`). Large patches: per block of `BLOCK`
-    indices, the extremes, the smallest step (into a reused buffer) and the strategy's
-    reserved-value reduction; no temporary exceeds a block.
+    (`_batch_flags`), a lone one on its device by itself (`_small_flags`). Large patches: per
+    block of `BLOCK` indices, the extremes, the smallest step (into a reused buffer) and the
+    strategy's reserved-value reduction; no temporary exceeds a block.
     """
     if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]

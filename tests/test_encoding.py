@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
+from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from patchctx import CheckpointWeightPatch, WireEncoding, patch_nbytes, wire_encoding, wire_sizes
+from patchctx import (
+    CheckpointWeightPatch,
+    WireEncoding,
+    _encoding,
+    patch_nbytes,
+    wire_encoding,
+    wire_sizes,
+)
 from patchctx._encoding import (
     BITMASK_BLOCK_BYTES,
     MalformedPositions,
@@ -19,6 +28,16 @@ from patchctx._encoding import (
     positions_summary,
 )
 from tests.support.memory import AllocationTracker
+
+
+@pytest.fixture(autouse=True, params=["numpy", "torch"])
+def decoder(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: CPU streams decoded by numpy (the default), and torch's way, which
+    accelerators take."""
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(_encoding, "_NUMPY_ON_CPU", request.param == "numpy")
+        yield request.param
+
 
 SPARSE = (WireEncoding.INDICES, WireEncoding.GAPS, WireEncoding.BITMASK)
 # Largest tensor whose bitmask a test builds (2 MiB of mask).
@@ -121,10 +140,16 @@ def test_decoding_allocates_nothing_of_checkpoint_size() -> None:
     summary = positions_summary(positions, numel)
     for encoding in SPARSE:
         data = encode_positions(positions, summary, encoding)
-        with AllocationTracker(preexisting=[data]) as tracker:
-            decode_positions(data, numel, 4, encoding)
+        tracemalloc.start()  # numpy's arrays (torch's storages are the tracker's)
+        try:
+            with AllocationTracker(preexisting=[data]) as tracker:
+                decode_positions(data, numel, 4, encoding)
+            _, host_peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
         # at most a bitmask block's scratch: far below one byte per element (64 MiB)
         assert tracker.peak <= 64 * BITMASK_BLOCK_BYTES, (encoding, tracker.peak)
+        assert host_peak <= 64 * BITMASK_BLOCK_BYTES, (encoding, host_peak)
 
 
 def test_indices_encoding_keeps_positions_in_any_order() -> None:
@@ -347,3 +372,14 @@ def test_encoding_and_decoding_stay_on_the_positions_device(device: str) -> None
         decoded = decode_positions(data, numel, positions.numel(), encoding)
         assert decoded.device == positions.device
         assert torch.equal(decoded.long().cpu(), positions.cpu())
+
+
+@pytest.mark.parametrize("encoding", SPARSE)
+def test_a_stream_at_an_odd_offset_of_a_payload_decodes(encoding: WireEncoding) -> None:
+    # A payload packs streams back to back: one may start at any byte.
+    numel = 2**22
+    positions = torch.tensor([0, 3, 70_000, 70_001, 2**21, numel - 1])
+    data = encode_positions(positions, positions_summary(positions, numel), encoding)
+    payload = torch.cat([torch.zeros(1, dtype=torch.uint8), data])
+    decoded = decode_positions(payload[1:], numel, positions.numel(), encoding)
+    assert decoded.tolist() == positions.tolist()

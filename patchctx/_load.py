@@ -21,7 +21,7 @@ from patchctx._routes import Route, RouteCache, replay, replay_bounds, replay_de
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
-from patchctx._warm import learn_alone
+from patchctx._warm import learn, learn_alone
 
 __all__ = ["load_checkpoint_weight_patches"]
 
@@ -195,6 +195,41 @@ class _Loader:
             tensors = model_tensors(self.model)
             self._index = ModelIndex(tensors, self.protect)
         return self._index
+
+    def learn_dense_routes(self, items: list[CheckedPatch]) -> None:
+        """Learn the routes of dense patches' names that have none, by a dry run of the loader.
+
+        A dense patch along a route is one strided copy per segment, level with a plain reload;
+        through the loader, under the guard that checks every write, it costs several times
+        that. Only sparse loads record routes, so a name only ever sent dense would never get
+        one. The dry run is `RouteCache.warm`'s: nothing is written or allocated at checkpoint
+        size. A name it finds no route for is remembered (with its shape and dtype) and not
+        tried again until the cache forgets it.
+        """
+        routes = self.routes
+        if routes is None:
+            return
+        specs: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+        for item in items:
+            patch = item._patch
+            name, shape = patch.name, tuple(patch.shape)
+            if (
+                patch.indices is None
+                and name not in specs
+                and routes._route(name) is None
+                and not routes._unlearned(name, shape, patch.dtype)
+            ):
+                specs[name] = (name, shape, patch.dtype)
+        if not specs:
+            return
+        # Learnt without `protect`, so that a route into a protected tensor is refused before
+        # any write (`refuse_protected_routes`), and not remembered as no route.
+        index = ModelIndex(self.index.tensors, {}) if self.protect else self.index
+        for name, found in learn(self.module, index, list(specs.values())).items():
+            if isinstance(found, Route):
+                routes._store(found)
+            else:
+                routes._learnt_nothing(*specs[name])
 
     def refuse_protected_routes(self, items: list[CheckedPatch]) -> None:
         """Before any write: every known route that would reach a protected tensor."""
@@ -381,7 +416,9 @@ def load_checkpoint_weight_patches(
             ``ByteBudget(512 MiB)``.
         ordering: `InputOrder()` (default) or `Coalesce()`.
         routes: A `RouteCache` for this model: sparse patches to names whose route is known
-            are replayed in O(nnz) without the loader; the others record their routes.
+            are replayed in O(nnz) without the loader, and dense ones copied along it; the
+            other sparse patches record their routes. A dense patch to a name without a route
+            learns one first, by a dry run of the loader (see `RouteCache.warm`).
         atomic: On any failure (an invalid write, a loader exception, KeyboardInterrupt),
             restore every element this call wrote before the exception propagates. Costs
             memory for the old values, held until the call returns: O(nnz) per sparse
@@ -446,6 +483,7 @@ def load_checkpoint_weight_patches(
         routes._bind(model)
     undo = UndoLog()
     loader = _Loader(model, chosen_chunking, routes, undo, protected, atomic=atomic)
+    loader.learn_dense_routes(items)
     loader.refuse_protected_routes(items)
     done = False
     try:

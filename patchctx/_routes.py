@@ -389,7 +389,9 @@ class RouteCache:
     Pass one cache to every `load_checkpoint_weight_patches` call on one model. The first sparse
     patch to a name goes through the loader and records its route when the loader's writes are
     provably view copies; later sparse patches to the name replay the route without the loader:
-    O(nnz) time and memory, in place, bit-identical to the loader path. Before each replay the
+    O(nnz) time and memory, in place, bit-identical to the loader path. Dense patches are
+    copied along the route; a dense patch to a name without one learns it first by a dry run
+    of the loader, as `warm` does. Before each replay the
     route's destinations are checked against the model's live parameters and buffers; a
     parameter that was rebound or reallocated invalidates the route, and that patch goes
     through the loader again (recording a new route). A cache belongs to one model: used with
@@ -447,6 +449,9 @@ class RouteCache:
         self._verify_all = False
         self._mismatches: list[str] = []
         self._slots: dict[str, _Slot] = {}
+        # Names a dry run found no route for, with the shape and dtype it was run with: their
+        # dense patches go through the loader without another dry run (`_unlearned`).
+        self._no_route: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self.stats = RouteStats()
 
     @property
@@ -611,11 +616,21 @@ for a loader that copies views
 
     def clear(self) -> None:
         """Forget every route (the next patch to each name goes through the loader)."""
-        self._locked(self._routes.clear)
+
+        def forget() -> None:
+            self._routes.clear()
+            self._no_route.clear()
+
+        self._locked(forget)
 
     def invalidate(self, name: str) -> None:
         """Forget the route of `name` (no error if there is none)."""
-        self._locked(lambda: self._routes.pop(name, None))
+
+        def forget() -> None:
+            self._routes.pop(name, None)
+            self._no_route.pop(name, None)
+
+        self._locked(forget)
 
     # -- used by load_checkpoint_weight_patches ------------------------------------------
 
@@ -626,6 +641,7 @@ for a loader that copies views
             bound = self._model() if self._model is not None else None
             if bound is not model:
                 self._routes.clear()
+                self._no_route.clear()
                 self._model = weakref.ref(model)
                 self._slots = {}
 
@@ -663,6 +679,14 @@ for a loader that copies views
     def _store(self, route: Route) -> None:
         self._locked(lambda: self._routes.__setitem__(route.name, route))
         self.stats.recorded += 1
+
+    def _unlearned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether a dry run of the loader found no route for `name` at this shape and dtype."""
+        return self._no_route.get(name) == (shape, dtype)
+
+    def _learnt_nothing(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Remember that a dry run found no route for `name` (see `_unlearned`)."""
+        self._locked(lambda: self._no_route.__setitem__(name, (shape, dtype)))
 
     def _due_for_verification(self, name: str) -> bool:
         """Whether this patch to `name` goes through the loader to check its route."""
@@ -773,7 +797,8 @@ class RouteStats:
     """Counters of a `RouteCache`, cumulative over the calls that used it.
 
     Attributes:
-        recorded: Routes recorded (first sparse patch of a name through the loader).
+        recorded: Routes recorded (the first sparse patch of a name through the loader, or
+            a dry run of the loader for a dense one).
         replayed: Patches applied by route replay, without the loader (sparse ones, and
             dense ones to a name whose route is known).
         loaded: Patches that went through the loader (dense, first-time or unprovable sparse).

@@ -761,6 +761,17 @@ def _alone(
     return route
 
 
+def learn(
+    module: torch.nn.Module,
+    index: ModelIndex,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+) -> dict[str, Route | tuple[_Status, str]]:
+    """Every spec's route, or why it has none, by dry runs of the loader (see `_learn`)."""
+    device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
+    with torch.no_grad():
+        return _learn(module, index, specs, device)
+
+
 def learn_alone(
     module: torch.nn.Module,
     index: ModelIndex,
@@ -877,12 +888,8 @@ def warm(
     checked = _checked_specs(specs)
     index = ModelIndex(model_tensors(model), protected)
     module = as_module(model)
-    device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
     cache._bind(model)
-    found: dict[str, Route | tuple[_Status, str]] = {}
-    if checked:
-        with torch.no_grad():
-            found = _learn(module, index, checked, device)
+    found = learn(module, index, checked) if checked else {}
     rows = []
     for name, _, _ in checked:
         verdict = found[name]

@@ -476,9 +476,10 @@ def test_coalesce_in_a_training_loop_makes_fewer_loader_calls() -> None:
 
     one, other = train_and_send(InputOrder()), train_and_send(Coalesce())
     assert one.patches == other.patches and 0 < one.dense < one.patches  # dense and sparse
-    # Measured: 60 patches in 4 steps, 22 loader calls in input order, 6 with Coalesce
-    # (one dense call per step, and one sparse call in each step that records routes).
-    assert other.loader_calls <= 2 * 4 < one.loader_calls
+    # Measured: 60 patches in 4 steps, 6 loader calls in input order, 2 with Coalesce. Dense
+    # patches follow routes learnt by a dry run; what is left are the sparse calls that
+    # record routes, which Coalesce gathers.
+    assert other.loader_calls < one.loader_calls <= 2 * 4
     for side in (one, other):
         for received, trained in zip(
             side.receiver.inner.parameters(), side.trainer.parameters(), strict=True
@@ -530,10 +531,11 @@ def test_a_plain_adapter_object_works_end_to_end() -> None:
     assert torch.equal(module.get_parameter("0.weight").view(-1), expected)
     assert module.get_parameter("0.bias").tolist() == [1.0, 2.0, 3.0]
     assert "0.weight" in routes  # a view copy: the route was recorded
-    calls = adapter.calls
+    calls, replayed = adapter.calls, routes.stats.replayed
     again = patch._replace(values=torch.tensor([7.0, 8.0]))
     load_checkpoint_weight_patches(adapter, [again], routes=routes)
-    assert adapter.calls == calls and routes.stats.replayed == 1  # replayed, no loader call
+    assert adapter.calls == calls  # replayed, no loader call
+    assert routes.stats.replayed == replayed + 1
     assert module.get_parameter("0.weight").view(-1)[[1, 10]].tolist() == [7.0, 8.0]
 
 

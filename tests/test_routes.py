@@ -485,7 +485,8 @@ def test_a_replay_zeroes_padding_rows_that_another_name_wrote(atomic: bool) -> N
         load_checkpoint_weight_patches(model, [patch], routes=routes, atomic=atomic)
         truth.load([patch])
         assert_same_state(state(model), state(truth.model))
-    assert routes.stats.replayed == 1
+    # The second patch to embed, and added (dense: along the route a dry run learnt for it).
+    assert routes.stats.replayed == 2
     assert not model.weight[4:].any()
 
 
@@ -738,6 +739,81 @@ def test_route_cache_api_and_dense_patches_invalidate_nothing() -> None:
     load_checkpoint_weight_patches(model, [sparse_w(5.0)], routes=routes)
     routes.clear()
     assert len(routes) == 0
+
+
+class Counted(Layer):
+    """`Layer`, counting its loader's real calls and its dry runs (`warm`'s, on dry tensors)."""
+
+    def __init__(self, loader: str) -> None:
+        super().__init__(loader)
+        self.real = 0
+        self.dry = 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        weights = list(weights)
+        if any(type(tensor).__name__ == "DryTensor" for _, tensor in weights):
+            self.dry += 1
+        else:
+            self.real += 1
+        return super().load_weights(weights)
+
+
+def dense_w(start: float) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch("w", (4, 6), torch.float32, torch.arange(24.0) + start)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_name_only_ever_sent_dense_learns_its_route_and_never_calls_the_loader(
+    atomic: bool,
+) -> None:
+    # Only sparse loads record routes: without a dry run, a name that is always dense (a norm,
+    # an embedding that changes everywhere) would go through the guarded loader every time.
+    model, routes = Counted("twice-other-positions"), RouteCache()
+    truth = copy.deepcopy(model)
+    for step in range(3):
+        patch = dense_w(10.0 * step)
+        load_checkpoint_weight_patches(model, [patch], routes=routes, atomic=atomic)
+        load_checkpoint_weight_patches(truth, [patch])  # the loader path, no routes
+        assert_same_state(state(model), state(truth))
+    assert (model.dry, model.real) == (1, 0)  # one dry run, before the first write
+    assert routes.stats.replayed == 3 and routes.stats.loader_calls == 0 and "w" in routes
+
+
+@pytest.mark.parametrize("loader", ["contiguous", "cast", "cat", "temporary"])
+def test_a_dense_name_without_a_route_is_dry_run_once_then_loaded(loader: str) -> None:
+    model, routes = Counted(loader), RouteCache()
+    truth = copy.deepcopy(model)
+    for step in range(3):
+        patch = dense_w(10.0 * step)
+        load_checkpoint_weight_patches(model, [patch], routes=routes)
+        load_checkpoint_weight_patches(truth, [patch])
+        assert_same_state(state(model), state(truth))
+    # The dry run found no route; it is remembered, so it is not repeated.
+    assert (model.dry, model.real) == (1, 3) and "w" not in routes
+    routes.invalidate("w")  # forgets that too: the next dense patch tries again
+    load_checkpoint_weight_patches(model, [dense_w(7.0)], routes=routes)
+    assert (model.dry, model.real) == (2, 4)
+    routes.clear()
+    load_checkpoint_weight_patches(model, [dense_w(8.0)], routes=routes)
+    assert (model.dry, model.real) == (3, 5)
+    other = Counted(loader)  # another model starts over
+    load_checkpoint_weight_patches(other, [dense_w(9.0)], routes=routes)
+    assert (other.dry, other.real) == (1, 1)
+
+
+def test_a_dense_route_into_a_protected_tensor_is_refused_before_any_write() -> None:
+    model, routes = Counted("twice-other-positions"), RouteCache()
+    before = state(model)
+    for _ in range(2):
+        with pytest.raises(LoaderContractError, match="protected"):
+            load_checkpoint_weight_patches(
+                model, [dense_w(1.0)], routes=routes, protect={"weight": "frozen by the test"}
+            )
+        assert_same_state(state(model), before)
+    assert (model.dry, model.real) == (1, 0)  # refused by the route the dry run learnt
+    load_checkpoint_weight_patches(model, [dense_w(1.0)], routes=routes)  # not protected now
+    assert torch.equal(model.weight.view(-1), torch.arange(24.0) + 1)
+    assert (model.dry, model.real) == (1, 0) and routes.stats.replayed == 1
 
 
 def test_a_route_cache_used_with_another_model_starts_over() -> None:

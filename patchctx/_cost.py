@@ -44,19 +44,20 @@ class UpdateCost:
     tensor whose positions are smallest as a bitmask goes dense unless the link is slow.
 
     The defaults are `calibrate`'s measurements on the 2-core CPU machine patchctx is
-    developed on, quiet (torch 2.13, one thread, bf16 tensors of 2**22 and 2**24 elements:
-    5.5 and 10.9 ns per changed element, 2.2 ns per bitmask element, 0.07 and 0.09 ns per
-    dense byte, 85 to 105 µs per sparse patch and 145 to 175 µs per dense one; the defaults
-    lie between), with dense patches following known routes; the link is 10 GB/s. They are a
-    2-core CPU's: on a GPU, or to fit your model and machine, use `calibrate`.
+    developed on, quiet (torch 2.13, one thread, bf16 tensors of 2**22 and 2**24 elements: 3.5
+    to 3.8 and 6.1 to 7.0 ns per changed element, 1.0 and 1.2 ns per bitmask element, 0.03 and
+    0.09 ns per dense byte; the defaults lie between; 22 µs per sparse patch and 8.4 µs per
+    dense one, in a call of many), with dense patches following their routes; the link is
+    10 GB/s. They are a 2-core CPU's: on a GPU, or to fit your model and machine, use
+    `calibrate`.
 
     Attributes:
         link_bytes_per_second: The bandwidth from trainer to worker (`math.inf`: free).
         sparse_seconds_per_element: Decoding and applying one changed element (route replay).
         bitmask_seconds_per_element: Decoding a bitmask, per element of the tensor.
         dense_seconds_per_byte: Applying one byte of a dense patch (a copy through the loader).
-        sparse_seconds_per_patch: The fixed cost of one sparse patch.
-        dense_seconds_per_patch: The fixed cost of one dense patch.
+        sparse_seconds_per_patch: The fixed cost of one more sparse patch in a call.
+        dense_seconds_per_patch: The fixed cost of one more dense patch in a call.
 
     Examples:
         >>> from patchctx import UpdateCost
@@ -64,17 +65,17 @@ class UpdateCost:
         >>> numel, nnz = 4096 * 4096, 4096 * 4096 // 100  # bf16, 1% changed
         >>> sparse_bytes = nnz * (2 + 2)  # values and uint16 gaps
         >>> f"{cost.sparse_seconds(nnz, sparse_bytes):.4f} s, {cost.dense_seconds(numel, 2):.4f} s"
-        '0.0021 s, 0.0364 s'
+        '0.0015 s, 0.0356 s'
         >>> cost.prefers_sparse(numel=numel, nnz=nnz, element_size=2, sparse_bytes=sparse_bytes)
         True
     """
 
     link_bytes_per_second: float = 10e9
-    sparse_seconds_per_element: float = 8.0e-9
-    bitmask_seconds_per_element: float = 2.2e-9
-    dense_seconds_per_byte: float = 8.0e-11
-    sparse_seconds_per_patch: float = 95e-6
-    dense_seconds_per_patch: float = 160e-6
+    sparse_seconds_per_element: float = 5.0e-9
+    bitmask_seconds_per_element: float = 1.1e-9
+    dense_seconds_per_byte: float = 6.0e-11
+    sparse_seconds_per_patch: float = 22e-6
+    dense_seconds_per_patch: float = 8.4e-6
 
     def __post_init__(self) -> None:
         problems = []
@@ -151,17 +152,20 @@ class UpdateCost:
         device: torch.device | str = "cpu",
         repeats: int = 5,
     ) -> UpdateCost:
-        """Measure the apply costs here: dense and sparse patches to a one-parameter model.
+        """Measure the apply costs here: dense and sparse patches to small models.
 
         A parameter of `numel` elements is loaded by a plain ``copy_`` loader. Dense patches
-        of it and of a 256-element tensor give `dense_seconds_per_byte` and the fixed cost.
-        A one-element sparse patch through a `RouteCache` (route recorded first) gives the
-        sparse fixed cost; `sparse_seconds_per_element` is the cost above it per element of a
-        sparse patch (its positions decoded from their smallest encoding, then replayed, as a
-        worker receives it) at the density where sparse and dense cross (replay gets cheaper per
-        element as density grows, so the estimate is made exact where the choice turns): a
-        first measurement at 5%, a second at the crossing it predicts (within 0.5%..50%).
+        of it and of a 256-element tensor, along their routes (as a worker with a `RouteCache`
+        applies them), give `dense_seconds_per_byte`. `sparse_seconds_per_element` is the
+        cost per element, above that of a one-element patch, of a sparse patch (its positions
+        decoded from their smallest encoding, then replayed, as a worker receives it) at the
+        density where sparse and dense cross (replay gets cheaper per element as density
+        grows, so the estimate is made exact where the choice turns): a first measurement at
+        5%, a second at the crossing it predicts (within 0.5%..50%).
         Decoding a bitmask with a tenth of its bits set gives `bitmask_seconds_per_element`.
+        The fixed costs are those of one more patch in a call of 33 small ones (a worker's
+        update is a call of many: the call's own cost is paid whichever form a tensor takes):
+        a dense patch along its route, and a one-element sparse patch decoded and replayed.
         Each is the fastest of `repeats` runs, so run it on a quiet machine, with the thread
         count the worker uses. It takes a second or two on a CPU at the defaults.
 
@@ -200,6 +204,23 @@ class _Slab(torch.nn.Module):
         return {"weight"}
 
 
+class _Slabs(torch.nn.Module):
+    """`count` parameters ``w0``, ``w1``, ... of `numel` elements, loaded by plain copies."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        for k in range(count):
+            weight = torch.zeros(numel, dtype=dtype, device=device)
+            self.register_parameter(f"w{k}", torch.nn.Parameter(weight, requires_grad=False))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        names = set()
+        for name, tensor in weights:
+            self.get_parameter(name).data.copy_(tensor)
+            names.add(name)
+        return names
+
+
 def _fastest(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """The fastest of `repeats` calls of `fn`, in seconds (a CUDA device synchronised)."""
     best = math.inf
@@ -233,11 +254,15 @@ def _measure_costs(
     generator = torch.Generator().manual_seed(0)
 
     def dense_time(size: int) -> float:
-        model = _Slab(size, dtype, where)
+        # As a worker applies it: along the route (learnt by the first call's dry run).
+        model, cache = _Slab(size, dtype, where), RouteCache()
         patch = CheckpointWeightPatch(
             "weight", (size,), dtype, torch.ones(size, dtype=dtype, device=where)
         )
-        return _fastest(lambda: load_checkpoint_weight_patches(model, [patch]), where, repeats)
+        load_checkpoint_weight_patches(model, [patch], routes=cache)
+        return _fastest(
+            lambda: load_checkpoint_weight_patches(model, [patch], routes=cache), where, repeats
+        )
 
     model = _Slab(numel, dtype, where)
     routes = RouteCache()
@@ -265,6 +290,38 @@ def _measure_costs(
             load_checkpoint_weight_patches(model, [patch._replace(indices=indices)], routes=routes)
 
         return _fastest(receive, where, repeats)
+
+    def per_patch(dense: bool) -> float:
+        # One more small patch in a call of many, as a worker's update is: (many - one) / count.
+        count = 33
+        slabs, cache = _Slabs(count, small, dtype, where), RouteCache()
+        names = [f"w{k}" for k in range(count)]
+        if dense:
+            ones = torch.ones(small, dtype=dtype, device=where)
+            patches = [CheckpointWeightPatch(name, (small,), dtype, ones) for name in names]
+
+            def call(upto: int) -> None:
+                load_checkpoint_weight_patches(slabs, patches[:upto], routes=cache)
+
+        else:
+            position = torch.tensor([small // 2], device=where)
+            summary = positions_summary(position, small)
+            encoding, _ = summary.smallest()
+            data = encode_positions(position, summary, encoding)
+            one = torch.ones(1, dtype=dtype, device=where)
+
+            def call(upto: int) -> None:
+                received = [
+                    CheckpointWeightPatch(
+                        name, (small,), dtype, one, decode_positions(data, small, 1, encoding)
+                    )
+                    for name in names[:upto]
+                ]
+                load_checkpoint_weight_patches(slabs, received, routes=cache)
+
+        call(count)  # records (or learns) every route
+        single = _fastest(lambda: call(1), where, repeats)
+        return max(_fastest(lambda: call(count), where, repeats) - single, 0.0) / (count - 1)
 
     load_checkpoint_weight_patches(model, [sparse_patch(1)], routes=routes)  # records the route
     sparse_fixed = sparse_time(1)
@@ -296,6 +353,6 @@ def _measure_costs(
         "sparse_seconds_per_element": max(per_element, 0.0),
         "bitmask_seconds_per_element": per_bit,
         "dense_seconds_per_byte": max(per_byte, 0.0),
-        "sparse_seconds_per_patch": sparse_fixed,
-        "dense_seconds_per_patch": dense_fixed,
+        "sparse_seconds_per_patch": per_patch(dense=False),
+        "dense_seconds_per_patch": per_patch(dense=True),
     }

@@ -563,14 +563,16 @@ def diff_state_dicts(
         >>> old = {"w": torch.zeros(2, 4), "b": torch.ones(4)}
         >>> new = {"w": torch.zeros(2, 4), "b": torch.tensor([1.0, -0.0, 1.001, 1.0])}
         >>> new["w"][1, 2] = 0.5
-        >>> for patch in diff_state_dicts(old, new):
+        >>> [patch.indices for patch in diff_state_dicts(old, new)]  # tiny: dense is faster
+        [None, None]
+        >>> for patch in diff_state_dicts(old, new, cost=None):  # by wire bytes alone
         ...     print(patch.name, patch.indices, patch.values)
         w tensor([6], dtype=torch.int32) tensor([0.5000])
         b tensor([1, 2], dtype=torch.int32) tensor([-0.0000, 1.0010])
 
         In bf16, the receiver's dtype, 1.001 rounds to 1.0 and only the sign of zero changed:
 
-        >>> for patch in diff_state_dicts(old, new, dtype=torch.bfloat16):
+        >>> for patch in diff_state_dicts(old, new, dtype=torch.bfloat16, cost=None):
         ...     print(patch.name, patch.indices, patch.values)
         w tensor([6], dtype=torch.int32) tensor([0.5000], dtype=torch.bfloat16)
         b tensor([1], dtype=torch.int32) tensor([-0.], dtype=torch.bfloat16)

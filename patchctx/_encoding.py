@@ -481,7 +481,8 @@ def _decode_gaps_on_host(raw: np.ndarray, numel: int, count: int) -> np.ndarray:
 
     Four passes over the positions, in place in the output: the gaps (an escape word reads as
     ``0x10000``), their maximum (escapes are looked for only when it shows one), the running
-    sum, and the smallest position. torch made a dozen, and three host reads.
+    sum (from the first gap less one: the positions themselves), and the smallest position.
+    torch made a dozen, and three host reads.
     """
     wide = _host_dtype(numel)
     words = raw[: 2 * count].view("<u2")
@@ -504,12 +505,12 @@ def _decode_gaps_on_host(raw: np.ndarray, numel: int, count: int) -> np.ndarray:
                 f"{numel} elements"
             )
         positions[escaped] = table + 1  # below numel: fits the output dtype
+    positions[0] -= 1  # p[i] = g[0] + ... + g[i] - 1
     np.cumsum(positions, dtype=wide, out=positions)
     # Every gap is at least 1 and below numel, so the running sum increases unless it wraps
     # around, which first shows as a negative position (no step can jump over the negatives).
-    if int(positions.min()) < 0 or int(positions[-1]) > numel:
+    if int(positions.min()) < 0 or int(positions[-1]) >= numel:
         raise MalformedPositions(f"the gaps reach past the tensor's {numel} elements")
-    positions -= 1
     return positions
 
 

@@ -224,7 +224,7 @@ def test_an_element_changes_when_only_its_bf16_rounding_does() -> None:
     old = {"w": torch.full((64,), 1.0)}
     new = {"w": old["w"].clone()}
     new["w"][5] = 1.0 + 2**-8 + 2**-20  # rounds up to the next bf16 value
-    [patch] = diff_state_dicts(old, new, dtype=torch.bfloat16)
+    [patch] = diff_state_dicts(old, new, dtype=torch.bfloat16, cost=None)
     assert patch.indices is not None and patch.indices.tolist() == [5]
     assert patch.values.tolist() == [1.0078125]
 
@@ -234,7 +234,7 @@ def test_negative_zero_is_a_change(dtype: torch.dtype) -> None:
     old = {"w": torch.zeros(16, dtype=dtype)}
     new = {"w": old["w"].clone()}
     new["w"][3] = -0.0
-    [patch] = diff_state_dicts(old, new)
+    [patch] = diff_state_dicts(old, new, cost=None)
     assert patch.indices is not None and patch.indices.tolist() == [3]
     assert same_bits(patch.values, torch.tensor([-0.0], dtype=dtype))
 
@@ -246,7 +246,7 @@ def test_nan_compares_by_its_bits(dtype: torch.dtype) -> None:
     old["w"][[1, 2]] = quiet
     new = {"w": old["w"].clone()}
     new["w"][2] = payload  # same value class, other bits
-    [patch] = diff_state_dicts(old, new, strategy=BoolMask())
+    [patch] = diff_state_dicts(old, new, strategy=BoolMask(), cost=None)
     assert patch.indices is not None and patch.indices.tolist() == [2]  # position 1: same NaN
     assert same_bits(patch.values, payload.view(1))
 
@@ -256,9 +256,9 @@ def test_nan_update_goes_dense_under_nan_mask_and_stays_sparse_under_bool_mask()
     new = {"w": old["w"].clone()}
     new["w"][[7, 9]] = torch.tensor([float("nan"), 1.0])
     for strategy in (Auto(), NaNMask()):
-        [dense] = diff_state_dicts(old, new, strategy=strategy)
+        [dense] = diff_state_dicts(old, new, strategy=strategy, cost=None)
         assert dense.indices is None and torch.isnan(dense.values[7])
-    [sparse] = diff_state_dicts(old, new, strategy=BoolMask())
+    [sparse] = diff_state_dicts(old, new, strategy=BoolMask(), cost=None)
     assert sparse.indices is not None and sparse.indices.tolist() == [7, 9]
 
 
@@ -266,12 +266,12 @@ def test_int_sentinel_update_goes_dense() -> None:
     old = {"q": torch.zeros(100, dtype=torch.int8)}
     new = {"q": old["q"].clone()}
     new["q"][4] = -128  # IntSentinel's default sentinel for int8
-    [dense] = diff_state_dicts(old, new)
+    [dense] = diff_state_dicts(old, new, cost=None)
     assert dense.indices is None
-    [sparse] = diff_state_dicts(old, new, strategy=IntSentinel(value=127))
+    [sparse] = diff_state_dicts(old, new, strategy=IntSentinel(value=127), cost=None)
     assert sparse.indices is not None and sparse.values.tolist() == [-128]
     new["q"][4] = 5
-    [sparse] = diff_state_dicts(old, new)
+    [sparse] = diff_state_dicts(old, new, cost=None)
     assert sparse.indices is not None
 
 
@@ -279,7 +279,7 @@ def test_an_unchanged_sentinel_does_not_force_a_dense_patch() -> None:
     old = {"q": torch.full((100,), -128, dtype=torch.int8)}  # the sentinel is everywhere ...
     new = {"q": old["q"].clone()}
     new["q"][50] = 3  # ... but no changed element holds it
-    [patch] = diff_state_dicts(old, new)
+    [patch] = diff_state_dicts(old, new, cost=None)
     assert patch.indices is not None and patch.indices.tolist() == [50]
 
 
@@ -288,9 +288,9 @@ def test_dtypes_the_strategy_cannot_stage_go_dense(dtype: torch.dtype) -> None:
     old = {"x": torch.zeros(50, dtype=dtype)}
     new = {"x": old["x"].clone()}
     new["x"][1] = 1
-    [dense] = diff_state_dicts(old, new)
+    [dense] = diff_state_dicts(old, new, cost=None)
     assert dense.indices is None
-    [sparse] = diff_state_dicts(old, new, strategy=BoolMask())
+    [sparse] = diff_state_dicts(old, new, strategy=BoolMask(), cost=None)
     assert sparse.indices is not None and sparse.indices.tolist() == [1]
 
 
@@ -310,7 +310,7 @@ def test_sparse_only_when_its_payload_is_strictly_smaller(
     for nnz, sparse in ((threshold - 1, True), (threshold, False)):
         new = {"w": old["w"].clone()}
         new["w"][:nnz] = 1
-        [patch] = diff_state_dicts(old, new)
+        [patch] = diff_state_dicts(old, new, cost=None)
         assert (patch.indices is not None) is sparse, nnz
         assert patch_nbytes([patch]) <= 60 * old["w"].element_size()
 
@@ -319,9 +319,9 @@ def test_dense_above_sends_denser_tensors_dense() -> None:
     old = {"w": torch.zeros(1000)}
     new = {"w": old["w"].clone()}
     new["w"][:100] = 1.0  # density 0.1
-    assert diff_state_dicts(old, new, dense_above=0.1)[0].indices is not None
-    assert diff_state_dicts(old, new, dense_above=0.099)[0].indices is None
-    assert diff_state_dicts(old, new, dense_above=1)[0].indices is not None
+    assert diff_state_dicts(old, new, dense_above=0.1, cost=None)[0].indices is not None
+    assert diff_state_dicts(old, new, dense_above=0.099, cost=None)[0].indices is None
+    assert diff_state_dicts(old, new, dense_above=1, cost=None)[0].indices is not None
 
 
 def test_index_dtype_is_int32_below_2_to_the_31_elements() -> None:
@@ -429,7 +429,7 @@ def test_non_contiguous_tensors_and_trainable_parameters() -> None:
     new["t"][2, 3] = 100.0
     with torch.no_grad():
         new["p"][0] = -1.0
-    patches = diff_state_dicts(old, new)
+    patches = diff_state_dicts(old, new, cost=None)
     assert [(p.name, p.indices.tolist()) for p in patches if p.indices is not None] == [
         ("t", [2 * 8 + 3]),
         ("p", [0]),
@@ -441,7 +441,7 @@ def test_patches_never_alias_new() -> None:
     old = {"dense": torch.zeros(4), "sparse": torch.zeros(100)}
     new = {"dense": torch.ones(4), "sparse": torch.zeros(100)}
     new["sparse"][3] = 1.0
-    patches = diff_state_dicts(old, new)
+    patches = diff_state_dicts(old, new, cost=None)
     for tensor in new.values():
         tensor.add_(5.0)  # the trainer steps on, in place
     assert [p.values.tolist() for p in patches] == [[1.0] * 4, [1.0]]
@@ -562,7 +562,7 @@ def test_one_host_read_per_tensor_and_none_for_a_tied_one(
     assert strategy.unsupported_reason(torch.bfloat16) is None  # its one-time probe reads
     passes = frozenset({"cpu"}) if single_pass else frozenset()
     with mock.patch.object(changes, "SINGLE_PASS_DEVICES", passes), HostReads() as watch:
-        patches = diff_state_dicts(old, new, dtype=torch.bfloat16, strategy=strategy)
+        patches = diff_state_dicts(old, new, dtype=torch.bfloat16, strategy=strategy, cost=None)
     assert [p.name for p in patches] == ["sparse", "dense", "nan"]
     assert [p.indices is None for p in patches] == [False, True, isinstance(strategy, Auto)]
     # one each for "sparse", "dense", "nan", "unchanged"; none for "tied" and "empty"
@@ -590,7 +590,7 @@ def test_old_sharing_storage_with_new_is_refused_with_the_clone_to_use() -> None
     sent = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.weight[0, 0] += 1.0
-    [patch] = diff_state_dicts(sent, model.state_dict())
+    [patch] = diff_state_dicts(sent, model.state_dict(), cost=None)
     assert patch.name == "weight" and patch.indices is not None and patch.indices.tolist() == [0]
 
 
@@ -599,10 +599,10 @@ def test_a_tied_tensor_is_sent_once_under_its_first_name() -> None:
     new = {"embed_tokens.weight": embed, "norm.weight": torch.ones(4), "lm_head.weight": embed}
     old = {name: tensor.clone() for name, tensor in new.items()}  # cloned: no longer tied
     embed[2, 1] = 3.0
-    [patch] = diff_state_dicts(old, new)
+    [patch] = diff_state_dicts(old, new, cost=None)
     assert patch.name == "embed_tokens.weight" and patch.indices is not None
     assert patch.indices.tolist() == [9] and patch.values.tolist() == [3.0]
-    [patch] = diff_state_dicts(old, new, names=["lm_head.weight", "embed_tokens.weight"])
+    [patch] = diff_state_dicts(old, new, names=["lm_head.weight", "embed_tokens.weight"], cost=None)
     assert patch.name == "lm_head.weight"
 
 
@@ -617,7 +617,7 @@ def test_peak_memory_is_bounded_by_one_tensor_not_the_model(receiver: torch.dtyp
         new[name].view(-1)[torch.randperm(tensor.numel(), generator=generator)[:300]] += 1.0
     tensor_bytes = math.prod(shape) * 4
     with AllocationTracker(preexisting=[*old.values(), *new.values()]) as tracker:
-        patches = diff_state_dicts(old, new, dtype=receiver)
+        patches = diff_state_dicts(old, new, dtype=receiver, cost=None)
     held = [t for p in patches for t in (p.values, p.indices) if t is not None]
     result = sum(t.numel() * t.element_size() for t in held)
     assert all(p.indices is not None for p in patches)

@@ -79,7 +79,9 @@ def train_and_send(ordering: OrderingPolicy, *, steps: int = 4, lr: float = 1e-4
         loss.backward()
         optimizer.step()
         current = trainer.state_dict()
-        update = diff_state_dicts(sent, current, dtype=torch.bfloat16)
+        # By wire bytes: the cost model sends tensors this small dense, and the loop is meant
+        # to mix both kinds.
+        update = diff_state_dicts(sent, current, dtype=torch.bfloat16, cost=None)
         patches += len(update)
         dense += sum(patch.indices is None for patch in update)
         load_checkpoint_weight_patches(receiver, update, ordering=ordering, routes=routes)

@@ -315,6 +315,7 @@ def _well_formed(
         or indices.ndim != 1
         or indices.dtype not in _INDEX_DTYPES
         or indices.shape[0] != values.shape[0]
+        or indices.is_neg()
     ):
         return None
     ok = supported.get(dtype)
@@ -393,6 +394,10 @@ def _structure(
         # A lazy negation or conjugation (``z.conj().imag``) is resolved once, here: torch's
         # cast copy of a contiguous negative view drops the sign (2.13, float32 to float16).
         patch = patch._replace(values=values.resolve_conj().resolve_neg())
+    if not problems and isinstance(indices, torch.Tensor) and indices.is_neg():
+        # Indices too (``torch._neg_view(-i)`` stands for ``i``): numpy refuses to read them,
+        # and the same cast copy would drop their sign.
+        patch = patch._replace(indices=indices.resolve_neg())
     return patch, numel, problems
 
 

@@ -611,6 +611,43 @@ def test_values_that_are_a_lazy_negative_view_load_with_their_sign(
     assert torch.equal(model.w.detach(), expected.to(parameter))
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("count", [2, 5000])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes"])
+def test_indices_that_are_a_lazy_negative_view_load_at_their_positions(
+    index_dtype: torch.dtype, count: int, mode: str
+) -> None:
+    """Indices that are a negative view (``torch._neg_view(-i)``) stand for ``i``: validation,
+    staging and replay read them by the values they stand for (numpy refused them)."""
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2 * count), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+            return {"w"}
+
+    wanted = torch.arange(1, 2 * count, 2, dtype=index_dtype)
+    indices = torch._neg_view(-wanted)
+    assert indices.is_neg() and torch.equal(indices, wanted)
+    values = torch.arange(1.0, count + 1.0)
+    model = One()
+    routes = RouteCache() if mode == "routes" else None
+    if routes is not None:  # learn the route, so that the patch below replays
+        first = CheckpointWeightPatch("w", (2 * count,), torch.float32, values[:1], wanted[:1])
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+    patch = CheckpointWeightPatch("w", (2 * count,), torch.float32, values, indices)
+    load_checkpoint_weight_patches(model, [patch], routes=routes, atomic=mode == "atomic")
+    expected = torch.zeros(2 * count)
+    expected[wanted.long()] = values
+    assert torch.equal(model.w.detach(), expected)
+    if routes is not None:
+        assert routes.stats.replayed == 1
+
+
 @pytest.mark.parametrize("view", ["conj", "conj-imag"])
 def test_staged_data_copied_into_a_lazily_conjugated_view_is_refused_with_nothing_written(
     view: str,

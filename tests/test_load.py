@@ -32,6 +32,7 @@ from patchctx import (
     PerTensor,
     RouteCache,
     SingleCall,
+    diff_state_dicts,
     load_checkpoint_weight_patches,
 )
 from tests.support.builders import patch_sequences, sparse_patch
@@ -644,6 +645,49 @@ def test_indices_that_are_a_lazy_negative_view_load_at_their_positions(
     expected = torch.zeros(2 * count)
     expected[wanted.long()] = values
     assert torch.equal(model.w.detach(), expected)
+    if routes is not None:
+        assert routes.stats.replayed == 1
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("count", [2, 2000])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes", "diff"])
+def test_complex32_sparse_patches_load_under_bool_mask(count: int, mode: str) -> None:
+    """torch has no ``put_`` for complex32 (``ComplexHalf``) on CPU: its sparse patches move
+    as bits through an integer view, on every path, and a diff round-trips."""
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(
+                torch.zeros(2 * count, dtype=torch.complex32), requires_grad=False
+            )
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+            return {"w"}
+
+    shape = (2 * count,)
+    indices = torch.arange(1, 2 * count, 2)
+    values = torch.complex(torch.arange(1.0, count + 1.0), -torch.ones(count))
+    expected = torch.zeros(shape, dtype=torch.complex64)
+    expected[indices] = values
+    expected = expected.to(torch.complex32)
+    model = One()
+    routes = RouteCache() if mode == "routes" else None
+    if routes is not None:  # learn the route, so that the patch below replays
+        first = CheckpointWeightPatch("w", shape, torch.complex32, values[:1], indices[:1])
+        load_checkpoint_weight_patches(model, [first], strategy=BoolMask(), routes=routes)
+    patches = [CheckpointWeightPatch("w", shape, torch.complex32, values, indices)]
+    if mode == "diff":
+        old = {"w": torch.zeros(shape, dtype=torch.complex32)}
+        patches = diff_state_dicts(old, {"w": expected}, strategy=BoolMask(), cost=None)
+        assert patches[0].indices is not None
+    load_checkpoint_weight_patches(
+        model, patches, strategy=BoolMask(), routes=routes, atomic=mode == "atomic"
+    )
+    assert same_bits(model.w.detach(), expected)
     if routes is not None:
         assert routes.stats.replayed == 1
 

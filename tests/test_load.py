@@ -692,6 +692,41 @@ def test_complex32_sparse_patches_load_under_bool_mask(count: int, mode: str) ->
         assert routes.stats.replayed == 1
 
 
+@pytest.mark.parametrize("strategy", [Auto(), BoolMask()])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes"])
+def test_a_sparse_patch_to_an_empty_tensor_loads(strategy: CopyStrategy, mode: str) -> None:
+    """A checkpoint tensor with a zero dimension (an empty shard, a zero-width bias) has no
+    storage to own: an empty sparse patch to it loads and changes nothing, as a dense one
+    does, instead of being refused as a write into a tensor that is not the model's."""
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.empty = torch.nn.Parameter(torch.zeros(0, 4), requires_grad=False)
+            self.w = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, tensor in weights:
+                getattr(self, name).copy_(tensor)
+            return {name for name, _ in weights}
+
+    model = Two()
+    routes = RouteCache() if mode == "routes" else None
+    patches = [
+        CheckpointWeightPatch(
+            "empty", (0, 4), torch.float32, torch.zeros(0), torch.zeros(0, dtype=torch.long)
+        ),
+        CheckpointWeightPatch("w", (3,), torch.float32, torch.tensor([2.0]), torch.tensor([1])),
+    ]
+    for _ in range(2 if routes is not None else 1):
+        names = load_checkpoint_weight_patches(
+            model, patches, strategy=strategy, routes=routes, atomic=mode == "atomic"
+        )
+        assert names == {"empty", "w"}
+    assert model.empty.shape == (0, 4)
+    assert torch.equal(model.w.detach(), torch.tensor([0.0, 2.0, 0.0]))
+
+
 @pytest.mark.parametrize("view", ["conj", "conj-imag"])
 def test_staged_data_copied_into_a_lazily_conjugated_view_is_refused_with_nothing_written(
     view: str,

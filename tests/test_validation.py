@@ -81,6 +81,42 @@ INVALID = [
         "duplicate indices",
     ),
     ("bool-dtype-sparse", good(dtype=torch.bool), TypeError, "sparse patch cannot be staged"),
+    (
+        "values-meta",
+        good(values=torch.empty(2, device="meta")),
+        ValueError,
+        "values are a meta tensor",
+    ),
+    (
+        "indices-meta",
+        good(indices=torch.empty(2, dtype=torch.long, device="meta")),
+        ValueError,
+        "indices are a meta tensor",
+    ),
+    (
+        "dense-values-meta",
+        good(values=torch.empty(128, device="meta"), indices=None),
+        ValueError,
+        "values are a meta tensor",
+    ),
+    (
+        "values-sparse-layout",
+        good(values=torch.tensor([1.0, 2.0]).to_sparse()),
+        TypeError,
+        "values must be a strided tensor, got torch.sparse_coo",
+    ),
+    (
+        "indices-sparse-layout",
+        good(indices=torch.tensor([3, 9]).to_sparse()),
+        TypeError,
+        "indices must be a strided tensor, got torch.sparse_coo",
+    ),
+    (
+        "dtype-quantized",
+        good(dtype=torch.qint8, indices=None, shape=(2,)),
+        TypeError,
+        "values of dtype torch.float32 cannot be cast to torch.qint8",
+    ),
 ]
 
 

@@ -808,7 +808,9 @@ def _reserved_in(
     strategy: CopyStrategy, items: list[CheckedPatch], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A 1-element flag: whether any of `items` (one dtype) holds a value `strategy` reserves."""
-    values = [item.patch.values.to(device=device) for item in items]
+    # Cast one by one, as staging does: a joint cast after `torch.cat` promotes the values to
+    # a common dtype first (int64 and float32 to float32), which can round them differently.
+    values = [item.patch.values.to(device=device, dtype=dtype) for item in items]
     if len(values) == 1 or sum(v.numel() for v in values) > _BATCHED_BELOW * len(values):
         flags = [strategy.reserved_values(v, dtype).to(device) for v in values]
         return torch.stack(flags).any().reshape(1)

@@ -236,6 +236,31 @@ def test_strategy_decides_what_is_reserved(model: Any) -> None:
         validate_patches([int_patch], strategy=NaNMask())
 
 
+@pytest.mark.parametrize("sorted_indices", [True, False])
+@pytest.mark.parametrize("other", [torch.float32, torch.float64])
+def test_a_reserved_value_is_found_whatever_the_other_patches_values_dtype(
+    sorted_indices: bool, other: torch.dtype
+) -> None:
+    """``2**32 + 128`` is -128 in int8, the sentinel. The exact checks (unsorted indices) look
+    at a group's values together: each patch's are cast to the checkpoint dtype first, as
+    staging casts them, not promoted with another patch's floats (which rounds them to 2**32)."""
+    reserved = CheckpointWeightPatch(
+        "a",
+        (8,),
+        torch.int8,
+        torch.tensor([2**32 + 128, 7]),
+        torch.tensor([1, 3] if sorted_indices else [3, 1]),
+    )
+    assert reserved.values.to(torch.int8)[0] == -128
+    other_patch = CheckpointWeightPatch(
+        "b", (8,), torch.int8, torch.tensor([1.0, 2.0], dtype=other), torch.tensor([0, 2])
+    )
+    for patches in ([reserved], [reserved, other_patch], [other_patch, reserved]):
+        with pytest.raises(InvalidPatchError, match="values contain -128") as info:
+            validate_patches(patches)
+        assert [problem.name for problem in info.value.problems] == ["a"]
+
+
 def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the size of every host read validation makes (common case and exact checks)."""
     reads: list[int] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
@@ -369,12 +370,9 @@ def _structure(
         problem(f"dtype must be a torch.dtype, got {patch.dtype!r}", type_error=True)
     shape: tuple[int, ...] = ()
     try:
-        shape = tuple(patch.shape)
-        if not all(
-            isinstance(d, int) or (isinstance(d, torch.Tensor) and d.ndim == 0) for d in shape
-        ):
-            raise TypeError
-        shape = tuple(int(d) for d in shape)
+        # Any integer: numpy's and 0-d integer tensors too (``torch.full`` takes them), never a
+        # float (a 0-d float tensor's ``int()`` would truncate it).
+        shape = tuple(operator.index(d) for d in patch.shape)
     except TypeError:
         problem(f"shape must be a sequence of ints, got {patch.shape!r}", type_error=True)
         shape = ()
@@ -428,7 +426,9 @@ def _structure(
                 problem(f"indices must be int32 or int64, got {indices.dtype}", type_error=True)
             elif indices.ndim == 1 and values.ndim == 1 and indices.numel() != values.numel():
                 problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
-    if not problems and shape != patch.shape:
+    if not problems and (
+        type(patch.shape) is not tuple or any(type(d) is not int for d in patch.shape)
+    ):
         patch = patch._replace(shape=shape)
     if not problems and (values.is_neg() or values.is_conj()):
         # A lazy negation or conjugation (``z.conj().imag``) is resolved once, here: torch's

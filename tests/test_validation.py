@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +40,13 @@ INVALID = [
     ("dtype-not-dtype", good(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
     ("negative-shape", good(shape=(-1, 8)), ValueError, "negative dimension"),
     ("shape-not-ints", good(shape=("a", 8)), TypeError, "shape must be a sequence of ints"),
+    (
+        "shape-float-tensor",
+        good(shape=(torch.tensor(16.5), 8)),
+        TypeError,
+        "shape must be a sequence of ints",
+    ),
+    ("shape-float", good(shape=(16.0, 8)), TypeError, "shape must be a sequence of ints"),
     ("values-2d", good(values=torch.ones(2, 1)), ValueError, "values must be a 1-D tensor"),
     ("values-not-tensor", good(values=[1.0, 2.0]), TypeError, "values must be a torch.Tensor"),
     ("dense-count", good(indices=None), ValueError, "dense patch has 2 values for a 128-element"),
@@ -259,6 +268,29 @@ def test_a_reserved_value_is_found_whatever_the_other_patches_values_dtype(
         with pytest.raises(InvalidPatchError, match="values contain -128") as info:
             validate_patches(patches)
         assert [problem.name for problem in info.value.problems] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (np.int64(16), np.int32(8)),
+        (torch.tensor(16), torch.tensor(8, dtype=torch.int32)),
+        torch.Size([16, 8]),
+        [16, 8],
+    ],
+    ids=["numpy-ints", "0-d-int-tensors", "torch-size", "list"],
+)
+def test_a_shape_of_any_integers_is_normalised_to_a_tuple_of_ints(model: Any, shape: Any) -> None:
+    """Dimensions that are integers of another type (numpy's, 0-d integer tensors: what
+    ``torch.full`` takes in vLLM's staging) are valid; validation returns plain ints."""
+    patch = good(shape=shape)
+    [checked] = validate_patches([patch])
+    assert checked.shape == SHAPE
+    assert type(checked.shape) is tuple and all(type(d) is int for d in checked.shape)
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(model, [patch])
+    load_checkpoint_weight_patches(reference, [good()])
+    assert_same_state(state(model), state(reference))
 
 
 def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:

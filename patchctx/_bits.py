@@ -86,11 +86,21 @@ def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     torch's index writes there for every width (1.3-2x ``index_copy_`` at 10-30 % density;
     ``scatter_`` on bf16 or fp16 themselves is 10-1000x slower). Elsewhere, and for 16-byte
     elements, ``index_copy_``. All through `indexable` where torch has no kernel for a dtype.
+    Under ``torch.use_deterministic_algorithms(True)``, ``index_put_`` (``put_`` has no
+    deterministic implementation, nor ``index_copy_`` on CUDA; ``index_put_`` has one on
+    every device).
     """
     dtype = target.dtype
     if values.dtype != dtype:  # a bit view of other-width values would write garbage
         raise TypeError(f"write_at: values are {values.dtype}, the destination {dtype}")
     bits, indexed = _WRITE_VIEWS.get(dtype) or _write_views(dtype)
+    if torch.are_deterministic_algorithms_enabled():
+        flat = target.view(-1)
+        if bits is None:  # 16 bytes (complex128): index_put_ has its own kernel
+            flat.index_put_((positions,), values)
+        else:
+            flat.view(bits).index_put_((positions,), values.view(bits))
+        return
     if target.is_cpu and positions.shape[0] <= _FEW:
         if indexed is None:
             target.put_(positions, values)

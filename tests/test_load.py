@@ -727,6 +727,61 @@ def test_a_sparse_patch_to_an_empty_tensor_loads(strategy: CopyStrategy, mode: s
     assert torch.equal(model.w.detach(), torch.tensor([0.0, 2.0, 0.0]))
 
 
+@pytest.fixture
+def deterministic_algorithms() -> Iterable[None]:
+    """``torch.use_deterministic_algorithms(True)`` for one test, as reproducible RL runs set."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.usefixtures("deterministic_algorithms")
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint16, torch.complex128]
+)
+@pytest.mark.parametrize("count", [3, 2000])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes"])
+def test_sparse_patches_load_under_deterministic_algorithms(
+    dtype: torch.dtype, count: int, mode: str
+) -> None:
+    """torch has no deterministic ``put_``: under ``use_deterministic_algorithms(True)``
+    staging, replay and the undo log write with ``index_put_``, which has one, and a patch
+    loads the dense truth instead of raising torch's ``RuntimeError``."""
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(3 * count, dtype=dtype), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+            return {"w"}
+
+    shape = (3 * count,)
+    indices = torch.arange(0, 3 * count, 3)
+    values = torch.arange(1, count + 1).to(dtype)
+    model = One()
+    routes = RouteCache() if mode == "routes" else None
+    if routes is not None:  # learn the route, so that the patch below replays
+        first = CheckpointWeightPatch("w", shape, dtype, values[:1], indices[:1])
+        load_checkpoint_weight_patches(model, [first], strategy=BoolMask(), routes=routes)
+    patch = CheckpointWeightPatch("w", shape, dtype, values, indices)
+    load_checkpoint_weight_patches(
+        model, [patch], strategy=BoolMask(), routes=routes, atomic=mode == "atomic"
+    )
+    expected = torch.zeros(shape, dtype=dtype)
+    expected.view(torch.uint8).view(-1, expected.element_size())[indices] = values.view(
+        torch.uint8
+    ).view(-1, expected.element_size())
+    assert same_bits(model.w.detach(), expected)
+    if routes is not None:
+        assert routes.stats.replayed == 1
+
+
 @pytest.mark.parametrize("view", ["conj", "conj-imag"])
 def test_staged_data_copied_into_a_lazily_conjugated_view_is_refused_with_nothing_written(
     view: str,

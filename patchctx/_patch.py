@@ -847,7 +847,12 @@ def _index_flags(
                 orders.append(torch.ones((), dtype=torch.bool, device=device))
                 continue
             low, high = torch.aminmax(indices)
-            ranges.append((low < 0) | (high >= item.numel))
+            if item.numel > torch.iinfo(indices.dtype).max:
+                # No index of this dtype reaches the end, and the bound would wrap in the
+                # comparison (2**31 is int32's -2**31).
+                ranges.append(low < 0)
+            else:
+                ranges.append((low < 0) | (high >= item.numel))
             # Exact whenever the indices are in range: differences of non-negative values of
             # the index dtype cannot overflow.
             orders.append(

@@ -362,6 +362,34 @@ def test_unsorted_out_of_range_is_caught_even_when_the_ends_are_in_range() -> No
         )
 
 
+@pytest.mark.parametrize("numel", [2**31, 2**32 - 1, 2**32 + 5, 2**40])
+@pytest.mark.parametrize("count", [3, 6000])
+def test_int32_indices_into_a_tensor_beyond_int32_are_judged_by_the_exact_checks(
+    numel: int, count: int
+) -> None:
+    """Unsorted or repeated int32 indices into a tensor of 2**31 elements or more: the exact
+    checks compare them with a bound int32 cannot hold. Valid ones pass, a repeat is reported
+    as a repeat, not as out of range (validation only: nothing of that size is allocated)."""
+    unsorted = torch.arange(count, 0, -1, dtype=torch.int32)
+    [checked] = validate_patches(
+        [CheckpointWeightPatch("w", (numel,), torch.float32, torch.ones(count), unsorted)]
+    )
+    assert checked.indices is unsorted
+    repeated = unsorted.clone()
+    repeated[1] = repeated[0]
+    with pytest.raises(InvalidPatchError, match="duplicate indices") as info:
+        validate_patches(
+            [CheckpointWeightPatch("w", (numel,), torch.float32, torch.ones(count), repeated)]
+        )
+    assert "out of range" not in str(info.value)
+    negative = unsorted.clone()
+    negative[1] = -3
+    with pytest.raises(InvalidPatchError, match=r"out of range.*min -3"):
+        validate_patches(
+            [CheckpointWeightPatch("w", (numel,), torch.float32, torch.ones(count), negative)]
+        )
+
+
 def test_dense_only_calls_do_no_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
     reads = count_host_reads(monkeypatch)
     validate_patches([good(values=torch.zeros(128), indices=None)])

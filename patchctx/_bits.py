@@ -12,7 +12,15 @@ import torch
 __all__ = ["bit_view", "indexable", "scatter_flat", "write_at"]
 
 _OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+# Dtypes torch lacks indexing kernels for on CPU, and the integer view of the same width that
+# moves their bits: the unsigned 16/32/64-bit integers and complex32 (``put_`` and
+# ``index_copy_`` are not implemented for ``ComplexHalf``).
+_SIGNED = {
+    torch.uint16: torch.int16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+    torch.complex32: torch.int32,
+}
 
 
 def bit_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -33,9 +41,10 @@ def bit_view(tensor: torch.Tensor) -> torch.Tensor:
 def indexable(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, or an integer view of the same bits where torch lacks indexing kernels.
 
-    The float8 dtypes (on some devices) and the unsigned 16/32/64-bit integers (on CPU) have no
-    ``index_copy_``/``index_select``/``cat`` kernels; moving their bits through a signed or
-    ``uint8`` view of the same width is exact. View the result back with ``.view(dtype)``.
+    The float8 dtypes (on some devices), the unsigned 16/32/64-bit integers and complex32 (on
+    CPU) have no ``index_copy_``/``index_select``/``cat`` (or ``put_``) kernels; moving their
+    bits through a signed or ``uint8`` view of the same width is exact. View the result back
+    with ``.view(dtype)``.
     """
     if tensor.dtype.is_floating_point and tensor.element_size() == 1:
         return tensor.view(torch.uint8)
@@ -77,11 +86,21 @@ def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     torch's index writes there for every width (1.3-2x ``index_copy_`` at 10-30 % density;
     ``scatter_`` on bf16 or fp16 themselves is 10-1000x slower). Elsewhere, and for 16-byte
     elements, ``index_copy_``. All through `indexable` where torch has no kernel for a dtype.
+    Under ``torch.use_deterministic_algorithms(True)``, ``index_put_`` (``put_`` has no
+    deterministic implementation, nor ``index_copy_`` on CUDA; ``index_put_`` has one on
+    every device).
     """
     dtype = target.dtype
     if values.dtype != dtype:  # a bit view of other-width values would write garbage
         raise TypeError(f"write_at: values are {values.dtype}, the destination {dtype}")
     bits, indexed = _WRITE_VIEWS.get(dtype) or _write_views(dtype)
+    if torch.are_deterministic_algorithms_enabled():
+        flat = target.view(-1)
+        if bits is None:  # 16 bytes (complex128): index_put_ has its own kernel
+            flat.index_put_((positions,), values)
+        else:
+            flat.view(bits).index_put_((positions,), values.view(bits))
+        return
     if target.is_cpu and positions.shape[0] <= _FEW:
         if indexed is None:
             target.put_(positions, values)

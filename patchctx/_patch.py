@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
@@ -12,7 +13,15 @@ from patchctx import _cpu_passes
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
-from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, as_strategy
+from patchctx._strategies import (
+    _QUANTIZED,
+    Auto,
+    BoolMask,
+    CopyStrategy,
+    IntSentinel,
+    NaNMask,
+    as_strategy,
+)
 
 __all__ = ["CheckedPatch", "CheckpointWeightPatch", "PatchLike", "validate_patches"]
 
@@ -302,11 +311,11 @@ def _well_formed(
         if type(d) is not int or d < 0:
             return None
         numel *= d
-    if numel > _MAX_NUMEL or not isinstance(dtype, torch.dtype):
+    if numel > _MAX_NUMEL or not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
         return None
-    if not isinstance(values, torch.Tensor):
+    if not isinstance(values, torch.Tensor) or not _holds_data(values):
         return None
-    if values.ndim != 1 or values.is_neg() or values.is_conj():
+    if values.ndim != 1 or values.is_neg() or values.is_conj() or values.dtype in _QUANTIZED:
         return None
     if indices is None:
         return numel if values.shape[0] == numel else None
@@ -315,12 +324,31 @@ def _well_formed(
         or indices.ndim != 1
         or indices.dtype not in _INDEX_DTYPES
         or indices.shape[0] != values.shape[0]
+        or indices.is_neg()
+        or not _holds_data(indices)
     ):
         return None
     ok = supported.get(dtype)
     if ok is None:
         ok = supported[dtype] = strategy.unsupported_reason(dtype) is None
     return numel if ok else None
+
+
+def _holds_data(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a strided tensor with data (not meta, not a sparse layout)."""
+    return tensor.layout is torch.strided and not tensor.is_meta
+
+
+def _data_problem(what: str, tensor: torch.Tensor) -> tuple[str, bool] | None:
+    """Why `tensor` cannot be read as the patch's `what`, and whether that is a type problem.
+
+    Returns `None` when it can: a strided tensor with data.
+    """
+    if tensor.layout is not torch.strided:
+        return f"{what} must be a strided tensor, got {tensor.layout}", True
+    if tensor.is_meta:
+        return f"{what} are a meta tensor, which holds no data", False
+    return None
 
 
 def _structure(
@@ -342,12 +370,9 @@ def _structure(
         problem(f"dtype must be a torch.dtype, got {patch.dtype!r}", type_error=True)
     shape: tuple[int, ...] = ()
     try:
-        shape = tuple(patch.shape)
-        if not all(
-            isinstance(d, int) or (isinstance(d, torch.Tensor) and d.ndim == 0) for d in shape
-        ):
-            raise TypeError
-        shape = tuple(int(d) for d in shape)
+        # Any integer: numpy's and 0-d integer tensors too (``torch.full`` takes them), never a
+        # float (a 0-d float tensor's ``int()`` would truncate it).
+        shape = tuple(operator.index(d) for d in patch.shape)
     except TypeError:
         problem(f"shape must be a sequence of ints, got {patch.shape!r}", type_error=True)
         shape = ()
@@ -363,6 +388,18 @@ def _structure(
         return patch, numel, problems
     if values.ndim != 1:
         problem(f"values must be a 1-D tensor, got shape {tuple(values.shape)}")
+    if (found := _data_problem("values", values)) is not None:
+        problem(found[0], type_error=found[1])
+    if (
+        dtype_ok
+        and values.dtype != patch.dtype
+        and (values.dtype in _QUANTIZED or patch.dtype in _QUANTIZED)
+    ):
+        problem(
+            f"values of dtype {values.dtype} cannot be cast to {patch.dtype} (torch has no "
+            "cast to or from a quantized dtype); send the values in the checkpoint dtype",
+            type_error=True,
+        )
     indices = patch.indices
     if indices is None:
         if values.ndim == 1 and values.numel() != numel:
@@ -383,16 +420,24 @@ def _structure(
         else:
             if indices.ndim != 1:
                 problem(f"indices must be a 1-D tensor, got shape {tuple(indices.shape)}")
+            if (found := _data_problem("indices", indices)) is not None:
+                problem(found[0], type_error=found[1])
             if indices.dtype not in (torch.int32, torch.int64):
                 problem(f"indices must be int32 or int64, got {indices.dtype}", type_error=True)
             elif indices.ndim == 1 and values.ndim == 1 and indices.numel() != values.numel():
                 problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
-    if not problems and shape != patch.shape:
+    if not problems and (
+        type(patch.shape) is not tuple or any(type(d) is not int for d in patch.shape)
+    ):
         patch = patch._replace(shape=shape)
     if not problems and (values.is_neg() or values.is_conj()):
         # A lazy negation or conjugation (``z.conj().imag``) is resolved once, here: torch's
         # cast copy of a contiguous negative view drops the sign (2.13, float32 to float16).
         patch = patch._replace(values=values.resolve_conj().resolve_neg())
+    if not problems and isinstance(indices, torch.Tensor) and indices.is_neg():
+        # Indices too (``torch._neg_view(-i)`` stands for ``i``): numpy refuses to read them,
+        # and the same cast copy would drop their sign.
+        patch = patch._replace(indices=indices.resolve_neg())
     return patch, numel, problems
 
 
@@ -763,7 +808,9 @@ def _reserved_in(
     strategy: CopyStrategy, items: list[CheckedPatch], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A 1-element flag: whether any of `items` (one dtype) holds a value `strategy` reserves."""
-    values = [item.patch.values.to(device=device) for item in items]
+    # Cast one by one, as staging does: a joint cast after `torch.cat` promotes the values to
+    # a common dtype first (int64 and float32 to float32), which can round them differently.
+    values = [item.patch.values.to(device=device, dtype=dtype) for item in items]
     if len(values) == 1 or sum(v.numel() for v in values) > _BATCHED_BELOW * len(values):
         flags = [strategy.reserved_values(v, dtype).to(device) for v in values]
         return torch.stack(flags).any().reshape(1)
@@ -800,7 +847,12 @@ def _index_flags(
                 orders.append(torch.ones((), dtype=torch.bool, device=device))
                 continue
             low, high = torch.aminmax(indices)
-            ranges.append((low < 0) | (high >= item.numel))
+            if item.numel > torch.iinfo(indices.dtype).max:
+                # No index of this dtype reaches the end, and the bound would wrap in the
+                # comparison (2**31 is int32's -2**31).
+                ranges.append(low < 0)
+            else:
+                ranges.append((low < 0) | (high >= item.numel))
             # Exact whenever the indices are in range: differences of non-negative values of
             # the index dtype cannot overflow.
             orders.append(
@@ -906,15 +958,15 @@ def validate_patches(
     """Check patches the way `load_checkpoint_weight_patches` does, without loading anything.
 
     Use it before staging patches yourself for `masked_copy`. Structure is checked first (name,
-    shape, dtype, 1-D values, value count, index dtype and count, the strategy's support of the
-    dtype), then numbers with one host synchronisation per device: values the strategy cannot
-    carry, indices out of range, and duplicate indices within a patch. Indices that are strictly
-    increasing (the common producer format) are validated in O(nnz) without a sort, in a
-    fixed number of operations for all small patches together and per block of a million
-    indices for large ones. When some patch's are not increasing (or a check fails), exact
-    per-patch checks follow, with one more host synchronisation on that device, and one more
-    again when duplicates must be ruled out by a sort (none with
-    ``validate_unique_indices=False``).
+    shape, dtype, 1-D values, value count, index dtype and count, values and indices that hold
+    data, values that cast to the dtype, the strategy's support of the dtype), then numbers
+    with one host synchronisation per device: values the strategy cannot carry, indices out of
+    range, and duplicate indices within a patch. Indices that are strictly increasing (the
+    common producer format) are validated in O(nnz) without a sort, in a fixed number of
+    operations for all small patches together and per block of a million indices for large
+    ones. When some patch's are not increasing (or a check fails), exact per-patch checks
+    follow, with one more host synchronisation on that device, and one more again when
+    duplicates must be ruled out by a sort (none with ``validate_unique_indices=False``).
 
     Args:
         patches: `CheckpointWeightPatch` objects, or anything with the same attributes.

@@ -237,11 +237,25 @@ class Segment:
             picked: slice | torch.Tensor = slice(start, stop)
             inside = indices[start:stop]
         else:
-            picked = (indices >= low) & (indices <= high)
+            # Bounds beyond the index dtype would wrap in the comparison (2**31 is int32's
+            # -2**31): no index of the dtype is above its maximum.
+            top = torch.iinfo(indices.dtype).max
+            if low > top:
+                picked = torch.zeros(indices.shape, dtype=torch.bool, device=indices.device)
+            elif high >= top:
+                picked = indices >= low
+            else:
+                picked = (indices >= low) & (indices <= high)
             inside = indices[picked]
-        # One pass into a fresh int64 tensor (never the caller's): 8 bytes per covered index.
+        # A fresh int64 tensor (never the caller's): 8 bytes per covered index. The shift is
+        # subtracted in int64: torch computes an int32 tensor minus a Python int in int32,
+        # which wraps once a position passes 2**31 (a slice of a huge fused weight).
         shift = self.source.offset - self.target.offset if self._direct else self.source.offset
-        shifted = torch.sub(inside, shift, out=torch.empty_like(inside, dtype=torch.long))
+        if inside.dtype == torch.long:
+            shifted = torch.sub(inside, shift)
+        else:
+            shifted = inside.to(torch.long)
+            shifted.sub_(shift)
         if self._direct:
             return shifted, picked
         # General strided view: decompose (index - offset) greedily by source stride.
@@ -896,10 +910,12 @@ def replay(
                 at = buffer[: end - begin]
                 if device.type == "cpu":
                     positions_into(block, shift, at)  # numpy: no intra-op threads to wait on
-                elif shift:
+                elif shift and block.dtype == torch.long:
                     torch.sub(block, shift, out=at)
                 else:
                     builtin_copy(at, block)  # int32 to int64: cheaper than a subtraction
+                    if shift:  # in int64: int32 arithmetic wraps past 2**31 (see `positions`)
+                        at.sub_(shift)
             update = device_values if whole else device_values[begin:end]
             if update.dtype != route.dtype:
                 update = update.to(dtype=route.dtype)

@@ -179,6 +179,8 @@ class WriteLedger:
                     "finished (the loader kept it, or another thread wrote it late): it holds "
                     "'keep' marks, not weights; nothing was written"
                 )
+            if not destination.numel():
+                return False  # nothing is written into an empty tensor (it owns no storage)
             owner = self.index.owner(destination)
             if owner is None and dense:
                 return False  # dense data is exact anywhere: a temporary of the loader's

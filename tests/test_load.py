@@ -32,6 +32,7 @@ from patchctx import (
     PerTensor,
     RouteCache,
     SingleCall,
+    diff_state_dicts,
     load_checkpoint_weight_patches,
 )
 from tests.support.builders import patch_sequences, sparse_patch
@@ -611,6 +612,176 @@ def test_values_that_are_a_lazy_negative_view_load_with_their_sign(
     )
     expected = torch.tensor([-1.5, -2.0, -3.0, -4.0] if dense else [0.0, -1.5, 0.0, -2.0])
     assert torch.equal(model.w.detach(), expected.to(parameter))
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("count", [2, 5000])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes"])
+def test_indices_that_are_a_lazy_negative_view_load_at_their_positions(
+    index_dtype: torch.dtype, count: int, mode: str
+) -> None:
+    """Indices that are a negative view (``torch._neg_view(-i)``) stand for ``i``: validation,
+    staging and replay read them by the values they stand for (numpy refused them)."""
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2 * count), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+            return {"w"}
+
+    wanted = torch.arange(1, 2 * count, 2, dtype=index_dtype)
+    indices = torch._neg_view(-wanted)
+    assert indices.is_neg() and torch.equal(indices, wanted)
+    values = torch.arange(1.0, count + 1.0)
+    model = One()
+    routes = RouteCache() if mode == "routes" else None
+    if routes is not None:  # learn the route, so that the patch below replays
+        first = CheckpointWeightPatch("w", (2 * count,), torch.float32, values[:1], wanted[:1])
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+    patch = CheckpointWeightPatch("w", (2 * count,), torch.float32, values, indices)
+    load_checkpoint_weight_patches(model, [patch], routes=routes, atomic=mode == "atomic")
+    expected = torch.zeros(2 * count)
+    expected[wanted.long()] = values
+    assert torch.equal(model.w.detach(), expected)
+    if routes is not None:
+        assert routes.stats.replayed == 1
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("count", [2, 2000])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes", "diff"])
+def test_complex32_sparse_patches_load_under_bool_mask(count: int, mode: str) -> None:
+    """torch has no ``put_`` for complex32 (``ComplexHalf``) on CPU: its sparse patches move
+    as bits through an integer view, on every path, and a diff round-trips."""
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(
+                torch.zeros(2 * count, dtype=torch.complex32), requires_grad=False
+            )
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+            return {"w"}
+
+    shape = (2 * count,)
+    indices = torch.arange(1, 2 * count, 2)
+    values = torch.complex(torch.arange(1.0, count + 1.0), -torch.ones(count))
+    expected = torch.zeros(shape, dtype=torch.complex64)
+    expected[indices] = values
+    expected = expected.to(torch.complex32)
+    model = One()
+    routes = RouteCache() if mode == "routes" else None
+    if routes is not None:  # learn the route, so that the patch below replays
+        first = CheckpointWeightPatch("w", shape, torch.complex32, values[:1], indices[:1])
+        load_checkpoint_weight_patches(model, [first], strategy=BoolMask(), routes=routes)
+    patches = [CheckpointWeightPatch("w", shape, torch.complex32, values, indices)]
+    if mode == "diff":
+        old = {"w": torch.zeros(shape, dtype=torch.complex32)}
+        patches = diff_state_dicts(old, {"w": expected}, strategy=BoolMask(), cost=None)
+        assert patches[0].indices is not None
+    load_checkpoint_weight_patches(
+        model, patches, strategy=BoolMask(), routes=routes, atomic=mode == "atomic"
+    )
+    assert same_bits(model.w.detach(), expected)
+    if routes is not None:
+        assert routes.stats.replayed == 1
+
+
+@pytest.mark.parametrize("strategy", [Auto(), BoolMask()])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes"])
+def test_a_sparse_patch_to_an_empty_tensor_loads(strategy: CopyStrategy, mode: str) -> None:
+    """A checkpoint tensor with a zero dimension (an empty shard, a zero-width bias) has no
+    storage to own: an empty sparse patch to it loads and changes nothing, as a dense one
+    does, instead of being refused as a write into a tensor that is not the model's."""
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.empty = torch.nn.Parameter(torch.zeros(0, 4), requires_grad=False)
+            self.w = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, tensor in weights:
+                getattr(self, name).copy_(tensor)
+            return {name for name, _ in weights}
+
+    model = Two()
+    routes = RouteCache() if mode == "routes" else None
+    patches = [
+        CheckpointWeightPatch(
+            "empty", (0, 4), torch.float32, torch.zeros(0), torch.zeros(0, dtype=torch.long)
+        ),
+        CheckpointWeightPatch("w", (3,), torch.float32, torch.tensor([2.0]), torch.tensor([1])),
+    ]
+    for _ in range(2 if routes is not None else 1):
+        names = load_checkpoint_weight_patches(
+            model, patches, strategy=strategy, routes=routes, atomic=mode == "atomic"
+        )
+        assert names == {"empty", "w"}
+    assert model.empty.shape == (0, 4)
+    assert torch.equal(model.w.detach(), torch.tensor([0.0, 2.0, 0.0]))
+
+
+@pytest.fixture
+def deterministic_algorithms() -> Iterable[None]:
+    """``torch.use_deterministic_algorithms(True)`` for one test, as reproducible RL runs set."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.usefixtures("deterministic_algorithms")
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint16, torch.complex128]
+)
+@pytest.mark.parametrize("count", [3, 2000])
+@pytest.mark.parametrize("mode", ["loader", "atomic", "routes"])
+def test_sparse_patches_load_under_deterministic_algorithms(
+    dtype: torch.dtype, count: int, mode: str
+) -> None:
+    """torch has no deterministic ``put_``: under ``use_deterministic_algorithms(True)``
+    staging, replay and the undo log write with ``index_put_``, which has one, and a patch
+    loads the dense truth instead of raising torch's ``RuntimeError``."""
+
+    class One(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(3 * count, dtype=dtype), requires_grad=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.w.copy_(tensor)
+            return {"w"}
+
+    shape = (3 * count,)
+    indices = torch.arange(0, 3 * count, 3)
+    values = torch.arange(1, count + 1).to(dtype)
+    model = One()
+    routes = RouteCache() if mode == "routes" else None
+    if routes is not None:  # learn the route, so that the patch below replays
+        first = CheckpointWeightPatch("w", shape, dtype, values[:1], indices[:1])
+        load_checkpoint_weight_patches(model, [first], strategy=BoolMask(), routes=routes)
+    patch = CheckpointWeightPatch("w", shape, dtype, values, indices)
+    load_checkpoint_weight_patches(
+        model, [patch], strategy=BoolMask(), routes=routes, atomic=mode == "atomic"
+    )
+    expected = torch.zeros(shape, dtype=dtype)
+    expected.view(torch.uint8).view(-1, expected.element_size())[indices] = values.view(
+        torch.uint8
+    ).view(-1, expected.element_size())
+    assert same_bits(model.w.detach(), expected)
+    if routes is not None:
+        assert routes.stats.replayed == 1
 
 
 @pytest.mark.parametrize("view", ["conj", "conj-imag"])

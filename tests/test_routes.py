@@ -22,6 +22,7 @@ from patchctx import (
     SingleCall,
     load_checkpoint_weight_patches,
 )
+from patchctx._routes import Geometry, Segment
 from tests.support.builders import Sparse, patch_sequences, sparse_patch
 from tests.support.models import (
     PaddedEmbedding,
@@ -866,6 +867,60 @@ def test_replay_with_unsorted_and_sorted_indices(index_dtype: torch.dtype, sort:
     assert_same_state(state(model), state(reference))
 
 
+def _positions_by_geometry(segment: Segment, indices: list[int]) -> list[int]:
+    """Storage positions of the checkpoint `indices` a segment covers, in Python integers."""
+    source, target = segment.source, segment.target
+    found = []
+    for index in indices:
+        rest, position = index - source.offset, target.offset
+        for d in source.dims():
+            coordinate, rest = divmod(rest, source.stride[d])
+            if not 0 <= coordinate < source.size[d]:
+                break
+            position += coordinate * target.stride[d]
+        else:
+            if rest == 0:
+                found.append(position)
+    return found
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sort", [True, False])
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        # A small checkpoint tensor into a slice of a huge fused weight (an expert at element
+        # 2**31 and beyond): positions above int32 from int32 indices.
+        (Geometry((1024,), (1,), 0), Geometry((1024,), (1,), 2**31 + 100)),
+        (Geometry((1024,), (1,), 0), Geometry((1024,), (1,), 2**32 + 100)),
+        (Geometry((32, 32), (32, 1), 0), Geometry((32, 32), (1, 32), 2**31 + 7)),
+        # A slice of a checkpoint tensor of more than 2**31 elements that straddles 2**31.
+        (Geometry((1024,), (1,), 2**31 - 512), Geometry((1024,), (1,), 0)),
+        (Geometry((64, 16), (2**25, 1), 2**31 - 2**25 * 8), Geometry((64, 16), (16, 1), 0)),
+    ],
+    ids=["fused-2**31", "fused-2**32", "fused-transposed", "straddling", "straddling-rows"],
+)
+def test_positions_beyond_int32_are_exact_from_int32_indices(
+    source: Geometry, target: Geometry, index_dtype: torch.dtype, sort: bool
+) -> None:
+    """Replay's positions are int64 arithmetic on any index dtype: a bound or a shift beyond
+    int32 does not wrap with int32 indices (metadata only: nothing of that size exists)."""
+    layout = Geometry((2**33,), (1,), 0)
+    segment = Segment(source, target, "w", 0, torch.float32, layout)
+    low, high = source.span()
+    top = min(high, 2**31 - 1)
+    candidates = sorted({low, low + 1, (low + top) // 2, top - 1, top, low + source.stride[-1]})
+    indices = torch.tensor(candidates if sort else candidates[::-1], dtype=index_dtype)
+    found, picked = segment.positions(indices, sorted_unique=sort)
+    expected = _positions_by_geometry(segment, indices.tolist())
+    assert found.dtype == torch.long
+    assert found.tolist() == expected
+    assert torch.arange(indices.shape[0])[picked].tolist() == [
+        k for k, i in enumerate(indices.tolist()) if _positions_by_geometry(segment, [i])
+    ]
+
+
+# ------------------------------------------------------------------ verification
 # ------------------------------------------------------------------ verification
 
 

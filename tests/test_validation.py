@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +40,13 @@ INVALID = [
     ("dtype-not-dtype", good(dtype="float32"), TypeError, "dtype must be a torch.dtype"),
     ("negative-shape", good(shape=(-1, 8)), ValueError, "negative dimension"),
     ("shape-not-ints", good(shape=("a", 8)), TypeError, "shape must be a sequence of ints"),
+    (
+        "shape-float-tensor",
+        good(shape=(torch.tensor(16.5), 8)),
+        TypeError,
+        "shape must be a sequence of ints",
+    ),
+    ("shape-float", good(shape=(16.0, 8)), TypeError, "shape must be a sequence of ints"),
     ("values-2d", good(values=torch.ones(2, 1)), ValueError, "values must be a 1-D tensor"),
     ("values-not-tensor", good(values=[1.0, 2.0]), TypeError, "values must be a torch.Tensor"),
     ("dense-count", good(indices=None), ValueError, "dense patch has 2 values for a 128-element"),
@@ -81,6 +90,42 @@ INVALID = [
         "duplicate indices",
     ),
     ("bool-dtype-sparse", good(dtype=torch.bool), TypeError, "sparse patch cannot be staged"),
+    (
+        "values-meta",
+        good(values=torch.empty(2, device="meta")),
+        ValueError,
+        "values are a meta tensor",
+    ),
+    (
+        "indices-meta",
+        good(indices=torch.empty(2, dtype=torch.long, device="meta")),
+        ValueError,
+        "indices are a meta tensor",
+    ),
+    (
+        "dense-values-meta",
+        good(values=torch.empty(128, device="meta"), indices=None),
+        ValueError,
+        "values are a meta tensor",
+    ),
+    (
+        "values-sparse-layout",
+        good(values=torch.tensor([1.0, 2.0]).to_sparse()),
+        TypeError,
+        "values must be a strided tensor, got torch.sparse_coo",
+    ),
+    (
+        "indices-sparse-layout",
+        good(indices=torch.tensor([3, 9]).to_sparse()),
+        TypeError,
+        "indices must be a strided tensor, got torch.sparse_coo",
+    ),
+    (
+        "dtype-quantized",
+        good(dtype=torch.qint8, indices=None, shape=(2,)),
+        TypeError,
+        "values of dtype torch.float32 cannot be cast to torch.qint8",
+    ),
 ]
 
 
@@ -200,6 +245,54 @@ def test_strategy_decides_what_is_reserved(model: Any) -> None:
         validate_patches([int_patch], strategy=NaNMask())
 
 
+@pytest.mark.parametrize("sorted_indices", [True, False])
+@pytest.mark.parametrize("other", [torch.float32, torch.float64])
+def test_a_reserved_value_is_found_whatever_the_other_patches_values_dtype(
+    sorted_indices: bool, other: torch.dtype
+) -> None:
+    """``2**32 + 128`` is -128 in int8, the sentinel. The exact checks (unsorted indices) look
+    at a group's values together: each patch's are cast to the checkpoint dtype first, as
+    staging casts them, not promoted with another patch's floats (which rounds them to 2**32)."""
+    reserved = CheckpointWeightPatch(
+        "a",
+        (8,),
+        torch.int8,
+        torch.tensor([2**32 + 128, 7]),
+        torch.tensor([1, 3] if sorted_indices else [3, 1]),
+    )
+    assert reserved.values.to(torch.int8)[0] == -128
+    other_patch = CheckpointWeightPatch(
+        "b", (8,), torch.int8, torch.tensor([1.0, 2.0], dtype=other), torch.tensor([0, 2])
+    )
+    for patches in ([reserved], [reserved, other_patch], [other_patch, reserved]):
+        with pytest.raises(InvalidPatchError, match="values contain -128") as info:
+            validate_patches(patches)
+        assert [problem.name for problem in info.value.problems] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (np.int64(16), np.int32(8)),
+        (torch.tensor(16), torch.tensor(8, dtype=torch.int32)),
+        torch.Size([16, 8]),
+        [16, 8],
+    ],
+    ids=["numpy-ints", "0-d-int-tensors", "torch-size", "list"],
+)
+def test_a_shape_of_any_integers_is_normalised_to_a_tuple_of_ints(model: Any, shape: Any) -> None:
+    """Dimensions that are integers of another type (numpy's, 0-d integer tensors: what
+    ``torch.full`` takes in vLLM's staging) are valid; validation returns plain ints."""
+    patch = good(shape=shape)
+    [checked] = validate_patches([patch])
+    assert checked.shape == SHAPE
+    assert type(checked.shape) is tuple and all(type(d) is int for d in checked.shape)
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(model, [patch])
+    load_checkpoint_weight_patches(reference, [good()])
+    assert_same_state(state(model), state(reference))
+
+
 def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the size of every host read validation makes (common case and exact checks)."""
     reads: list[int] = []
@@ -266,6 +359,34 @@ def test_unsorted_out_of_range_is_caught_even_when_the_ends_are_in_range() -> No
         validate_patches(
             [good(values=torch.ones(3), indices=torch.tensor([3, -7, 5]))],
             validate_unique_indices=False,
+        )
+
+
+@pytest.mark.parametrize("numel", [2**31, 2**32 - 1, 2**32 + 5, 2**40])
+@pytest.mark.parametrize("count", [3, 6000])
+def test_int32_indices_into_a_tensor_beyond_int32_are_judged_by_the_exact_checks(
+    numel: int, count: int
+) -> None:
+    """Unsorted or repeated int32 indices into a tensor of 2**31 elements or more: the exact
+    checks compare them with a bound int32 cannot hold. Valid ones pass, a repeat is reported
+    as a repeat, not as out of range (validation only: nothing of that size is allocated)."""
+    unsorted = torch.arange(count, 0, -1, dtype=torch.int32)
+    [checked] = validate_patches(
+        [CheckpointWeightPatch("w", (numel,), torch.float32, torch.ones(count), unsorted)]
+    )
+    assert checked.indices is unsorted
+    repeated = unsorted.clone()
+    repeated[1] = repeated[0]
+    with pytest.raises(InvalidPatchError, match="duplicate indices") as info:
+        validate_patches(
+            [CheckpointWeightPatch("w", (numel,), torch.float32, torch.ones(count), repeated)]
+        )
+    assert "out of range" not in str(info.value)
+    negative = unsorted.clone()
+    negative[1] = -3
+    with pytest.raises(InvalidPatchError, match=r"out of range.*min -3"):
+        validate_patches(
+            [CheckpointWeightPatch("w", (numel,), torch.float32, torch.ones(count), negative)]
         )
 
 

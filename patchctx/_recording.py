@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from patchctx._routes import Geometry, Read, Route, Segment
+from patchctx._routes import Geometry, Holder, Read, Route, Segment
 
 if TYPE_CHECKING:
     from patchctx._routes import Fill
@@ -72,8 +72,12 @@ class Recorder:
         key: int,
         owner: torch.Tensor,
         span: Span,
+        holders: tuple[Holder, ...] = (),
     ) -> None:
-        """A ``copy_`` of staged data into a model tensor: a segment if provably affine."""
+        """A ``copy_`` of staged data into a model tensor: a segment if provably affine.
+
+        `holders`: the other model tensors over the bytes written (`ModelIndex.holders`).
+        """
         prov = source._prov
         root = prov.root
         names = prov.names
@@ -111,6 +115,7 @@ class Recorder:
                 key,
                 destination.dtype,
                 Geometry.of(owner),
+                holders,
             )
         )
         self.spans.setdefault(name, []).append(span)

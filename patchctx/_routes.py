@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Fill",
     "Geometry",
+    "Holder",
     "LiveTensors",
     "Route",
     "RouteCache",
@@ -126,6 +127,29 @@ def _still(
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """Another model tensor over bytes a route writes: a tied name, a view of a flat storage.
+
+    A segment or fill names the first model tensor found on its storage, but the loader may
+    reach those bytes through another name of them. The route holds only while each such
+    tensor is still the one recorded: one untied or rebound would no longer receive the
+    writes made through the storage it left.
+    """
+
+    tensor_name: str
+    data_ptr: int
+    dtype: torch.dtype
+    layout: Geometry
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> Holder:
+        return cls(name, tensor.data_ptr(), tensor.dtype, Geometry.of(tensor))
+
+    def live(self, tensor: torch.Tensor | None) -> bool:
+        return tensor is not None and _still(tensor, self.data_ptr, self.dtype, self.layout, 0)
+
+
+@dataclass(frozen=True, slots=True)
 class Segment:
     """One recorded copy: a view of the staged checkpoint tensor into a view of a parameter.
 
@@ -138,6 +162,7 @@ class Segment:
         layout: The parameter's own sizes, strides and offset when recorded: the loader's
             views derive from them, so a parameter rebound to another layout of the same
             storage invalidates the segment.
+        holders: The other model tensors over the bytes written, checked like the owner.
     """
 
     source: Geometry
@@ -146,6 +171,7 @@ class Segment:
     storage_ptr: int
     dtype: torch.dtype
     layout: Geometry
+    holders: tuple[Holder, ...] = ()
     _plan: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
     _direct: bool = field(init=False, repr=False, compare=False)
     _span: tuple[int, int] = field(init=False, repr=False, compare=False)
@@ -291,6 +317,7 @@ class Fill:
         storage_ptr: The storage's data pointer when recorded (checked before replay).
         dtype: The owning tensor's dtype.
         layout: The owning tensor's own sizes, strides and offset when recorded.
+        holders: The other model tensors over the bytes filled, checked like the owner.
     """
 
     target: Geometry
@@ -300,6 +327,7 @@ class Fill:
     storage_ptr: int
     dtype: torch.dtype
     layout: Geometry
+    holders: tuple[Holder, ...] = ()
     # The constant as compared: its type and repr, so -0.0 is not 0.0 and NaN equals NaN.
     _constant: tuple[str, str] = field(init=False, repr=False)
     _data_ptr: int = field(init=False, repr=False, compare=False)
@@ -701,16 +729,17 @@ for a loader that copies views
             self.stats.invalidated += 1
             return None
         targets = []
-        for segment in route.segments:
-            tensor = tensors.get(segment.tensor_name)
-            if tensor is None or not segment.live(tensor):
-                self.invalidate(name)
-                self.stats.invalidated += 1
-                return None
-            targets.append(tensor)
-        for fill in route.fills:
-            tensor = tensors.get(fill.tensor_name)
-            if tensor is None or not fill.live(tensor):
+        written_by_route: tuple[Segment | Fill, ...] = (*route.segments, *route.fills)
+        for written in written_by_route:
+            tensor = tensors.get(written.tensor_name)
+            if (
+                tensor is None
+                or not written.live(tensor)
+                or (
+                    written.holders
+                    and not all(h.live(tensors.get(h.tensor_name)) for h in written.holders)
+                )
+            ):
                 self.invalidate(name)
                 self.stats.invalidated += 1
                 return None

@@ -202,7 +202,10 @@ class _DryLedger(WriteLedger):
             elif source is None:
                 self.recorder.unprovable(names, "the loader wrote it with an indexed write")
             else:
-                self.recorder.segment(source, destination, owner.name, key, owner.tensor, span)
+                holders = self.index.holders(destination)
+                self.recorder.segment(
+                    source, destination, owner.name, key, owner.tensor, span, holders
+                )
 
 
 def _label(names: frozenset[str]) -> str:

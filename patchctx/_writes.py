@@ -28,7 +28,7 @@ import torch
 from patchctx._arguments import known_names
 from patchctx._errors import LoaderContractError
 from patchctx._recording import Recorder
-from patchctx._routes import Fill, Geometry
+from patchctx._routes import Fill, Geometry, Holder
 from patchctx._staged import StagedTensor
 from patchctx._undo import UndoLog
 
@@ -81,10 +81,16 @@ class ModelIndex:
     ) -> None:
         self.tensors = dict(tensors)
         self._by_storage: dict[int, Owner] = {}
+        # The names of each storage several names share (tied, or views of one flat storage).
+        self._sharing: dict[int, list[tuple[Owner, Span]]] = {}
         for name, tensor in self.tensors.items():
             key = storage_key(tensor)
-            if key is not None and key not in self._by_storage:
+            if key is None:
+                continue
+            if key not in self._by_storage:
                 self._by_storage[key] = Owner(name, tensor)
+            self._sharing.setdefault(key, []).append((Owner(name, tensor), span_of(tensor, key)))
+        self._sharing = {key: names for key, names in self._sharing.items() if len(names) > 1}
         self._protected: dict[int, str] = {}
         known_names(protect or {}, self.tensors, "protect=")  # a typo must not disarm it
         for name, reason in (protect or {}).items():
@@ -96,6 +102,27 @@ class ModelIndex:
     def owner(self, tensor: torch.Tensor) -> Owner | None:
         key = storage_key(tensor)
         return None if key is None else self._by_storage.get(key)
+
+    def sharers(self, tensor: torch.Tensor) -> list[Owner]:
+        """The model tensors over bytes of `tensor`, other than its `owner`.
+
+        A loader reaches those bytes through one of their names, which the storage cannot tell
+        (a tied name, a view of a flat storage): a route through them holds only while each
+        is still the tensor it is now.
+        """
+        key = storage_key(tensor)
+        if key is None or key not in self._sharing:
+            return []
+        span, first = span_of(tensor, key), self._by_storage[key].name
+        return [
+            owner
+            for owner, there in self._sharing[key]
+            if owner.name != first and there.overlaps(span)
+        ]
+
+    def holders(self, tensor: torch.Tensor) -> tuple[Holder, ...]:
+        """`sharers` as a route checks them."""
+        return tuple(Holder.of(owner.name, owner.tensor) for owner in self.sharers(tensor))
 
     def protection(self, tensor: torch.Tensor) -> str | None:
         """Why `tensor`'s storage must not be written, or `None`."""
@@ -242,7 +269,10 @@ class WriteLedger:
             elif source is None:
                 self.recorder.unprovable(names, "the loader wrote it with an indexed write")
             else:
-                self.recorder.segment(source, destination, owner.name, key, owner.tensor, span)
+                holders = self.index.holders(destination)
+                self.recorder.segment(
+                    source, destination, owner.name, key, owner.tensor, span, holders
+                )
 
     def unprovable(self, names: frozenset[str], reason: str) -> None:
         with self._lock:
@@ -278,6 +308,7 @@ class WriteLedger:
                 key,
                 owner.tensor.dtype,
                 Geometry.of(owner.tensor),
+                self.index.holders(target),
             )
         with self._lock:
             for earlier in self.masked:
@@ -301,7 +332,8 @@ class WriteLedger:
         owner = self.index.owner(tensor)
         if owner is not None:
             with self._lock:
-                self.recorder.host_read(owner.name, owner.tensor)
+                for read in [owner, *self.index.sharers(tensor)]:
+                    self.recorder.host_read(read.name, read.tensor)
 
     def input_write(self, target: torch.Tensor) -> None:
         """Before the loader writes `target` in place: save it if it is a caller's input."""

@@ -644,6 +644,58 @@ def test_replaced_parameter_object_invalidates_its_route() -> None:
     assert model.weight.view(-1)[7] == 2.0
 
 
+class SharedBytes(nn.Module):
+    """`b` shares its bytes with `a`: tied to it, or both views of one flat storage (as flat
+    parameters are), and `slots` a view of one flat buffer with `spare` before it; the loader
+    writes `b`, at the slot it reads from `slots` (as vLLM's expert map decides)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        if how == "tied":
+            self.a = nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+            self.b = self.a
+        else:
+            flat = torch.zeros(20)
+            self.a = nn.Parameter(flat[:8].view(2, 4), requires_grad=False)
+            self.b = nn.Parameter(flat[8:16].view(2, 4), requires_grad=False)
+        buffer = torch.tensor([1, 0, 1])
+        self.spare = nn.Buffer(buffer[:1])
+        self.slots = nn.Buffer(buffer[1:])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.b.data[int(self.slots[0].item())].copy_(tensor)
+        return {"b"}
+
+
+@pytest.mark.parametrize("how", ["untied", "flat rebound", "read rebound"])
+def test_a_tensor_sharing_bytes_with_the_one_a_route_names_is_followed(how: str) -> None:
+    """The route names the first tensor found on a storage; the loader reaches the bytes
+    through another name of them (a tied name, a view of a flat storage): once that one is
+    untied or rebound, the route must not write the old bytes."""
+    model, routes = SharedBytes("tied" if how == "untied" else "flat"), RouteCache()
+
+    def patch(value: float, at: int) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            "b", (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
+        )
+
+    load_checkpoint_weight_patches(model, [patch(1.0, 1)], routes=routes)
+    load_checkpoint_weight_patches(model, [patch(2.0, 2)], routes=routes)
+    assert routes.stats.replayed == 1
+    if how == "untied":
+        model.b = nn.Parameter(model.b.detach().clone(), requires_grad=False)
+    elif how == "flat rebound":
+        model.b.data = model.b.data.clone()
+    else:  # the loader now reads another slot
+        model.slots.data = torch.tensor([1, 1])
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(reference, [patch(3.0, 3)])  # the loader path
+    load_checkpoint_weight_patches(model, [patch(3.0, 3)], routes=routes)
+    assert_same_state(state(model), state(reference))
+    assert routes.stats.replayed == 1 and routes.stats.invalidated == 1
+
+
 class _Inner(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -109,7 +109,9 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
             ledger.input_write(target)  # a dense patch's values: undone when the call ends
         model_targets = [t for t in targets if ledger.index.owner(t) is not None]
         if not model_targets:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            ledger.derive(tensors, result)
+            return result
         for target in model_targets:
             owner = ledger.index.owner(target)
             assert owner is not None

@@ -565,7 +565,9 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if all(tensor is not t for t in skip):
                     self._read(tensor, func)
         if not model_targets:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            ledger.derive(tensors, result)
+            return result
         labels = ", ".join(repr(owner.name) for _, owner in model_targets)
         if func.overloadpacket in _RESHAPING:
             ledger.stop(

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from patchctx._arguments import known_names
 from patchctx._errors import LoaderContractError
 from patchctx._recording import Recorder
 from patchctx._routes import Fill, Geometry, Holder
-from patchctx._staged import StagedTensor
+from patchctx._staged import StagedTensor, _tensors
 from patchctx._undo import UndoLog
 
 __all__ = ["Constant", "ModelIndex", "Span", "WriteLedger", "span_of", "storage_key"]
@@ -192,6 +193,9 @@ class WriteLedger:
         # so the caller's patches stay what they sent (a retry, a second replica).
         self.inputs: set[int] = set()
         self.input_undo = UndoLog()
+        # Tensors the loader computed from model tensors in its thread (a comparison, a cast,
+        # ``nonzero``), with those model tensors: a value read out of one is theirs.
+        self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._lock = threading.RLock()
 
     # -- masked writes (patchctx._staged.Ledger) -------------------------------------------
@@ -328,12 +332,30 @@ class WriteLedger:
                 self.undo.save_view(target)
 
     def host_read(self, tensor: torch.Tensor) -> None:
-        """The loader reads `tensor` out of torch (``.item()``): a model tensor is noted."""
-        owner = self.index.owner(tensor)
-        if owner is not None:
+        """The loader reads `tensor` out of torch (``.item()``): the model tensors it is of."""
+        sources = self._sources([tensor])
+        if sources:
             with self._lock:
-                for read in [owner, *self.index.sharers(tensor)]:
+                for read in sources:
                     self.recorder.host_read(read.name, read.tensor)
+
+    def derive(self, inputs: list[torch.Tensor], result: object) -> None:
+        """The loader computed `result` from `inputs`: note the model tensors it comes from."""
+        sources = self._sources(inputs)
+        if sources:
+            for output in _tensors(result):
+                if self.index.owner(output) is None:
+                    self.derived[output] = sources
+
+    def _sources(self, tensors: list[torch.Tensor]) -> tuple[Owner, ...]:
+        """The model tensors `tensors` are views of or were computed from."""
+        found: list[Owner] = []
+        for tensor in tensors:
+            owner = self.index.owner(tensor)
+            if owner is not None:
+                found += [owner, *self.index.sharers(tensor)]
+            found += self.derived.get(tensor, ())  # type: ignore[no-untyped-call]
+        return tuple(found)
 
     def input_write(self, target: torch.Tensor) -> None:
         """Before the loader writes `target` in place: save it if it is a caller's input."""

@@ -1085,3 +1085,52 @@ def test_a_route_follows_the_model_state_its_loader_read_out_of_torch(
     load_checkpoint_weight_patches(model, [moved], routes=routes)
     assert torch.equal(model.w, truth.w)
     assert routes.stats.invalidated == 1
+
+
+class ComputedSlots(Experts):
+    """`Experts` whose loader reads the slot out of a tensor computed from the expert map."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            expert = int(name.split(".")[1])
+            if self.read == "comparison":
+                slot = 0 if self.expert_map[expert] == 0 else 1
+            elif self.read == "cast":
+                slot = int(self.expert_map[expert].to(torch.int32).item())
+            elif self.read == "arithmetic":
+                slot = int(self.expert_map[expert] + 0)
+            else:  # "nonzero": where the expert sits
+                slot = int((self.expert_map == expert).nonzero()[0, 0])
+            self.w.data[slot].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["warm", "first patch"])
+@pytest.mark.parametrize("read", ["comparison", "cast", "arithmetic", "nonzero"])
+def test_a_route_follows_model_values_read_through_a_computed_tensor(how: str, read: str) -> None:
+    """The loader reads a value of a tensor it computed from the expert map (a comparison, a
+    cast, arithmetic, ``nonzero``): after a rebalance, the route is not replayed."""
+    model, routes = ComputedSlots(read), RouteCache()
+    if how == "warm":
+        routes.warm(model, [("experts.0.w", (4,), torch.float32)])
+    else:
+        first = CheckpointWeightPatch(
+            "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+        )
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.0.w" in routes
+    model.expert_map.copy_(torch.tensor([1, 0]))  # the experts swap slots
+    truth = copy.deepcopy(model)
+    full = truth.w[1].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.0.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1

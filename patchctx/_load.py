@@ -224,6 +224,11 @@ class _Loader:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
             usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
+            if usable is not None and usable[0].reads and (self.chunk or self.pending):
+                # Its loader decided on model values, which the patches before it in this
+                # call may change: check them once those are written.
+                self.flush()
+                usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
             # A dense patch follows a known route too (the loader's copies, without the
             # loader); only sparse loads record routes, so only they are used to verify one.
             if usable is not None:

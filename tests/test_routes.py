@@ -1134,3 +1134,39 @@ def test_a_route_follows_model_values_read_through_a_computed_tensor(how: str, r
     load_checkpoint_weight_patches(model, [moved], routes=routes)
     assert_same_state(state(model), state(truth))
     assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+@pytest.mark.parametrize("map_patch", ["dense, through the loader", "sparse, replayed"])
+def test_a_route_follows_model_values_an_earlier_patch_of_the_same_call_changes(
+    map_patch: str,
+) -> None:
+    """A rebalance sent in the same call as an expert's patch, before it: the expert's route
+    (which read the old map) is not replayed, whether the map goes through the loader or
+    along its own route."""
+    model, routes = Experts(), RouteCache()
+    first = CheckpointWeightPatch(
+        "expert_map", (2,), torch.int64, torch.tensor([0]), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [first], routes=routes)
+    expert = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [expert], routes=routes)
+    assert {"expert_map", "experts.0.w"} <= set(routes)
+    swapped = torch.tensor([1, 0])  # the experts swap slots
+    if map_patch == "sparse, replayed":
+        rebalance = CheckpointWeightPatch(
+            "expert_map", (2,), torch.int64, swapped, torch.tensor([0, 1])
+        )
+    else:
+        rebalance = CheckpointWeightPatch("expert_map", (2,), torch.int64, swapped)
+    truth = copy.deepcopy(model)
+    truth.expert_map.copy_(swapped)
+    full = truth.w[1].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.0.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [rebalance, moved], routes=routes)
+    assert_same_state(state(model), state(truth))

@@ -58,7 +58,7 @@ class Recorder:
 
         Which name's decision the value fed cannot be told, so all of them do.
         """
-        self.reads[name] = Read(name, tensor.data_ptr(), tensor._version)
+        self.reads[name] = Read.of(name, tensor)
 
     def unprovable(self, names: Iterable[str], reason: str) -> None:
         for name in names:

@@ -365,15 +365,26 @@ class Read:
 
     The loader may have decided where to write on it (an expert map): the route holds only
     while the tensor is the same one, unchanged since (its version counter, which every
-    in-place write bumps).
+    in-place write bumps). Its storage is compared as an object: another one that an
+    allocator put at the same address, as unwritten as the first, is another tensor.
     """
 
     tensor_name: str
     data_ptr: int
     version: int
+    storage: weakref.ref[torch.UntypedStorage] = field(compare=False)
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> Read:
+        storage = weakref.ref(tensor.untyped_storage())
+        return cls(name, tensor.data_ptr(), tensor._version, storage)
 
     def live(self, tensor: torch.Tensor) -> bool:
-        return tensor.data_ptr() == self.data_ptr and tensor._version == self.version
+        return (
+            tensor.data_ptr() == self.data_ptr
+            and tensor._version == self.version
+            and tensor.untyped_storage() is self.storage()
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy
 import pytest
 import torch
 from hypothesis import given
@@ -1170,3 +1171,32 @@ def test_a_route_follows_model_values_an_earlier_patch_of_the_same_call_changes(
     )
     load_checkpoint_weight_patches(model, [rebalance, moved], routes=routes)
     assert_same_state(state(model), state(truth))
+
+
+def test_a_map_rebuilt_at_the_same_address_is_another_tensor() -> None:
+    """The expert map is replaced by another tensor at the address of the one the loader read,
+    unwritten since its creation (as an allocator hands a freed block out again): the route
+    that read the old map is not replayed."""
+    model, routes = Experts(), RouteCache()
+    held = numpy.array([0, 1])
+    model.expert_map = nn.Buffer(torch.from_numpy(held))
+    first = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.0.w" in routes
+    read = model.expert_map
+    held[:] = [1, 0]  # the experts swap slots, in a new map at the same address
+    model.expert_map = nn.Buffer(torch.from_numpy(held))
+    assert model.expert_map.data_ptr() == read.data_ptr()
+    assert model.expert_map._version == read._version
+    truth = copy.deepcopy(model)
+    full = truth.w[1].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.0.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1

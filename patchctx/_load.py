@@ -174,7 +174,7 @@ class _Loader:
         self.tensors: Mapping[str, torch.Tensor] = (
             model_tensors(model)
             if protect or (routes is not None and not isinstance(model, torch.nn.Module))
-            else routes._live()
+            else routes._live(self.module)
             if routes is not None
             else {}
         )

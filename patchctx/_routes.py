@@ -485,7 +485,8 @@ class RouteCache:
         self._uses: dict[str, int] = {}
         self._verify_all = False
         self._mismatches: list[str] = []
-        self._slots: dict[str, _Slot] = {}
+        # The model the slots were found in, and its slots (one object, swapped at once).
+        self._slots: tuple[torch.nn.Module | None, dict[str, _Slot]] = (None, {})
         self.stats = RouteStats()
 
     @property
@@ -666,12 +667,12 @@ for a loader that copies views
             if bound is not model:
                 self._routes.clear()
                 self._model = weakref.ref(model)
-                self._slots = {}
+                self._slots = (None, {})
 
         self._locked(bind)
 
-    def _live(self) -> LiveTensors:
-        """The bound model's tensors by name, looked up where they are registered right now.
+    def _live(self, model: torch.nn.Module) -> LiveTensors:
+        """`model`'s tensors by name, looked up where they are registered right now.
 
         The (module, attribute) of every name is found once per model, with the chain of
         submodules that leads to it from the model (found again when a name is missing, e.g.
@@ -679,20 +680,21 @@ for a loader that copies views
         replaced under its own name), not on every call: a lookup is a few dict reads, and a
         parameter or submodule replaced by another object is seen at once. (A module that is
         no longer the model's keeps its tensors, and a route's live check would pass on them:
-        its writes would miss the model.)
+        its writes would miss the model.) The names are those of `model`, the model of the
+        call, even when another thread binds the cache to another model meanwhile: a route it
+        records there is then checked against this model's tensors, and fails.
         """
-        return LiveTensors(self)
+        return LiveTensors(self, model)
 
-    def _slot_of(self, name: str) -> torch.Tensor | None:
-        slot = self._slots.get(name)
+    def _slot_of(self, name: str, model: torch.nn.Module) -> torch.Tensor | None:
+        found_in, slots = self._slots
+        slot = slots.get(name) if found_in is model else None
         if slot is None or not all(
             parent._modules.get(attr) is child for parent, attr, child in slot[2]
         ):
-            model = self._model() if self._model is not None else None
-            if not isinstance(model, torch.nn.Module):
-                return None
-            self._slots = _slots_of(model)
-            slot = self._slots.get(name)
+            slots = _slots_of(model)
+            self._slots = (model, slots)
+            slot = slots.get(name)
             if slot is None:
                 return None
         module, attr, _ = slot
@@ -786,26 +788,26 @@ def _slots_of(model: torch.nn.Module) -> dict[str, _Slot]:
 
 
 class LiveTensors(Mapping[str, torch.Tensor]):
-    """`RouteCache._live`: a read-only name -> tensor view of the bound model."""
+    """`RouteCache._live`: a read-only name -> tensor view of one model."""
 
-    def __init__(self, cache: RouteCache) -> None:
-        self._cache = cache
+    def __init__(self, cache: RouteCache, model: torch.nn.Module) -> None:
+        self._cache, self._model = cache, model
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._cache._slot_of(name)
+        tensor = self._cache._slot_of(name, self._model)
         if tensor is None:
             raise KeyError(name)
         return tensor
 
     def get(self, name: str, default: Any = None) -> Any:
-        tensor = self._cache._slot_of(name)
+        tensor = self._cache._slot_of(name, self._model)
         return default if tensor is None else tensor
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._cache._slots))
+        return iter(list(_slots_of(self._model)))
 
     def __len__(self) -> int:
-        return len(self._cache._slots)
+        return len(_slots_of(self._model))
 
 
 @dataclass

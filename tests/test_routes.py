@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from torch import nn
 from patchctx import (
     BoolMask,
     CheckpointWeightPatch,
+    ChunkState,
     InvalidPatchError,
     LoaderContractError,
     RouteCache,
@@ -800,6 +802,51 @@ def test_a_route_cache_used_with_another_model_starts_over() -> None:
     load_checkpoint_weight_patches(b, [sparse_w(2.0)], routes=routes)
     assert routes.stats.replayed == 0
     assert a.weight.view(-1)[7] == 1.0 and b.weight.view(-1)[7] == 2.0
+
+
+class _Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.x = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.y = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            getattr(self, name).copy_(tensor)
+        return {name for name, _ in weights}
+
+
+def test_a_cache_another_thread_binds_to_another_model_mid_call_writes_only_this_model() -> None:
+    """Two threads share one cache, each with its own model: the other thread's calls land
+    in the middle of this one's (here, while a chunk is gathered). This call's patches go to
+    its own model, never along the routes the other thread recorded on its model."""
+    a, b, routes = _Three(), _Three(), RouteCache()
+
+    def patch(name: str, value: float, at: int) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            name, (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
+        )
+
+    class OtherThreadMidway:
+        def split_before(self, chunk: ChunkState, /) -> bool:
+            def other() -> None:  # records the route of "w" on b, then replays it
+                load_checkpoint_weight_patches(b, [patch("w", 1.0, 0)], routes=routes)
+                load_checkpoint_weight_patches(b, [patch("w", 2.0, 1)], routes=routes)
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+            return False
+
+    load_checkpoint_weight_patches(
+        a,
+        [patch("x", 1.0, 0), patch("y", 2.0, 1), patch("w", 3.0, 2)],
+        routes=routes,
+        chunking=OtherThreadMidway(),
+    )
+    assert [a.w.tolist(), a.x.tolist(), a.y.tolist()] == [[0, 0, 3, 0], [1, 0, 0, 0], [0, 2, 0, 0]]
+    assert [b.w.tolist(), b.x.tolist(), b.y.tolist()] == [[1, 2, 0, 0], [0] * 4, [0] * 4]
 
 
 def test_a_different_shape_or_dtype_for_the_name_goes_through_the_loader() -> None:

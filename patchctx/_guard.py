@@ -23,7 +23,7 @@ from patchctx._errors import LoaderContractError
 from patchctx._staged import StagedTensor, _tensors, written_arguments
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["HOST_READS", "Guard", "constant_of"]
+__all__ = ["HOST_READS", "Guard", "constant_of", "host_reads"]
 
 aten = torch.ops.aten
 
@@ -49,6 +49,28 @@ _RESHAPING = frozenset(
 HOST_READS = frozenset(
     {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 )
+
+
+def host_reads(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors whose values `func` hands to Python: what the loader may decide on.
+
+    A value leaves torch (`HOST_READS`), or a result's shape depends on values (``nonzero``,
+    ``unique``, a boolean-mask index: the tensors that decide it), which the loader reads
+    with ``.shape`` or ``numel()`` and no operation at all.
+    """
+    if func in HOST_READS:
+        return _tensors((args, kwargs))
+    if torch.Tag.dynamic_output_shape not in func.tags:
+        return []
+    if func is aten.index.Tensor:  # the shape depends on the boolean masks among the indices
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        masks = (torch.bool, torch.uint8)
+        return [t for t in _tensors(indices) if t.dtype in masks]
+    return _tensors((args, kwargs))
+
+
 # In-place operations that do not read the values they overwrite.
 _PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
 
@@ -91,9 +113,8 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tensors = _tensors((args, kwargs))
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the staged data handles it
-        if func in HOST_READS:  # a value leaves torch: the loader may decide on it
-            for tensor in tensors:
-                self.ledger.host_read(tensor)
+        for tensor in host_reads(func, args, kwargs):  # the loader may decide on it
+            self.ledger.host_read(tensor)
         written = written_arguments(func)
         targets: list[torch.Tensor] = []
         for position, name in written:

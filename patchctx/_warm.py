@@ -49,7 +49,7 @@ from patchctx._errors import (
     LoaderContractError,
     PatchProblem,
 )
-from patchctx._guard import _PURE_WRITES, _RESHAPING, HOST_READS, constant_of
+from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of, host_reads
 from patchctx._model import (
     SupportsLoadWeights,
     as_module,
@@ -548,9 +548,8 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the dry data handles it
         ledger = self.ledger
-        if func in HOST_READS:  # a value leaves torch: the loader may decide on it
-            for tensor in tensors:
-                ledger.host_read(tensor)
+        for tensor in host_reads(func, args, kwargs):  # the loader may decide on it
+            ledger.host_read(tensor)
         written = written_arguments(func)
         targets: list[torch.Tensor] = []
         for position, name in written:

@@ -1247,3 +1247,50 @@ def test_a_map_rebuilt_at_the_same_address_is_another_tensor() -> None:
     load_checkpoint_weight_patches(model, [moved], routes=routes)
     assert_same_state(state(model), state(truth))
     assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+class CountedSlots(nn.Module):
+    """A flag per expert says whether it is local; an expert's slot is the number of local
+    experts before it, counted from the shape of a data-dependent result."""
+
+    def __init__(self, count: str) -> None:
+        super().__init__()
+        self.count = count
+        self.w = nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+        self.local = nn.Buffer(torch.tensor([False, True, True]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            before = self.local[: int(name.split(".")[1])]
+            nonzero = self.count == "nonzero"  # else a boolean mask
+            slot = before.nonzero().shape[0] if nonzero else before[before].numel()
+            self.w.data[slot].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["warm", "first patch"])
+@pytest.mark.parametrize("count", ["nonzero", "boolean mask"])
+def test_a_route_follows_model_values_that_decided_a_shape(how: str, count: str) -> None:
+    """The loader decides on the shape of a result that depends on model values (``nonzero``,
+    a boolean-mask index), never reading a value itself: after the flags change, the route
+    is not replayed."""
+    model, routes = CountedSlots(count), RouteCache()
+    if how == "warm":
+        routes.warm(model, [("experts.2.w", (4,), torch.float32)])
+    else:
+        first = CheckpointWeightPatch(
+            "experts.2.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+        )
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.2.w" in routes
+    model.local.copy_(torch.tensor([False, False, True]))  # expert 1 left: 2 moves to slot 0
+    truth = copy.deepcopy(model)
+    full = truth.w[0].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.2.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.2.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1

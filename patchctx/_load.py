@@ -224,7 +224,12 @@ class _Loader:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
             usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
-            if usable is not None and usable[0].reads and (self.chunk or self.pending):
+            if (
+                usable is not None
+                and usable[0].reads
+                and (self.chunk or self.pending)
+                and not routes._verify_all  # (`verify`'s patches change nothing)
+            ):
                 # Its loader decided on model values, which the patches before it in this
                 # call may change: check them once those are written.
                 self.flush()

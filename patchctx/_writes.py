@@ -81,17 +81,18 @@ class ModelIndex:
         self, tensors: Mapping[str, torch.Tensor], protect: Mapping[str, str] | None = None
     ) -> None:
         self.tensors = dict(tensors)
-        self._by_storage: dict[int, Owner] = {}
-        # The names of each storage several names share (tied, or views of one flat storage).
-        self._sharing: dict[int, list[tuple[Owner, Span]]] = {}
+        by_key: dict[int, list[Owner]] = {}
         for name, tensor in self.tensors.items():
             key = storage_key(tensor)
-            if key is None:
-                continue
-            if key not in self._by_storage:
-                self._by_storage[key] = Owner(name, tensor)
-            self._sharing.setdefault(key, []).append((Owner(name, tensor), span_of(tensor, key)))
-        self._sharing = {key: names for key, names in self._sharing.items() if len(names) > 1}
+            if key is not None:
+                by_key.setdefault(key, []).append(Owner(name, tensor))
+        self._by_storage: dict[int, Owner] = {key: owners[0] for key, owners in by_key.items()}
+        # The names of each storage several names share (tied, or views of one flat storage).
+        self._sharing = {
+            key: [(owner, span_of(owner.tensor, key)) for owner in owners]
+            for key, owners in by_key.items()
+            if len(owners) > 1
+        }
         self._protected: dict[int, str] = {}
         known_names(protect or {}, self.tensors, "protect=")  # a typo must not disarm it
         for name, reason in (protect or {}).items():

@@ -128,6 +128,7 @@ class Recorder:
         constants: list[tuple[Span, Fill]],
         loading: frozenset[str],
         reported: set[str],
+        tensor_names: frozenset[str] | None = None,
     ) -> dict[str, Route]:
         """The routes this call proves (after it succeeded).
 
@@ -137,6 +138,8 @@ class Recorder:
             constants: The loader's constant fills, in order, with the bytes each wrote.
             loading: Every checkpoint name of the call.
             reported: The names the loader returned.
+            tensor_names: The names of the model's tensors, kept by a route that writes
+                nothing (`Route.holding`).
         """
         if other_writes:
             self.unprovable(
@@ -162,6 +165,12 @@ class Recorder:
             targets |= {fill.tensor_name for fill in fills}
             names = frozenset(n for n in reported if n in targets or n == name)
             routes[name] = Route(
-                name, *shapes[name], tuple(segments), names, fills, tuple(self.reads.values())
+                name,
+                *shapes[name],
+                tuple(segments),
+                names,
+                fills,
+                tuple(self.reads.values()),
+                None if segments or fills else tensor_names,
             )
         return routes

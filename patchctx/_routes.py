@@ -393,7 +393,9 @@ class Route:
 
     `reported` holds the names the loader returned for it when the route was recorded, so a
     replay reports what the loader path would. `fills` are the constant fills the loader made
-    of other bytes while loading the name alone, in order: replay makes them again.
+    of other bytes while loading the name alone, in order: replay makes them again. A route
+    that writes nothing (a name the loader skips) has no tensor to check live: it keeps the
+    names of the model's tensors (`holding`), and holds while the model holds those.
     """
 
     name: str
@@ -403,6 +405,7 @@ class Route:
     reported: frozenset[str] = frozenset()
     fills: tuple[Fill, ...] = ()
     reads: tuple[Read, ...] = field(default=(), compare=False)
+    holding: frozenset[str] | None = field(default=None, compare=False)
     _numel: int = field(init=False, repr=False, compare=False)
     # One whole-tensor segment in the checkpoint dtype (see `Segment._whole`): replay writes
     # a patch's positions into the live tensor's ``view(-1)`` as they are.
@@ -757,6 +760,10 @@ for a loader that copies views
                 self.stats.invalidated += 1
                 return None
             targets.append(tensor)
+        if route.holding is not None and route.holding != _names(tensors):
+            self.invalidate(name)  # a route that writes nothing, and the model changed
+            self.stats.invalidated += 1
+            return None
         for read in route.reads:  # what the loader decided on is unchanged
             tensor = tensors.get(read.tensor_name)
             if tensor is None or not read.live(tensor):
@@ -787,11 +794,27 @@ def _slots_of(model: torch.nn.Module) -> dict[str, _Slot]:
     return slots
 
 
+def _names(tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The names of the model's tensors (parameters and buffers) in `tensors`."""
+    return tensors.names() if isinstance(tensors, LiveTensors) else frozenset(tensors)
+
+
 class LiveTensors(Mapping[str, torch.Tensor]):
     """`RouteCache._live`: a read-only name -> tensor view of one model."""
 
     def __init__(self, cache: RouteCache, model: torch.nn.Module) -> None:
         self._cache, self._model = cache, model
+        self._names: frozenset[str] | None = None
+
+    def names(self) -> frozenset[str]:
+        """The model's parameter and buffer names, found once (no loader call between)."""
+        if self._names is None:
+            self._names = frozenset(
+                name
+                for name, (module, attr, _) in _slots_of(self._model).items()
+                if module._parameters.get(attr) is not None or module._buffers.get(attr) is not None
+            )
+        return self._names
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self._cache._slot_of(name, self._model)

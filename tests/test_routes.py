@@ -1294,3 +1294,42 @@ def test_a_route_follows_model_values_that_decided_a_shape(how: str, count: str)
     load_checkpoint_weight_patches(model, [moved], routes=routes)
     assert_same_state(state(model), state(truth))
     assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+class Skipping(nn.Module):
+    """A loader that skips the names this model does not hold (as vLLM's loaders skip the
+    layers another pipeline stage holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if name in params:
+                params[name].copy_(tensor)
+        return {name for name, _ in weights if name in params}
+
+
+def test_a_route_that_writes_nothing_holds_only_while_the_model_holds_the_same_tensors() -> None:
+    """A name the loader wrote nothing for gets a route that writes nothing. Once the model
+    holds a tensor of that name (registered between calls), its patch goes through the
+    loader, which writes it."""
+    model, routes = Skipping(), RouteCache()
+
+    def patch(value: float, at: int) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            "bias", (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
+        )
+
+    load_checkpoint_weight_patches(model, [patch(1.0, 0)], routes=routes)
+    load_checkpoint_weight_patches(model, [patch(2.0, 1)], routes=routes)
+    assert routes.stats.replayed == 1  # nothing to write, and nothing written
+    model.bias = nn.Parameter(torch.zeros(4), requires_grad=False)
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(reference, [patch(3.0, 2)])  # the loader path
+    load_checkpoint_weight_patches(model, [patch(3.0, 2)], routes=routes)
+    assert_same_state(state(model), state(reference))
+    assert model.bias.tolist() == [0.0, 0.0, 3.0, 0.0]
+    assert routes.stats.replayed == 1 and routes.stats.invalidated == 1

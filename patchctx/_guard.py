@@ -20,10 +20,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from patchctx._errors import LoaderContractError
-from patchctx._staged import StagedTensor, _tensors, written_arguments
+from patchctx._staged import (
+    StagedTensor,
+    _argument,
+    _leak_kind,
+    _tensors,
+    written_arguments,
+)
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["HOST_READS", "Guard", "constant_of", "host_reads"]
+__all__ = ["Guard", "constant_of", "host_reads"]
 
 aten = torch.ops.aten
 
@@ -44,11 +50,6 @@ _RESHAPING = frozenset(
         aten._resize_output_,
     }
 )
-# Operations whose result leaves torch as a Python value (``.item()``, ``bool(t)``,
-# ``torch.equal``): what the loader does next may depend on it.
-HOST_READS = frozenset(
-    {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
-)
 
 
 def host_reads(
@@ -56,19 +57,16 @@ def host_reads(
 ) -> list[torch.Tensor]:
     """The tensors whose values `func` hands to Python: what the loader may decide on.
 
-    A value leaves torch (`HOST_READS`), or a result's shape depends on values (``nonzero``,
-    ``unique``, a boolean-mask index: the tensors that decide it), which the loader reads
-    with ``.shape`` or ``numel()`` and no operation at all.
+    A value leaves torch (``.item()``, ``bool(t)``, ``torch.equal``, ``allclose``: under
+    ``inference_mode`` as ``aten.item`` itself), or a result's shape depends on values
+    (``nonzero``, ``unique``, a boolean-mask index: the tensors that decide it), which the
+    loader reads with ``.shape`` or ``numel()`` and no operation at all. The staged data's
+    own rule (`patchctx._staged._leak_kind`) says which.
     """
-    if func in HOST_READS:
-        return _tensors((args, kwargs))
-    if torch.Tag.dynamic_output_shape not in func.tags:
+    kind = _leak_kind(func)
+    if kind is None:
         return []
-    if func is aten.index.Tensor:  # the shape depends on the boolean masks among the indices
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        masks = (torch.bool, torch.uint8)
-        return [t for t in _tensors(indices) if t.dtype in masks]
-    return _tensors((args, kwargs))
+    return _tensors((args, kwargs) if kind == "all" else _argument(args, kwargs, 1, kind))
 
 
 # In-place operations that do not read the values they overwrite.

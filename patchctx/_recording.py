@@ -48,6 +48,8 @@ class Recorder:
     alone: set[str] = field(default_factory=set)
     # Model tensors the loader read out of torch, by name (the last read of each).
     reads: dict[str, Read] = field(default_factory=dict)
+    # Why no route of the call can follow what the loader read (an inference tensor), or None.
+    unfollowed: str | None = None
 
     def expect(self, name: str) -> None:
         """`name` is a sparse name of this call (so "writes nothing" is a finding too)."""
@@ -56,8 +58,15 @@ class Recorder:
     def host_read(self, name: str, tensor: torch.Tensor) -> None:
         """The loader read model tensor `name` out of torch: every route of the call hangs on it.
 
-        Which name's decision the value fed cannot be told, so all of them do.
+        Which name's decision the value fed cannot be told, so all of them do. An inference
+        tensor keeps no version counter: then no route of the call holds.
         """
+        if tensor.is_inference():
+            self.unfollowed = (
+                f"the loader reads a value of {name!r}, an inference tensor (made under "
+                "torch.inference_mode), whose changes no route can follow"
+            )
+            return
         self.reads[name] = Read.of(name, tensor)
 
     def unprovable(self, names: Iterable[str], reason: str) -> None:
@@ -141,6 +150,8 @@ class Recorder:
             tensor_names: The names of the model's tensors, kept by a route that writes
                 nothing (`Route.holding`).
         """
+        if self.unfollowed is not None:
+            self.unprovable(self.segments, self.unfollowed)
         if other_writes:
             self.unprovable(
                 self.segments,

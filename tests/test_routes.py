@@ -1333,3 +1333,51 @@ def test_a_route_that_writes_nothing_holds_only_while_the_model_holds_the_same_t
     assert_same_state(state(model), state(reference))
     assert model.bias.tolist() == [0.0, 0.0, 3.0, 0.0]
     assert routes.stats.replayed == 1 and routes.stats.invalidated == 1
+
+
+class FlaggedSlots(Experts):
+    """`Experts` whose loader reads the slot with ``.item()``, ``bool()`` or ``allclose``."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            entry = self.expert_map[int(name.split(".")[1])]
+            if self.read == "item":
+                slot = int(entry.item())
+            elif self.read == "bool":
+                slot = 1 if entry else 0
+            else:  # "allclose"
+                slot = 0 if torch.allclose(entry, torch.zeros_like(entry)) else 1
+            self.w.data[slot].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("created", ["outside", "inside"])
+@pytest.mark.parametrize("read", ["item", "bool", "allclose"])
+def test_a_route_follows_model_values_read_under_inference_mode(read: str, created: str) -> None:
+    """Under ``torch.inference_mode()`` a read reaches patchctx as ``aten.item`` (or another
+    operation that returns a Python value), not as the ``_local_scalar_dense`` it decomposes
+    into elsewhere: the route still follows the expert map. A model created inside inference
+    mode holds inference tensors, which keep no version counter: no route hangs on them."""
+    with torch.inference_mode(created == "inside"):
+        model, routes = FlaggedSlots(read), RouteCache()
+    first = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+    )
+    with torch.inference_mode():
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+        assert ("experts.0.w" in routes) == (created == "outside")
+        model.expert_map.copy_(torch.tensor([1, 0]))  # the experts swap slots
+        truth = copy.deepcopy(model)
+        full = truth.w[1].clone()
+        full[2] = 7.0
+        truth.load_weights([("experts.0.w", full)])
+        moved = CheckpointWeightPatch(
+            "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+        )
+        load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0

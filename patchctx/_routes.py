@@ -381,9 +381,10 @@ class Read:
 
     def live(self, tensor: torch.Tensor) -> bool:
         return (
-            tensor.data_ptr() == self.data_ptr
+            tensor.untyped_storage() is self.storage()
+            and tensor.data_ptr() == self.data_ptr
+            and not tensor.is_inference()  # (no version counter to read)
             and tensor._version == self.version
-            and tensor.untyped_storage() is self.storage()
         )
 
 

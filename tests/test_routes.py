@@ -1381,3 +1381,26 @@ def test_a_route_follows_model_values_read_under_inference_mode(read: str, creat
         load_checkpoint_weight_patches(model, [moved], routes=routes)
     assert_same_state(state(model), state(truth))
     assert routes.stats.replayed == 0
+
+
+def test_a_map_rebuilt_at_the_same_address_as_an_inference_tensor_is_another_tensor() -> None:
+    """The same, with the new map an inference tensor (which keeps no version counter): the
+    live check drops the route, and does not raise."""
+    model, routes = Experts(), RouteCache()
+    held = numpy.array([0, 1])
+    model.expert_map = nn.Buffer(torch.from_numpy(held))
+    first = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.0.w" in routes
+    held[:] = [1, 0]
+    with torch.inference_mode():
+        model.expert_map = nn.Buffer(torch.from_numpy(held))
+        assert model.expert_map.is_inference()
+        moved = CheckpointWeightPatch(
+            "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+        )
+        load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert model.w.tolist() == [[0.0] * 4, [0.0, 0.0, 7.0, 0.0]]
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1

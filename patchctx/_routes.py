@@ -411,10 +411,22 @@ class Route:
     # One whole-tensor segment in the checkpoint dtype (see `Segment._whole`): replay writes
     # a patch's positions into the live tensor's ``view(-1)`` as they are.
     _whole: bool = field(init=False, repr=False, compare=False)
+    # The model tensors a replay writes (segments' and fills' owners and holders), and those
+    # its loader read, by name.
+    _writes: frozenset[str] = field(init=False, repr=False, compare=False)
+    _reads: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
         object.__setattr__(self, "_numel", numel)
+        written: tuple[Segment | Fill, ...] = (*self.segments, *self.fills)
+        object.__setattr__(
+            self,
+            "_writes",
+            frozenset(w.tensor_name for w in written)
+            | {h.tensor_name for w in written for h in w.holders},
+        )
+        object.__setattr__(self, "_reads", frozenset(r.tensor_name for r in self.reads))
         object.__setattr__(
             self,
             "_whole",

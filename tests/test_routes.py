@@ -7,6 +7,7 @@ import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy
 import pytest
@@ -23,8 +24,10 @@ from patchctx import (
     LoaderContractError,
     RouteCache,
     SingleCall,
+    _load,
     load_checkpoint_weight_patches,
 )
+from patchctx._routes import replay_bounds
 from tests.support.builders import Sparse, patch_sequences, sparse_patch
 from tests.support.models import (
     PaddedEmbedding,
@@ -1404,3 +1407,32 @@ def test_a_map_rebuilt_at_the_same_address_as_an_inference_tensor_is_another_ten
         load_checkpoint_weight_patches(model, [moved], routes=routes)
     assert model.w.tolist() == [[0.0] * 4, [0.0, 0.0, 7.0, 0.0]]
     assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+def test_replays_that_do_not_write_what_a_route_read_stay_batched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routes that read the expert map are checked after what is gathered before them only
+    when that may write the map: the experts' replays of one call still run together (one
+    search of their covered slices, one host read on an accelerator)."""
+    model, routes = Experts(), RouteCache()
+    names = ["experts.0.w", "experts.1.w"]
+
+    def patch(name: str, value: float) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            name, (4,), torch.float32, torch.tensor([value]), torch.tensor([1])
+        )
+
+    load_checkpoint_weight_patches(model, [patch(n, 1.0) for n in names], routes=routes)
+    assert set(names) <= set(routes)
+    searches: list[int] = []
+    original = replay_bounds
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        searches.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_load, "replay_bounds", counted)
+    load_checkpoint_weight_patches(model, [patch(n, 2.0) for n in names], routes=routes)
+    assert routes.stats.replayed == 2 and len(searches) == 1
+    assert model.w[:, 1].tolist() == [2.0, 2.0]

@@ -20,10 +20,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from patchctx._errors import LoaderContractError
-from patchctx._staged import StagedTensor, _tensors, written_arguments
+from patchctx._staged import (
+    StagedTensor,
+    _argument,
+    _leak_kind,
+    _tensors,
+    written_arguments,
+)
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["HOST_READS", "Guard", "constant_of"]
+__all__ = ["Guard", "constant_of", "host_reads"]
 
 aten = torch.ops.aten
 
@@ -44,11 +50,25 @@ _RESHAPING = frozenset(
         aten._resize_output_,
     }
 )
-# Operations whose result leaves torch as a Python value (``.item()``, ``bool(t)``,
-# ``torch.equal``): what the loader does next may depend on it.
-HOST_READS = frozenset(
-    {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
-)
+
+
+def host_reads(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors whose values `func` hands to Python: what the loader may decide on.
+
+    A value leaves torch (``.item()``, ``bool(t)``, ``torch.equal``, ``allclose``: under
+    ``inference_mode`` as ``aten.item`` itself), or a result's shape depends on values
+    (``nonzero``, ``unique``, a boolean-mask index: the tensors that decide it), which the
+    loader reads with ``.shape`` or ``numel()`` and no operation at all. The staged data's
+    own rule (`patchctx._staged._leak_kind`) says which.
+    """
+    kind = _leak_kind(func)
+    if kind is None:
+        return []
+    return _tensors((args, kwargs) if kind == "all" else _argument(args, kwargs, 1, kind))
+
+
 # In-place operations that do not read the values they overwrite.
 _PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
 
@@ -91,9 +111,8 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tensors = _tensors((args, kwargs))
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the staged data handles it
-        if func in HOST_READS:  # a value leaves torch: the loader may decide on it
-            for tensor in tensors:
-                self.ledger.host_read(tensor)
+        for tensor in host_reads(func, args, kwargs):  # the loader may decide on it
+            self.ledger.host_read(tensor)
         written = written_arguments(func)
         targets: list[torch.Tensor] = []
         for position, name in written:
@@ -109,7 +128,9 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
             ledger.input_write(target)  # a dense patch's values: undone when the call ends
         model_targets = [t for t in targets if ledger.index.owner(t) is not None]
         if not model_targets:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            ledger.derive(tensors, result)
+            return result
         for target in model_targets:
             owner = ledger.index.owner(target)
             assert owner is not None

@@ -174,7 +174,7 @@ class _Loader:
         self.tensors: Mapping[str, torch.Tensor] = (
             model_tensors(model)
             if protect or (routes is not None and not isinstance(model, torch.nn.Module))
-            else routes._live()
+            else routes._live(self.module)
             if routes is not None
             else {}
         )
@@ -188,6 +188,7 @@ class _Loader:
         # Replays gathered since the last loader call (route, patch, each segment's
         # destination as checked live), run by `flush`.
         self.pending: list[tuple[Route, CheckedPatch, list[torch.Tensor]]] = []
+        self.pending_writes: set[str] = set()  # the tensors they write, by name
 
     @property
     def index(self) -> ModelIndex:
@@ -259,6 +260,17 @@ class _Loader:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
             usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
+            if (
+                usable is not None
+                and usable[0].reads
+                and (self.chunk or not self.pending_writes.isdisjoint(usable[0]._reads))
+                and not routes._verify_all  # (`verify`'s patches change nothing)
+            ):
+                # Its loader decided on model values, which the patches before it in this
+                # call may change (the chunk's loader call, or replays into what it read):
+                # check them once those are written.
+                self.flush()
+                usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
             # A dense patch follows a known route too (the loader's copies, without the
             # loader); only sparse loads record routes, so only they are used to verify one.
             if usable is not None:
@@ -268,6 +280,7 @@ class _Loader:
                     self._load_chunk()
                     # Replayed at the next flush, in order.
                     self.pending.append((usable[0], item, usable[1]))
+                    self.pending_writes |= usable[0]._writes
                     return
         self._replay_pending()  # earlier replays happen before this patch's loader call
         size = item.staged_nbytes
@@ -290,6 +303,7 @@ class _Loader:
         one host read per device for the whole run of replays, none inside it.
         """
         pending, self.pending = self.pending, []
+        self.pending_writes = set()
         if not pending:
             return
         assert self.routes is not None

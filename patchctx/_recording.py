@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from patchctx._routes import Geometry, Read, Route, Segment
+from patchctx._routes import Geometry, Holder, Read, Route, Segment
 
 if TYPE_CHECKING:
     from patchctx._routes import Fill
@@ -48,6 +48,8 @@ class Recorder:
     alone: set[str] = field(default_factory=set)
     # Model tensors the loader read out of torch, by name (the last read of each).
     reads: dict[str, Read] = field(default_factory=dict)
+    # Why no route of the call can follow what the loader read (an inference tensor), or None.
+    unfollowed: str | None = None
 
     def expect(self, name: str) -> None:
         """`name` is a sparse name of this call (so "writes nothing" is a finding too)."""
@@ -56,9 +58,16 @@ class Recorder:
     def host_read(self, name: str, tensor: torch.Tensor) -> None:
         """The loader read model tensor `name` out of torch: every route of the call hangs on it.
 
-        Which name's decision the value fed cannot be told, so all of them do.
+        Which name's decision the value fed cannot be told, so all of them do. An inference
+        tensor keeps no version counter: then no route of the call holds.
         """
-        self.reads[name] = Read(name, tensor.data_ptr(), tensor._version)
+        if tensor.is_inference():
+            self.unfollowed = (
+                f"the loader reads a value of {name!r}, an inference tensor (made under "
+                "torch.inference_mode), whose changes no route can follow"
+            )
+            return
+        self.reads[name] = Read.of(name, tensor)
 
     def unprovable(self, names: Iterable[str], reason: str) -> None:
         for name in names:
@@ -72,8 +81,12 @@ class Recorder:
         key: int,
         owner: torch.Tensor,
         span: Span,
+        holders: tuple[Holder, ...] = (),
     ) -> None:
-        """A ``copy_`` of staged data into a model tensor: a segment if provably affine."""
+        """A ``copy_`` of staged data into a model tensor: a segment if provably affine.
+
+        `holders`: the other model tensors over the bytes written (`ModelIndex.holders`).
+        """
         prov = source._prov
         root = prov.root
         names = prov.names
@@ -111,6 +124,7 @@ class Recorder:
                 key,
                 destination.dtype,
                 Geometry.of(owner),
+                holders,
             )
         )
         self.spans.setdefault(name, []).append(span)
@@ -123,6 +137,7 @@ class Recorder:
         constants: list[tuple[Span, Fill]],
         loading: frozenset[str],
         reported: set[str],
+        tensor_names: frozenset[str] | None = None,
     ) -> dict[str, Route]:
         """The routes this call proves (after it succeeded).
 
@@ -132,7 +147,11 @@ class Recorder:
             constants: The loader's constant fills, in order, with the bytes each wrote.
             loading: Every checkpoint name of the call.
             reported: The names the loader returned.
+            tensor_names: The names of the model's tensors, kept by a route that writes
+                nothing (`Route.holding`).
         """
+        if self.unfollowed is not None:
+            self.unprovable(self.segments, self.unfollowed)
         if other_writes:
             self.unprovable(
                 self.segments,
@@ -157,6 +176,12 @@ class Recorder:
             targets |= {fill.tensor_name for fill in fills}
             names = frozenset(n for n in reported if n in targets or n == name)
             routes[name] = Route(
-                name, *shapes[name], tuple(segments), names, fills, tuple(self.reads.values())
+                name,
+                *shapes[name],
+                tuple(segments),
+                names,
+                fills,
+                tuple(self.reads.values()),
+                None if segments or fills else tensor_names,
             )
         return routes

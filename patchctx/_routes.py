@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Fill",
     "Geometry",
+    "Holder",
     "LiveTensors",
     "Route",
     "RouteCache",
@@ -126,6 +127,29 @@ def _still(
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """Another model tensor over bytes a route writes: a tied name, a view of a flat storage.
+
+    A segment or fill names the first model tensor found on its storage, but the loader may
+    reach those bytes through another name of them. The route holds only while each such
+    tensor is still the one recorded: one untied or rebound would no longer receive the
+    writes made through the storage it left.
+    """
+
+    tensor_name: str
+    data_ptr: int
+    dtype: torch.dtype
+    layout: Geometry
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> Holder:
+        return cls(name, tensor.data_ptr(), tensor.dtype, Geometry.of(tensor))
+
+    def live(self, tensor: torch.Tensor | None) -> bool:
+        return tensor is not None and _still(tensor, self.data_ptr, self.dtype, self.layout, 0)
+
+
+@dataclass(frozen=True, slots=True)
 class Segment:
     """One recorded copy: a view of the staged checkpoint tensor into a view of a parameter.
 
@@ -138,6 +162,7 @@ class Segment:
         layout: The parameter's own sizes, strides and offset when recorded: the loader's
             views derive from them, so a parameter rebound to another layout of the same
             storage invalidates the segment.
+        holders: The other model tensors over the bytes written, checked like the owner.
     """
 
     source: Geometry
@@ -146,6 +171,7 @@ class Segment:
     storage_ptr: int
     dtype: torch.dtype
     layout: Geometry
+    holders: tuple[Holder, ...] = ()
     _plan: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
     _direct: bool = field(init=False, repr=False, compare=False)
     _span: tuple[int, int] = field(init=False, repr=False, compare=False)
@@ -305,6 +331,7 @@ class Fill:
         storage_ptr: The storage's data pointer when recorded (checked before replay).
         dtype: The owning tensor's dtype.
         layout: The owning tensor's own sizes, strides and offset when recorded.
+        holders: The other model tensors over the bytes filled, checked like the owner.
     """
 
     target: Geometry
@@ -314,6 +341,7 @@ class Fill:
     storage_ptr: int
     dtype: torch.dtype
     layout: Geometry
+    holders: tuple[Holder, ...] = ()
     # The constant as compared: its type and repr, so -0.0 is not 0.0 and NaN equals NaN.
     _constant: tuple[str, str] = field(init=False, repr=False)
     _data_ptr: int = field(init=False, repr=False, compare=False)
@@ -351,15 +379,27 @@ class Read:
 
     The loader may have decided where to write on it (an expert map): the route holds only
     while the tensor is the same one, unchanged since (its version counter, which every
-    in-place write bumps).
+    in-place write bumps). Its storage is compared as an object: another one that an
+    allocator put at the same address, as unwritten as the first, is another tensor.
     """
 
     tensor_name: str
     data_ptr: int
     version: int
+    storage: weakref.ref[torch.UntypedStorage] = field(compare=False)
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> Read:
+        storage = weakref.ref(tensor.untyped_storage())
+        return cls(name, tensor.data_ptr(), tensor._version, storage)
 
     def live(self, tensor: torch.Tensor) -> bool:
-        return tensor.data_ptr() == self.data_ptr and tensor._version == self.version
+        return (
+            tensor.untyped_storage() is self.storage()
+            and tensor.data_ptr() == self.data_ptr
+            and not tensor.is_inference()  # (no version counter to read)
+            and tensor._version == self.version
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,7 +408,9 @@ class Route:
 
     `reported` holds the names the loader returned for it when the route was recorded, so a
     replay reports what the loader path would. `fills` are the constant fills the loader made
-    of other bytes while loading the name alone, in order: replay makes them again.
+    of other bytes while loading the name alone, in order: replay makes them again. A route
+    that writes nothing (a name the loader skips) has no tensor to check live: it keeps the
+    names of the model's tensors (`holding`), and holds while the model holds those.
     """
 
     name: str
@@ -378,14 +420,27 @@ class Route:
     reported: frozenset[str] = frozenset()
     fills: tuple[Fill, ...] = ()
     reads: tuple[Read, ...] = field(default=(), compare=False)
+    holding: frozenset[str] | None = field(default=None, compare=False)
     _numel: int = field(init=False, repr=False, compare=False)
     # One whole-tensor segment in the checkpoint dtype (see `Segment._whole`): replay writes
     # a patch's positions into the live tensor's ``view(-1)`` as they are.
     _whole: bool = field(init=False, repr=False, compare=False)
+    # The model tensors a replay writes (segments' and fills' owners and holders), and those
+    # its loader read, by name.
+    _writes: frozenset[str] = field(init=False, repr=False, compare=False)
+    _reads: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
         object.__setattr__(self, "_numel", numel)
+        written: tuple[Segment | Fill, ...] = (*self.segments, *self.fills)
+        object.__setattr__(
+            self,
+            "_writes",
+            frozenset(w.tensor_name for w in written)
+            | {h.tensor_name for w in written for h in w.holders},
+        )
+        object.__setattr__(self, "_reads", frozenset(r.tensor_name for r in self.reads))
         object.__setattr__(
             self,
             "_whole",
@@ -462,7 +517,8 @@ class RouteCache:
         self._uses: dict[str, int] = {}
         self._verify_all = False
         self._mismatches: list[str] = []
-        self._slots: dict[str, _Slot] = {}
+        # The model the slots were found in, and its slots (one object, swapped at once).
+        self._slots: tuple[torch.nn.Module | None, dict[str, _Slot]] = (None, {})
         # Names a dry run found no route for, with the shape and dtype it was run with: their
         # dense patches go through the loader without another dry run (`_unlearned`).
         self._no_route: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -657,12 +713,12 @@ for a loader that copies views
                 self._routes.clear()
                 self._no_route.clear()
                 self._model = weakref.ref(model)
-                self._slots = {}
+                self._slots = (None, {})
 
         self._locked(bind)
 
-    def _live(self) -> LiveTensors:
-        """The bound model's tensors by name, looked up where they are registered right now.
+    def _live(self, model: torch.nn.Module) -> LiveTensors:
+        """`model`'s tensors by name, looked up where they are registered right now.
 
         The (module, attribute) of every name is found once per model, with the chain of
         submodules that leads to it from the model (found again when a name is missing, e.g.
@@ -670,20 +726,21 @@ for a loader that copies views
         replaced under its own name), not on every call: a lookup is a few dict reads, and a
         parameter or submodule replaced by another object is seen at once. (A module that is
         no longer the model's keeps its tensors, and a route's live check would pass on them:
-        its writes would miss the model.)
+        its writes would miss the model.) The names are those of `model`, the model of the
+        call, even when another thread binds the cache to another model meanwhile: a route it
+        records there is then checked against this model's tensors, and fails.
         """
-        return LiveTensors(self)
+        return LiveTensors(self, model)
 
-    def _slot_of(self, name: str) -> torch.Tensor | None:
-        slot = self._slots.get(name)
+    def _slot_of(self, name: str, model: torch.nn.Module) -> torch.Tensor | None:
+        found_in, slots = self._slots
+        slot = slots.get(name) if found_in is model else None
         if slot is None or not all(
             parent._modules.get(attr) is child for parent, attr, child in slot[2]
         ):
-            model = self._model() if self._model is not None else None
-            if not isinstance(model, torch.nn.Module):
-                return None
-            self._slots = _slots_of(model)
-            slot = self._slots.get(name)
+            slots = _slots_of(model)
+            self._slots = (model, slots)
+            slot = slots.get(name)
             if slot is None:
                 return None
         module, attr, _ = slot
@@ -739,20 +796,25 @@ for a loader that copies views
             self.stats.invalidated += 1
             return None
         targets = []
-        for segment in route.segments:
-            tensor = tensors.get(segment.tensor_name)
-            if tensor is None or not segment.live(tensor):
+        written_by_route: tuple[Segment | Fill, ...] = (*route.segments, *route.fills)
+        for written in written_by_route:
+            tensor = tensors.get(written.tensor_name)
+            if (
+                tensor is None
+                or not written.live(tensor)
+                or (
+                    written.holders
+                    and not all(h.live(tensors.get(h.tensor_name)) for h in written.holders)
+                )
+            ):
                 self.invalidate(name)
                 self.stats.invalidated += 1
                 return None
             targets.append(tensor)
-        for fill in route.fills:
-            tensor = tensors.get(fill.tensor_name)
-            if tensor is None or not fill.live(tensor):
-                self.invalidate(name)
-                self.stats.invalidated += 1
-                return None
-            targets.append(tensor)
+        if route.holding is not None and route.holding != _names(tensors):
+            self.invalidate(name)  # a route that writes nothing, and the model changed
+            self.stats.invalidated += 1
+            return None
         for read in route.reads:  # what the loader decided on is unchanged
             tensor = tensors.get(read.tensor_name)
             if tensor is None or not read.live(tensor):
@@ -783,27 +845,43 @@ def _slots_of(model: torch.nn.Module) -> dict[str, _Slot]:
     return slots
 
 
-class LiveTensors(Mapping[str, torch.Tensor]):
-    """`RouteCache._live`: a read-only name -> tensor view of the bound model."""
+def _names(tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The names of the model's tensors (parameters and buffers) in `tensors`."""
+    return tensors.names() if isinstance(tensors, LiveTensors) else frozenset(tensors)
 
-    def __init__(self, cache: RouteCache) -> None:
-        self._cache = cache
+
+class LiveTensors(Mapping[str, torch.Tensor]):
+    """`RouteCache._live`: a read-only name -> tensor view of one model."""
+
+    def __init__(self, cache: RouteCache, model: torch.nn.Module) -> None:
+        self._cache, self._model = cache, model
+        self._names: frozenset[str] | None = None
+
+    def names(self) -> frozenset[str]:
+        """The model's parameter and buffer names, found once (no loader call between)."""
+        if self._names is None:
+            self._names = frozenset(
+                name
+                for name, (module, attr, _) in _slots_of(self._model).items()
+                if module._parameters.get(attr) is not None or module._buffers.get(attr) is not None
+            )
+        return self._names
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._cache._slot_of(name)
+        tensor = self._cache._slot_of(name, self._model)
         if tensor is None:
             raise KeyError(name)
         return tensor
 
     def get(self, name: str, default: Any = None) -> Any:
-        tensor = self._cache._slot_of(name)
+        tensor = self._cache._slot_of(name, self._model)
         return default if tensor is None else tensor
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._cache._slots))
+        return iter(list(_slots_of(self._model)))
 
     def __len__(self) -> int:
-        return len(self._cache._slots)
+        return len(_slots_of(self._model))
 
 
 @dataclass

@@ -231,6 +231,7 @@ def run_loader(
         constants=call.ledger.constants(),
         loading=call.ledger.loading,
         reported=names,
+        tensor_names=frozenset(index.tensors),
     )
     recorder = call.recorder
     return LoadResult(names, routes, recorder.segments, recorder.reasons, frozenset(recorder.alone))

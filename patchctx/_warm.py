@@ -49,7 +49,7 @@ from patchctx._errors import (
     LoaderContractError,
     PatchProblem,
 )
-from patchctx._guard import _PURE_WRITES, _RESHAPING, HOST_READS, constant_of
+from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of, host_reads
 from patchctx._model import (
     SupportsLoadWeights,
     as_module,
@@ -202,7 +202,10 @@ class _DryLedger(WriteLedger):
             elif source is None:
                 self.recorder.unprovable(names, "the loader wrote it with an indexed write")
             else:
-                self.recorder.segment(source, destination, owner.name, key, owner.tensor, span)
+                holders = self.index.holders(destination)
+                self.recorder.segment(
+                    source, destination, owner.name, key, owner.tensor, span, holders
+                )
 
 
 def _label(names: frozenset[str]) -> str:
@@ -545,9 +548,8 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the dry data handles it
         ledger = self.ledger
-        if func in HOST_READS:  # a value leaves torch: the loader may decide on it
-            for tensor in tensors:
-                ledger.host_read(tensor)
+        for tensor in host_reads(func, args, kwargs):  # the loader may decide on it
+            ledger.host_read(tensor)
         written = written_arguments(func)
         targets: list[torch.Tensor] = []
         for position, name in written:
@@ -562,7 +564,9 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if all(tensor is not t for t in skip):
                     self._read(tensor, func)
         if not model_targets:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            ledger.derive(tensors, result)
+            return result
         labels = ", ".join(repr(owner.name) for _, owner in model_targets)
         if func.overloadpacket in _RESHAPING:
             ledger.stop(

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from patchctx._arguments import known_names
 from patchctx._errors import LoaderContractError
 from patchctx._recording import Recorder
-from patchctx._routes import Fill, Geometry
-from patchctx._staged import StagedTensor
+from patchctx._routes import Fill, Geometry, Holder
+from patchctx._staged import StagedTensor, _tensors
 from patchctx._undo import UndoLog
 
 __all__ = ["Constant", "ModelIndex", "Span", "WriteLedger", "span_of", "storage_key"]
@@ -80,11 +81,18 @@ class ModelIndex:
         self, tensors: Mapping[str, torch.Tensor], protect: Mapping[str, str] | None = None
     ) -> None:
         self.tensors = dict(tensors)
-        self._by_storage: dict[int, Owner] = {}
+        by_key: dict[int, list[Owner]] = {}
         for name, tensor in self.tensors.items():
             key = storage_key(tensor)
-            if key is not None and key not in self._by_storage:
-                self._by_storage[key] = Owner(name, tensor)
+            if key is not None:
+                by_key.setdefault(key, []).append(Owner(name, tensor))
+        self._by_storage: dict[int, Owner] = {key: owners[0] for key, owners in by_key.items()}
+        # The names of each storage several names share (tied, or views of one flat storage).
+        self._sharing = {
+            key: [(owner, span_of(owner.tensor, key)) for owner in owners]
+            for key, owners in by_key.items()
+            if len(owners) > 1
+        }
         self._protected: dict[int, str] = {}
         known_names(protect or {}, self.tensors, "protect=")  # a typo must not disarm it
         for name, reason in (protect or {}).items():
@@ -96,6 +104,27 @@ class ModelIndex:
     def owner(self, tensor: torch.Tensor) -> Owner | None:
         key = storage_key(tensor)
         return None if key is None else self._by_storage.get(key)
+
+    def sharers(self, tensor: torch.Tensor) -> list[Owner]:
+        """The model tensors over bytes of `tensor`, other than its `owner`.
+
+        A loader reaches those bytes through one of their names, which the storage cannot tell
+        (a tied name, a view of a flat storage): a route through them holds only while each
+        is still the tensor it is now.
+        """
+        key = storage_key(tensor)
+        if key is None or key not in self._sharing:
+            return []
+        span, first = span_of(tensor, key), self._by_storage[key].name
+        return [
+            owner
+            for owner, there in self._sharing[key]
+            if owner.name != first and there.overlaps(span)
+        ]
+
+    def holders(self, tensor: torch.Tensor) -> tuple[Holder, ...]:
+        """`sharers` as a route checks them."""
+        return tuple(Holder.of(owner.name, owner.tensor) for owner in self.sharers(tensor))
 
     def protection(self, tensor: torch.Tensor) -> str | None:
         """Why `tensor`'s storage must not be written, or `None`."""
@@ -165,6 +194,9 @@ class WriteLedger:
         # so the caller's patches stay what they sent (a retry, a second replica).
         self.inputs: set[int] = set()
         self.input_undo = UndoLog()
+        # Tensors the loader computed from model tensors in its thread (a comparison, a cast,
+        # ``nonzero``), with those model tensors: a value read out of one is theirs.
+        self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._lock = threading.RLock()
 
     # -- masked writes (patchctx._staged.Ledger) -------------------------------------------
@@ -244,7 +276,10 @@ class WriteLedger:
             elif source is None:
                 self.recorder.unprovable(names, "the loader wrote it with an indexed write")
             else:
-                self.recorder.segment(source, destination, owner.name, key, owner.tensor, span)
+                holders = self.index.holders(destination)
+                self.recorder.segment(
+                    source, destination, owner.name, key, owner.tensor, span, holders
+                )
 
     def unprovable(self, names: frozenset[str], reason: str) -> None:
         with self._lock:
@@ -280,6 +315,7 @@ class WriteLedger:
                 key,
                 owner.tensor.dtype,
                 Geometry.of(owner.tensor),
+                self.index.holders(target),
             )
         with self._lock:
             for earlier in self.masked:
@@ -299,11 +335,30 @@ class WriteLedger:
                 self.undo.save_view(target)
 
     def host_read(self, tensor: torch.Tensor) -> None:
-        """The loader reads `tensor` out of torch (``.item()``): a model tensor is noted."""
-        owner = self.index.owner(tensor)
-        if owner is not None:
+        """The loader reads `tensor` out of torch (``.item()``): the model tensors it is of."""
+        sources = self._sources([tensor])
+        if sources:
             with self._lock:
-                self.recorder.host_read(owner.name, owner.tensor)
+                for read in sources:
+                    self.recorder.host_read(read.name, read.tensor)
+
+    def derive(self, inputs: list[torch.Tensor], result: object) -> None:
+        """The loader computed `result` from `inputs`: note the model tensors it comes from."""
+        sources = self._sources(inputs)
+        if sources:
+            for output in _tensors(result):
+                if self.index.owner(output) is None:
+                    self.derived[output] = sources
+
+    def _sources(self, tensors: list[torch.Tensor]) -> tuple[Owner, ...]:
+        """The model tensors `tensors` are views of or were computed from."""
+        found: list[Owner] = []
+        for tensor in tensors:
+            owner = self.index.owner(tensor)
+            if owner is not None:
+                found += [owner, *self.index.sharers(tensor)]
+            found += self.derived.get(tensor, ())  # type: ignore[no-untyped-call]
+        return tuple(found)
 
     def input_write(self, target: torch.Tensor) -> None:
         """Before the loader writes `target` in place: save it if it is a caller's input."""

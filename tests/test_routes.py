@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy
 import pytest
 import torch
 from hypothesis import given
@@ -16,13 +19,15 @@ from torch import nn
 from patchctx import (
     BoolMask,
     CheckpointWeightPatch,
+    ChunkState,
     InvalidPatchError,
     LoaderContractError,
     RouteCache,
     SingleCall,
+    _load,
     load_checkpoint_weight_patches,
 )
-from patchctx._routes import Geometry, Segment
+from patchctx._routes import Geometry, Segment, replay_bounds
 from tests.support.builders import Sparse, patch_sequences, sparse_patch
 from tests.support.models import (
     PaddedEmbedding,
@@ -646,6 +651,58 @@ def test_replaced_parameter_object_invalidates_its_route() -> None:
     assert model.weight.view(-1)[7] == 2.0
 
 
+class SharedBytes(nn.Module):
+    """`b` shares its bytes with `a`: tied to it, or both views of one flat storage (as flat
+    parameters are), and `slots` a view of one flat buffer with `spare` before it; the loader
+    writes `b`, at the slot it reads from `slots` (as vLLM's expert map decides)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        if how == "tied":
+            self.a = nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+            self.b = self.a
+        else:
+            flat = torch.zeros(20)
+            self.a = nn.Parameter(flat[:8].view(2, 4), requires_grad=False)
+            self.b = nn.Parameter(flat[8:16].view(2, 4), requires_grad=False)
+        buffer = torch.tensor([1, 0, 1])
+        self.spare = nn.Buffer(buffer[:1])
+        self.slots = nn.Buffer(buffer[1:])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.b.data[int(self.slots[0].item())].copy_(tensor)
+        return {"b"}
+
+
+@pytest.mark.parametrize("how", ["untied", "flat rebound", "read rebound"])
+def test_a_tensor_sharing_bytes_with_the_one_a_route_names_is_followed(how: str) -> None:
+    """The route names the first tensor found on a storage; the loader reaches the bytes
+    through another name of them (a tied name, a view of a flat storage): once that one is
+    untied or rebound, the route must not write the old bytes."""
+    model, routes = SharedBytes("tied" if how == "untied" else "flat"), RouteCache()
+
+    def patch(value: float, at: int) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            "b", (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
+        )
+
+    load_checkpoint_weight_patches(model, [patch(1.0, 1)], routes=routes)
+    load_checkpoint_weight_patches(model, [patch(2.0, 2)], routes=routes)
+    assert routes.stats.replayed == 1
+    if how == "untied":
+        model.b = nn.Parameter(model.b.detach().clone(), requires_grad=False)
+    elif how == "flat rebound":
+        model.b.data = model.b.data.clone()
+    else:  # the loader now reads another slot
+        model.slots.data = torch.tensor([1, 1])
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(reference, [patch(3.0, 3)])  # the loader path
+    load_checkpoint_weight_patches(model, [patch(3.0, 3)], routes=routes)
+    assert_same_state(state(model), state(reference))
+    assert routes.stats.replayed == 1 and routes.stats.invalidated == 1
+
+
 class _Inner(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -824,6 +881,51 @@ def test_a_route_cache_used_with_another_model_starts_over() -> None:
     load_checkpoint_weight_patches(b, [sparse_w(2.0)], routes=routes)
     assert routes.stats.replayed == 0
     assert a.weight.view(-1)[7] == 1.0 and b.weight.view(-1)[7] == 2.0
+
+
+class _Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.x = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.y = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            getattr(self, name).copy_(tensor)
+        return {name for name, _ in weights}
+
+
+def test_a_cache_another_thread_binds_to_another_model_mid_call_writes_only_this_model() -> None:
+    """Two threads share one cache, each with its own model: the other thread's calls land
+    in the middle of this one's (here, while a chunk is gathered). This call's patches go to
+    its own model, never along the routes the other thread recorded on its model."""
+    a, b, routes = _Three(), _Three(), RouteCache()
+
+    def patch(name: str, value: float, at: int) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            name, (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
+        )
+
+    class OtherThreadMidway:
+        def split_before(self, chunk: ChunkState, /) -> bool:
+            def other() -> None:  # records the route of "w" on b, then replays it
+                load_checkpoint_weight_patches(b, [patch("w", 1.0, 0)], routes=routes)
+                load_checkpoint_weight_patches(b, [patch("w", 2.0, 1)], routes=routes)
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+            return False
+
+    load_checkpoint_weight_patches(
+        a,
+        [patch("x", 1.0, 0), patch("y", 2.0, 1), patch("w", 3.0, 2)],
+        routes=routes,
+        chunking=OtherThreadMidway(),
+    )
+    assert [a.w.tolist(), a.x.tolist(), a.y.tolist()] == [[0, 0, 3, 0], [1, 0, 0, 0], [0, 2, 0, 0]]
+    assert [b.w.tolist(), b.x.tolist(), b.y.tolist()] == [[1, 2, 0, 0], [0] * 4, [0] * 4]
 
 
 def test_a_different_shape_or_dtype_for_the_name_goes_through_the_loader() -> None:
@@ -1164,3 +1266,303 @@ def test_a_route_follows_the_model_state_its_loader_read_out_of_torch(
     load_checkpoint_weight_patches(model, [moved], routes=routes)
     assert torch.equal(model.w, truth.w)
     assert routes.stats.invalidated == 1
+
+
+class ComputedSlots(Experts):
+    """`Experts` whose loader reads the slot out of a tensor computed from the expert map."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            expert = int(name.split(".")[1])
+            if self.read == "comparison":
+                slot = 0 if self.expert_map[expert] == 0 else 1
+            elif self.read == "cast":
+                slot = int(self.expert_map[expert].to(torch.int32).item())
+            elif self.read == "arithmetic":
+                slot = int(self.expert_map[expert] + 0)
+            else:  # "nonzero": where the expert sits
+                slot = int((self.expert_map == expert).nonzero()[0, 0])
+            self.w.data[slot].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["warm", "first patch"])
+@pytest.mark.parametrize("read", ["comparison", "cast", "arithmetic", "nonzero"])
+def test_a_route_follows_model_values_read_through_a_computed_tensor(how: str, read: str) -> None:
+    """The loader reads a value of a tensor it computed from the expert map (a comparison, a
+    cast, arithmetic, ``nonzero``): after a rebalance, the route is not replayed."""
+    model, routes = ComputedSlots(read), RouteCache()
+    if how == "warm":
+        routes.warm(model, [("experts.0.w", (4,), torch.float32)])
+    else:
+        first = CheckpointWeightPatch(
+            "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+        )
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.0.w" in routes
+    model.expert_map.copy_(torch.tensor([1, 0]))  # the experts swap slots
+    truth = copy.deepcopy(model)
+    full = truth.w[1].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.0.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+@pytest.mark.parametrize("map_patch", ["dense, through the loader", "sparse, replayed"])
+def test_a_route_follows_model_values_an_earlier_patch_of_the_same_call_changes(
+    map_patch: str,
+) -> None:
+    """A rebalance sent in the same call as an expert's patch, before it: the expert's route
+    (which read the old map) is not replayed, whether the map goes through the loader or
+    along its own route."""
+    model, routes = Experts(), RouteCache()
+    first = CheckpointWeightPatch(
+        "expert_map", (2,), torch.int64, torch.tensor([0]), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [first], routes=routes)
+    expert = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [expert], routes=routes)
+    assert {"expert_map", "experts.0.w"} <= set(routes)
+    swapped = torch.tensor([1, 0])  # the experts swap slots
+    if map_patch == "sparse, replayed":
+        rebalance = CheckpointWeightPatch(
+            "expert_map", (2,), torch.int64, swapped, torch.tensor([0, 1])
+        )
+    else:
+        rebalance = CheckpointWeightPatch("expert_map", (2,), torch.int64, swapped)
+    truth = copy.deepcopy(model)
+    truth.expert_map.copy_(swapped)
+    full = truth.w[1].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.0.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [rebalance, moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+
+
+def test_a_map_rebuilt_at_the_same_address_is_another_tensor() -> None:
+    """The expert map is replaced by another tensor at the address of the one the loader read,
+    unwritten since its creation (as an allocator hands a freed block out again): the route
+    that read the old map is not replayed."""
+    model, routes = Experts(), RouteCache()
+    held = numpy.array([0, 1])
+    model.expert_map = nn.Buffer(torch.from_numpy(held))
+    first = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.0.w" in routes
+    read = model.expert_map
+    held[:] = [1, 0]  # the experts swap slots, in a new map at the same address
+    model.expert_map = nn.Buffer(torch.from_numpy(held))
+    assert model.expert_map.data_ptr() == read.data_ptr()
+    assert model.expert_map._version == read._version
+    truth = copy.deepcopy(model)
+    full = truth.w[1].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.0.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+class CountedSlots(nn.Module):
+    """A flag per expert says whether it is local; an expert's slot is the number of local
+    experts before it, counted from the shape of a data-dependent result."""
+
+    def __init__(self, count: str) -> None:
+        super().__init__()
+        self.count = count
+        self.w = nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+        self.local = nn.Buffer(torch.tensor([False, True, True]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            before = self.local[: int(name.split(".")[1])]
+            nonzero = self.count == "nonzero"  # else a boolean mask
+            slot = before.nonzero().shape[0] if nonzero else before[before].numel()
+            self.w.data[slot].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("how", ["warm", "first patch"])
+@pytest.mark.parametrize("count", ["nonzero", "boolean mask"])
+def test_a_route_follows_model_values_that_decided_a_shape(how: str, count: str) -> None:
+    """The loader decides on the shape of a result that depends on model values (``nonzero``,
+    a boolean-mask index), never reading a value itself: after the flags change, the route
+    is not replayed."""
+    model, routes = CountedSlots(count), RouteCache()
+    if how == "warm":
+        routes.warm(model, [("experts.2.w", (4,), torch.float32)])
+    else:
+        first = CheckpointWeightPatch(
+            "experts.2.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+        )
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.2.w" in routes
+    model.local.copy_(torch.tensor([False, False, True]))  # expert 1 left: 2 moves to slot 0
+    truth = copy.deepcopy(model)
+    full = truth.w[0].clone()
+    full[2] = 7.0
+    truth.load_weights([("experts.2.w", full)])
+    moved = CheckpointWeightPatch(
+        "experts.2.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+class Skipping(nn.Module):
+    """A loader that skips the names this model does not hold (as vLLM's loaders skip the
+    layers another pipeline stage holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if name in params:
+                params[name].copy_(tensor)
+        return {name for name, _ in weights if name in params}
+
+
+def test_a_route_that_writes_nothing_holds_only_while_the_model_holds_the_same_tensors() -> None:
+    """A name the loader wrote nothing for gets a route that writes nothing. Once the model
+    holds a tensor of that name (registered between calls), its patch goes through the
+    loader, which writes it."""
+    model, routes = Skipping(), RouteCache()
+
+    def patch(value: float, at: int) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            "bias", (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
+        )
+
+    load_checkpoint_weight_patches(model, [patch(1.0, 0)], routes=routes)
+    load_checkpoint_weight_patches(model, [patch(2.0, 1)], routes=routes)
+    assert routes.stats.replayed == 1  # nothing to write, and nothing written
+    model.bias = nn.Parameter(torch.zeros(4), requires_grad=False)
+    reference = copy.deepcopy(model)
+    load_checkpoint_weight_patches(reference, [patch(3.0, 2)])  # the loader path
+    load_checkpoint_weight_patches(model, [patch(3.0, 2)], routes=routes)
+    assert_same_state(state(model), state(reference))
+    assert model.bias.tolist() == [0.0, 0.0, 3.0, 0.0]
+    assert routes.stats.replayed == 1 and routes.stats.invalidated == 1
+
+
+class FlaggedSlots(Experts):
+    """`Experts` whose loader reads the slot with ``.item()``, ``bool()`` or ``allclose``."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            entry = self.expert_map[int(name.split(".")[1])]
+            if self.read == "item":
+                slot = int(entry.item())
+            elif self.read == "bool":
+                slot = 1 if entry else 0
+            else:  # "allclose"
+                slot = 0 if torch.allclose(entry, torch.zeros_like(entry)) else 1
+            self.w.data[slot].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("created", ["outside", "inside"])
+@pytest.mark.parametrize("read", ["item", "bool", "allclose"])
+def test_a_route_follows_model_values_read_under_inference_mode(read: str, created: str) -> None:
+    """Under ``torch.inference_mode()`` a read reaches patchctx as ``aten.item`` (or another
+    operation that returns a Python value), not as the ``_local_scalar_dense`` it decomposes
+    into elsewhere: the route still follows the expert map. A model created inside inference
+    mode holds inference tensors, which keep no version counter: no route hangs on them."""
+    with torch.inference_mode(created == "inside"):
+        model, routes = FlaggedSlots(read), RouteCache()
+    first = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+    )
+    with torch.inference_mode():
+        load_checkpoint_weight_patches(model, [first], routes=routes)
+        assert ("experts.0.w" in routes) == (created == "outside")
+        model.expert_map.copy_(torch.tensor([1, 0]))  # the experts swap slots
+        truth = copy.deepcopy(model)
+        full = truth.w[1].clone()
+        full[2] = 7.0
+        truth.load_weights([("experts.0.w", full)])
+        moved = CheckpointWeightPatch(
+            "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+        )
+        load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+    assert routes.stats.replayed == 0
+
+
+def test_a_map_rebuilt_at_the_same_address_as_an_inference_tensor_is_another_tensor() -> None:
+    """The same, with the new map an inference tensor (which keeps no version counter): the
+    live check drops the route, and does not raise."""
+    model, routes = Experts(), RouteCache()
+    held = numpy.array([0, 1])
+    model.expert_map = nn.Buffer(torch.from_numpy(held))
+    first = CheckpointWeightPatch(
+        "experts.0.w", (4,), torch.float32, torch.zeros(1), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [first], routes=routes)
+    assert "experts.0.w" in routes
+    held[:] = [1, 0]
+    with torch.inference_mode():
+        model.expert_map = nn.Buffer(torch.from_numpy(held))
+        assert model.expert_map.is_inference()
+        moved = CheckpointWeightPatch(
+            "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+        )
+        load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert model.w.tolist() == [[0.0] * 4, [0.0, 0.0, 7.0, 0.0]]
+    assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
+
+
+def test_replays_that_do_not_write_what_a_route_read_stay_batched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routes that read the expert map are checked after what is gathered before them only
+    when that may write the map: the experts' replays of one call still run together (one
+    search of their covered slices, one host read on an accelerator)."""
+    model, routes = Experts(), RouteCache()
+    names = ["experts.0.w", "experts.1.w"]
+
+    def patch(name: str, value: float) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            name, (4,), torch.float32, torch.tensor([value]), torch.tensor([1])
+        )
+
+    load_checkpoint_weight_patches(model, [patch(n, 1.0) for n in names], routes=routes)
+    assert set(names) <= set(routes)
+    searches: list[int] = []
+    original = replay_bounds
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        searches.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_load, "replay_bounds", counted)
+    load_checkpoint_weight_patches(model, [patch(n, 2.0) for n in names], routes=routes)
+    assert routes.stats.replayed == 2 and len(searches) == 1
+    assert model.w[:, 1].tolist() == [2.0, 2.0]

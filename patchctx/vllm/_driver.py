@@ -171,8 +171,8 @@ def apply_patches(
         >>> llm = OneWorkerLLM()
         >>> patch = CheckpointWeightPatch("bias", (3,), torch.float32, torch.ones(3))
         >>> [stats] = apply_patches(llm, [patch], target_version="step-1")
-        >>> stats.names, stats.loader_calls, stats.version
-        (('bias',), 1, 'step-1')
+        >>> stats.names, stats.replayed, stats.loader_calls, stats.version  # a learnt route
+        (('bias',), 1, 0, 'step-1')
     """
     payload = encode_patches(patches, base_version=base_version, target_version=target_version)
     options = {

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -24,7 +24,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from patchctx import CheckpointWeightPatch, PatchError, diff_state_dicts, patch_nbytes
+from patchctx import (
+    CheckpointWeightPatch,
+    PatchError,
+    UpdateCost,
+    diff_state_dicts,
+    patch_nbytes,
+)
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import encode_patches
 from patchctx.vllm._transport import (
@@ -204,6 +210,10 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
         chunk_bytes: Split an update into ``update_weights`` chunks of about this many
             bytes of values and indices (`None`: one chunk). The workers check each chunk
             as it arrives and apply all of them, atomically, with the last.
+        cost: How `diff_state_dicts` chooses sparse or dense per tensor (`UpdateCost`). Its
+            defaults assume a 10 GB/s link and this library's 2-core CPU: pass
+            ``UpdateCost(link_bytes_per_second=...)`` for your link, or
+            ``UpdateCost.calibrate(...)`` measured on a worker. `None`: by wire bytes alone.
         rank: This trainer process's rank; rank 0 sends.
 
     Examples:
@@ -223,6 +233,7 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
     world_size: int | None = None
     dtype: torch.dtype | None = None
     chunk_bytes: int | None = None
+    cost: UpdateCost | None = field(default_factory=UpdateCost)
 
 
 @dataclass(frozen=True)
@@ -425,7 +436,8 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     ) -> SendStats | None:
         """Diff `state` against what was last sent and send the difference."""
         started = time.perf_counter()
-        patches = diff_state_dicts(self.sent, state, dtype=self.init_info.dtype)
+        info = self.init_info
+        patches = diff_state_dicts(self.sent, state, dtype=info.dtype, cost=info.cost)
         diff_ms = (time.perf_counter() - started) * 1000.0
         stats = self._send(patches, diff_ms, started, target_version)
         self.remember(state)

@@ -24,6 +24,7 @@ from patchctx import (
     InvalidPatchError,
     LoaderContractError,
     PatchError,
+    UpdateCost,
     diff_state_dicts,
 )
 from patchctx.vllm import (
@@ -368,6 +369,37 @@ def test_a_weight_source_is_diffed_against_what_was_last_sent() -> None:
     assert stats is not None and stats.patches == 1 and stats.diff_ms > 0
     assert torch.equal(worker.model.w, trainer_model.w)
     assert trainer.send_weights() is not None and worker.patcher.version == "2"  # nothing new
+
+
+def test_the_trainer_chooses_sparse_or_dense_by_its_cost_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 4x4 weight with one change: by wire bytes it goes sparse, by the default cost model
+    # (one more dense patch costs less than one more sparse one) dense; the worker ends with
+    # the same weights either way.
+    from patchctx.vllm import _trainer
+
+    encoded: list[Any] = []
+
+    def spy(patches: Any, **kwargs: Any) -> Any:
+        encoded.append(list(patches))
+        return encode_patches(patches, **kwargs)
+
+    monkeypatch.setattr(_trainer, "encode_patches", spy)
+    state = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    for cost, sparse in ((None, True), (UpdateCost(), False)):
+        worker = worker_engine()
+        trainer = PatchctxTrainerEngine.trainer_init(
+            PatchctxTrainerInitInfo(transport="inline", rank=0, cost=cost),
+            client=LocalClient(worker),
+        )
+        trainer.remember(state)
+        changed = dict(state, w=state["w"].clone())
+        changed["w"][1, 2] = 0.5
+        assert trainer.send_state_dict(changed) is not None
+        [patch] = encoded[-1]
+        assert (patch.indices is not None) is sparse, cost
+        assert torch.equal(worker.model.w, changed["w"])
 
 
 def test_an_update_in_chunks_is_applied_once_with_its_last_chunk() -> None:

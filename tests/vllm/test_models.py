@@ -79,11 +79,13 @@ def test_patch_rounds_equal_a_model_loaded_from_the_patched_checkpoint(
             for name, expected in truth.items():
                 got = rank_results[f"{arch}/{variant}/{name}"]
                 assert torch.equal(got, expected), f"rank {rank} {variant}: {name}"
-        held, sparse_names, replayed, loader_calls = rank_results[f"{arch}/routes"].tolist()
+        counts = rank_results[f"{arch}/routes"].tolist()
+        held, sparse_names, sparse_held, patched, replayed, loader_calls = counts
         # Every name patched sparsely recorded its route; later rounds replay (a name patched
-        # densely in between keeps its route: the storage is the same).
-        assert held == sparse_names, (held, sparse_names)
-        assert replayed >= held // 2 and loader_calls > 0, (held, replayed, loader_calls)
+        # densely in between keeps its route: the storage is the same). Names only ever
+        # patched densely may hold one too, learnt by a dry run.
+        assert sparse_held == sparse_names <= held <= patched, counts
+        assert replayed >= held // 2 and loader_calls > 0, counts
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -322,8 +322,16 @@ def model_job(rank: Rank, args: Mapping[str, Any]) -> Results:
         sparse_names = {
             aliases.get(p.name, p.name) for r in rounds for p in r if p.indices is not None
         }
+        patched_names = {aliases.get(p.name, p.name) for r in rounds for p in r}
         results[f"{arch}/routes"] = torch.tensor(
-            [len(routes), len(sparse_names), routes.stats.replayed, routes.stats.loader_calls]
+            [
+                len(routes),
+                len(sparse_names),
+                len(sparse_names & set(routes)),
+                len(patched_names),
+                routes.stats.replayed,
+                routes.stats.loader_calls,
+            ]
         )
         if args.get("engine_layout", True):
             for key, value in engine_layout_checks(model_dir, rank.world_size).items():

@@ -188,7 +188,9 @@ class _Loader:
         # Replays gathered since the last loader call (route, patch, each segment's
         # destination as checked live), run by `flush`.
         self.pending: list[tuple[Route, CheckedPatch, list[torch.Tensor]]] = []
-        self.pending_writes: set[str] = set()  # the tensors they write, by name
+        # The tensors they write, by name: gathered only once a route that read model values
+        # needs them (`None` until then).
+        self.pending_writes: set[str] | None = None
 
     @property
     def index(self) -> ModelIndex:
@@ -263,7 +265,7 @@ class _Loader:
             if (
                 usable is not None
                 and usable[0].reads
-                and (self.chunk or not self.pending_writes.isdisjoint(usable[0]._reads))
+                and (self.chunk or not self._pending_writes().isdisjoint(usable[0]._reads))
                 and not routes._verify_all  # (`verify`'s patches change nothing)
             ):
                 # Its loader decided on model values, which the patches before it in this
@@ -280,7 +282,8 @@ class _Loader:
                     self._load_chunk()
                     # Replayed at the next flush, in order.
                     self.pending.append((usable[0], item, usable[1]))
-                    self.pending_writes |= usable[0]._writes
+                    if self.pending_writes is not None:
+                        self.pending_writes |= usable[0]._writes
                     return
         self._replay_pending()  # earlier replays happen before this patch's loader call
         size = item.staged_nbytes
@@ -296,6 +299,12 @@ class _Loader:
         self.chunk_names.add(name)
         self.chunk_nbytes += size
 
+    def _pending_writes(self) -> set[str]:
+        """The tensors the pending replays write, by name (kept up to date from now on)."""
+        if self.pending_writes is None:
+            self.pending_writes = {name for route, _, _ in self.pending for name in route._writes}
+        return self.pending_writes
+
     def _replay_pending(self) -> None:
         """Replay the patches gathered since the last loader call, in order.
 
@@ -303,7 +312,7 @@ class _Loader:
         one host read per device for the whole run of replays, none inside it.
         """
         pending, self.pending = self.pending, []
-        self.pending_writes = set()
+        self.pending_writes = None
         if not pending:
             return
         assert self.routes is not None

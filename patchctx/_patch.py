@@ -294,6 +294,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # No tensor holds more elements than int64 counts.
 _MAX_NUMEL = 2**63 - 1
 
+_STRIDED = torch.strided
+
 
 def _well_formed(
     patch: CheckpointWeightPatch, strategy: CopyStrategy, supported: dict[torch.dtype, bool]
@@ -311,12 +313,19 @@ def _well_formed(
         if type(d) is not int or d < 0:
             return None
         numel *= d
-    if numel > _MAX_NUMEL or not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
+    if numel > _MAX_NUMEL or not isinstance(dtype, torch.dtype):
         return None
-    if not isinstance(values, torch.Tensor) or not _holds_data(values):
+    if (
+        not isinstance(values, torch.Tensor)
+        or values.ndim != 1
+        or values.layout is not _STRIDED  # data to read: not a sparse layout, not meta
+        or values.is_meta
+        or values.is_neg()
+        or values.is_conj()
+    ):
         return None
-    if values.ndim != 1 or values.is_neg() or values.is_conj() or values.dtype in _QUANTIZED:
-        return None
+    if values.dtype is not dtype and (dtype in _QUANTIZED or values.dtype in _QUANTIZED):
+        return None  # no cast to or from a quantized dtype
     if indices is None:
         return numel if values.shape[0] == numel else None
     if (
@@ -324,19 +333,15 @@ def _well_formed(
         or indices.ndim != 1
         or indices.dtype not in _INDEX_DTYPES
         or indices.shape[0] != values.shape[0]
+        or indices.layout is not _STRIDED
+        or indices.is_meta
         or indices.is_neg()
-        or not _holds_data(indices)
     ):
         return None
     ok = supported.get(dtype)
     if ok is None:
         ok = supported[dtype] = strategy.unsupported_reason(dtype) is None
     return numel if ok else None
-
-
-def _holds_data(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a strided tensor with data (not meta, not a sparse layout)."""
-    return tensor.layout is torch.strided and not tensor.is_meta
 
 
 def _data_problem(what: str, tensor: torch.Tensor) -> tuple[str, bool] | None:
@@ -530,7 +535,7 @@ def _all_valid(
             return None
         values = patch.values
         device = values.device
-        if indices.shape[0] > _batched_up_to(device):
+        if indices.shape[0] > (_CPU_BATCHED_UP_TO if device.type == "cpu" else _BATCHED_UP_TO):
             large.setdefault(device, []).append(k)
             continue
         groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)

@@ -429,11 +429,14 @@ class Route:
     # its loader read, by name.
     _writes: frozenset[str] = field(init=False, repr=False, compare=False)
     _reads: frozenset[str] = field(init=False, repr=False, compare=False)
+    # What a replay writes through, in order: the segments, then the fills.
+    _written: tuple[Segment | Fill, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
         object.__setattr__(self, "_numel", numel)
         written: tuple[Segment | Fill, ...] = (*self.segments, *self.fills)
+        object.__setattr__(self, "_written", written)
         object.__setattr__(
             self,
             "_writes",
@@ -796,8 +799,7 @@ for a loader that copies views
             self.stats.invalidated += 1
             return None
         targets = []
-        written_by_route: tuple[Segment | Fill, ...] = (*route.segments, *route.fills)
-        for written in written_by_route:
+        for written in route._written:
             tensor = tensors.get(written.tensor_name)
             if (
                 tensor is None

@@ -34,18 +34,26 @@ class UpdateCost:
     For a tensor of `numel` elements of `element_size` bytes, `nnz` of them changed, and a
     sparse patch of `sparse_bytes` on the wire (values and positions in their smallest
     encoding, see `wire_sizes`), the sparse estimate is `sparse_seconds_per_patch` plus
-    ``nnz * sparse_seconds_per_element``, plus ``numel * bitmask_seconds_per_element`` when
-    the positions are a bitmask, plus ``sparse_bytes / link_bytes_per_second``. The dense
-    estimate is `dense_seconds_per_patch` plus ``numel * element_size *
-    dense_seconds_per_byte`` plus ``numel * element_size / link_bytes_per_second``.
+    ``nnz * sparse_seconds_per_element``, plus ``lines * sparse_seconds_per_line`` for the
+    64-byte lines of the tensor that hold a change (`lines`: ``touched_lines(nnz, numel,
+    element_size)``, for changes spread at random), plus ``numel *
+    bitmask_seconds_per_element`` when the positions are a bitmask, plus ``sparse_bytes /
+    link_bytes_per_second``. The dense estimate is `dense_seconds_per_patch` plus ``numel *
+    element_size * dense_seconds_per_byte`` plus ``numel * element_size /
+    link_bytes_per_second``.
 
-    A bitmask is decoded by scanning every bit of it, so its cost grows with the tensor, not
-    with the changes; on a CPU that scan costs more per element than a dense copy, so a
-    tensor whose positions are smallest as a bitmask goes dense unless the link is slow.
+    A replay's write of one element fetches and writes back its whole cache line: at a few
+    percent most changed elements have a line of their own, and each costs about
+    ``sparse_seconds_per_element + sparse_seconds_per_line``; by tens of percent every line
+    holds several, and each costs little more than its own part. A bitmask is decoded by
+    scanning every bit of it, so its cost grows with the tensor, not with the changes; on a
+    CPU that scan costs more per element than a dense copy, so a tensor whose positions are
+    smallest as a bitmask goes dense unless the link is slow.
 
     The defaults are `calibrate`'s measurements on the 2-core CPU machine patchctx is
-    developed on, quiet (torch 2.13, one thread, bf16 tensors of 2**22 and 2**24 elements: 3.5
-    to 3.8 and 6.1 to 7.0 ns per changed element, 1.0 and 1.2 ns per bitmask element, 0.03 and
+    developed on, quiet (torch 2.13, one thread, bf16 tensors of 2**22 and 2**24 elements:
+    1.0 to 1.2 ns per changed element and 3.6 to 4.6 ns per line written; 0.6 to 0.7 ns per
+    bitmask element at 25 %, 1.0 at 10 %, where numpy's scan mispredicts most; 0.03 and
     0.09 ns per dense byte; the defaults lie between; 22 µs per sparse patch and 8.4 µs per
     dense one, in a call of many), with dense patches following their routes; the link is
     10 GB/s. They are a 2-core CPU's: on a GPU, or to fit your model and machine, use
@@ -54,6 +62,7 @@ class UpdateCost:
     Attributes:
         link_bytes_per_second: The bandwidth from trainer to worker (`math.inf`: free).
         sparse_seconds_per_element: Decoding and applying one changed element (route replay).
+        sparse_seconds_per_line: Each 64-byte line of the tensor a replay writes into.
         bitmask_seconds_per_element: Decoding a bitmask, per element of the tensor.
         dense_seconds_per_byte: Applying one byte of a dense patch (a copy through the loader).
         sparse_seconds_per_patch: The fixed cost of one more sparse patch in a call.
@@ -64,15 +73,17 @@ class UpdateCost:
         >>> cost = UpdateCost(link_bytes_per_second=1e9)
         >>> numel, nnz = 4096 * 4096, 4096 * 4096 // 100  # bf16, 1% changed
         >>> sparse_bytes = nnz * (2 + 2)  # values and uint16 gaps
-        >>> f"{cost.sparse_seconds(nnz, sparse_bytes):.4f} s, {cost.dense_seconds(numel, 2):.4f} s"
+        >>> sparse = cost.sparse_seconds(nnz, sparse_bytes, numel=numel, element_size=2)
+        >>> f"{sparse:.4f} s, {cost.dense_seconds(numel, 2):.4f} s"
         '0.0015 s, 0.0356 s'
         >>> cost.prefers_sparse(numel=numel, nnz=nnz, element_size=2, sparse_bytes=sparse_bytes)
         True
     """
 
     link_bytes_per_second: float = 10e9
-    sparse_seconds_per_element: float = 5.0e-9
-    bitmask_seconds_per_element: float = 1.1e-9
+    sparse_seconds_per_element: float = 1.2e-9
+    sparse_seconds_per_line: float = 4.5e-9
+    bitmask_seconds_per_element: float = 0.7e-9
     dense_seconds_per_byte: float = 6.0e-11
     sparse_seconds_per_patch: float = 22e-6
     dense_seconds_per_patch: float = 8.4e-6
@@ -97,7 +108,15 @@ class UpdateCost:
         if problems:
             raise InvalidPatchError(problems)
 
-    def sparse_seconds(self, nnz: int, sparse_bytes: int, *, bitmask_numel: int = 0) -> float:
+    def sparse_seconds(
+        self,
+        nnz: int,
+        sparse_bytes: int,
+        *,
+        bitmask_numel: int = 0,
+        numel: int = 0,
+        element_size: int = 0,
+    ) -> float:
         """Estimated seconds to send, decode and apply a sparse patch of `nnz` elements.
 
         Args:
@@ -105,10 +124,14 @@ class UpdateCost:
             sparse_bytes: Its size on the wire (values and positions).
             bitmask_numel: The tensor's elements when the positions travel as a bitmask
                 (every bit is decoded), else 0.
+            numel: Elements of the tensor, for the lines a replay writes (`touched_lines`;
+                0: not counted).
+            element_size: Bytes per element of the tensor.
         """
         return (
             self.sparse_seconds_per_patch
             + nnz * self.sparse_seconds_per_element
+            + touched_lines(nnz, numel, element_size) * self.sparse_seconds_per_line
             + bitmask_numel * self.bitmask_seconds_per_element
             + sparse_bytes / self.link_bytes_per_second
         )
@@ -139,7 +162,13 @@ class UpdateCost:
             sparse_bytes: The sparse patch's size on the wire.
             bitmask: Whether its positions travel as a bitmask.
         """
-        sparse = self.sparse_seconds(nnz, sparse_bytes, bitmask_numel=numel if bitmask else 0)
+        sparse = self.sparse_seconds(
+            nnz,
+            sparse_bytes,
+            bitmask_numel=numel if bitmask else 0,
+            numel=numel,
+            element_size=element_size,
+        )
         return sparse < self.dense_seconds(numel, element_size)
 
     @classmethod
@@ -156,13 +185,13 @@ class UpdateCost:
 
         A parameter of `numel` elements is loaded by a plain ``copy_`` loader. Dense patches
         of it and of a 256-element tensor, along their routes (as a worker with a `RouteCache`
-        applies them), give `dense_seconds_per_byte`. `sparse_seconds_per_element` is the
-        cost per element, above that of a one-element patch, of a sparse patch (its positions
-        decoded from their smallest encoding, then replayed, as a worker receives it) at the
-        density where sparse and dense cross (replay gets cheaper per element as density
-        grows, so the estimate is made exact where the choice turns): a first measurement at
-        5%, a second at the crossing it predicts (within 0.5%..50%).
-        Decoding a bitmask with a tenth of its bits set gives `bitmask_seconds_per_element`.
+        applies them), give `dense_seconds_per_byte`. Sparse patches of it at 1% and 50%
+        (their positions decoded from their smallest encoding, then replayed, as a worker
+        receives them; the time of a one-element patch, and a bitmask's decode, taken off)
+        give `sparse_seconds_per_element` and `sparse_seconds_per_line`, the two unknowns of
+        the two measurements.
+        Decoding a bitmask with a quarter of its bits set gives `bitmask_seconds_per_element`
+        (the densities where a slow link makes a bitmask worth its decode).
         The fixed costs are those of one more patch in a call of 33 small ones (a worker's
         update is a call of many: the call's own cost is paid whichever form a tensor takes):
         a dense patch along its route, and a one-element sparse patch decoded and replayed.
@@ -187,6 +216,31 @@ class UpdateCost:
         """
         measured = _measure_costs(numel=numel, dtype=dtype, device=device, repeats=repeats)
         return replace(cls(), link_bytes_per_second=link_bytes_per_second, **measured)
+
+
+# Bytes of a cache line: what a write of one element fetches and writes back.
+LINE_BYTES = 64
+
+
+def touched_lines(nnz: int, numel: int, element_size: int) -> float:
+    """The 64-byte lines of a tensor that hold at least one of `nnz` changed elements.
+
+    Expected for changes spread at random over the tensor's `numel` elements of
+    `element_size` bytes: each line holds ``64 // element_size`` of them (at least one), and
+    holds none of the changes with probability ``(1 - nnz / numel) ** per_line``. 0 when
+    `numel` or `element_size` is 0 (not given).
+
+    Examples:
+        >>> from patchctx._cost import touched_lines
+        >>> round(touched_lines(1, 2**20, 2)), round(touched_lines(2**19, 2**20, 2))
+        (1, 32768)
+    """
+    if numel <= 0 or element_size <= 0 or nnz <= 0:
+        return 0.0
+    per_line = max(1, LINE_BYTES // element_size)
+    lines = -(-numel * element_size // LINE_BYTES)
+    density = min(nnz / numel, 1.0)
+    return lines * -math.expm1(per_line * math.log1p(-density)) if density < 1 else float(lines)
 
 
 class _Slab(torch.nn.Module):
@@ -240,6 +294,7 @@ def _measure_costs(
 ) -> dict[str, float]:
     from patchctx._encoding import (
         WireEncoding,
+        bitmask_nbytes,
         decode_positions,
         encode_positions,
         positions_summary,
@@ -331,26 +386,42 @@ def _measure_costs(
     # Replay's cost per element falls with density (positions share cache lines), so the chord
     # from the fixed cost is taken where sparse and dense cross: a first guess at 5%, then
     # where that guess says they cross.
-    # A bitmask's decode, per element of the tensor (a tenth of it set).
-    mask_positions = sparse_patch(numel // 10).indices
+    # A bitmask's decode, per element of the tensor (a quarter of it set).
+    mask_positions = sparse_patch(numel // 4).indices
     assert mask_positions is not None
     summary = positions_summary(mask_positions, numel)
     mask = encode_positions(mask_positions, summary, WireEncoding.BITMASK)
     per_bit = (
         _fastest(
-            lambda: decode_positions(mask, numel, numel // 10, WireEncoding.BITMASK),
+            lambda: decode_positions(mask, numel, numel // 4, WireEncoding.BITMASK),
             where,
             repeats,
         )
         / numel
     )
-    nnz = numel // 20
-    for _ in range(2):
-        per_element = max(sparse_time(nnz) - sparse_fixed, 0.0) / nnz
-        crossing = (dense_total - sparse_fixed) / max(per_element, 1e-15)
-        nnz = int(min(max(crossing, numel / 200), numel / 2))
+    # Replay: a time per changed element, and one per 64-byte line it writes into (a random
+    # write fetches and writes back a whole line; at a few percent most lines hold one
+    # change, by tens of percent every line holds several). Two densities, 1% and 50%, give
+    # both, each decoded from its smallest encoding (gaps, then a bitmask, whose decode is
+    # `per_bit`'s and taken off).
+    size = dtype.itemsize
+    equations = []
+    for nnz in (max(numel // 100, 1), numel // 2):
+        spent = sparse_time(nnz) - sparse_fixed
+        if nnz == numel // 2 and bitmask_nbytes(numel) < 2 * nnz:  # sent as a bitmask
+            spent -= per_bit * numel
+        equations.append((float(nnz), touched_lines(nnz, numel, size), max(spent, 0.0)))
+    (n1, l1, t1), (n2, l2, t2) = equations
+    determinant = n1 * l2 - n2 * l1
+    per_element = (t1 * l2 - t2 * l1) / determinant if determinant else t2 / n2
+    per_line = (n1 * t2 - n2 * t1) / determinant if determinant else 0.0
+    if per_line < 0:  # no cost by line to be seen: all of it by element
+        per_element, per_line = t2 / n2, 0.0
+    elif per_element < 0:  # all of it by line
+        per_element, per_line = 0.0, t2 / l2
     return {
-        "sparse_seconds_per_element": max(per_element, 0.0),
+        "sparse_seconds_per_element": per_element,
+        "sparse_seconds_per_line": per_line,
         "bitmask_seconds_per_element": per_bit,
         "dense_seconds_per_byte": max(per_byte, 0.0),
         "sparse_seconds_per_patch": per_patch(dense=False),

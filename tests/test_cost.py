@@ -18,6 +18,7 @@ from patchctx import (
     UpdateCost,
     diff_state_dicts,
 )
+from patchctx._cost import touched_lines
 from patchctx._diff import choose_sparse, sparse_nbytes
 
 NUMEL = 2**20
@@ -26,6 +27,7 @@ NUMEL = 2**20
 APPLY_ONLY = UpdateCost(
     link_bytes_per_second=math.inf,
     sparse_seconds_per_element=1e-9,
+    sparse_seconds_per_line=0.0,
     bitmask_seconds_per_element=0.0,
     dense_seconds_per_byte=1e-10,
     sparse_seconds_per_patch=0.0,
@@ -61,6 +63,32 @@ def test_estimates_are_the_documented_formulas() -> None:
     assert cost.prefers_sparse(numel=10_000, nnz=1000, element_size=2, sparse_bytes=4000) == (
         cost.sparse_seconds(1000, 4000) < cost.dense_seconds(10_000, 2)
     )
+
+
+def test_a_replay_pays_for_the_lines_it_writes_into() -> None:
+    # bf16: 32 elements to a 64-byte line, 2**20 elements in 65,536 lines.
+    numel, lines = 2**20, 2**20 * 2 // 64
+    assert touched_lines(0, numel, 2) == 0 and touched_lines(numel, numel, 2) == lines
+    assert touched_lines(1, numel, 2) == pytest.approx(1.0, rel=1e-4)
+    for nnz in (100, 10_000, 300_000):  # at random, each line misses all of them this often
+        missed = (1 - nnz / numel) ** 32
+        assert touched_lines(nnz, numel, 2) == pytest.approx(lines * (1 - missed))
+    assert touched_lines(10, numel, 16) == pytest.approx(10, rel=1e-4)  # 4 to a line
+    assert touched_lines(5, 0, 2) == touched_lines(5, numel, 0) == 0  # not given
+    cost = UpdateCost(
+        link_bytes_per_second=math.inf,
+        sparse_seconds_per_element=1e-9,
+        sparse_seconds_per_line=4e-9,
+        sparse_seconds_per_patch=0.0,
+    )
+
+    def per_element(nnz: int) -> float:
+        return cost.sparse_seconds(nnz, 0, numel=numel, element_size=2) / nnz
+
+    # A change alone on its line pays for the line; by half the tensor, 16 share each.
+    assert per_element(100) == pytest.approx(5e-9, rel=1e-2)
+    assert per_element(numel // 2) == pytest.approx(1e-9 + 4e-9 / 16, rel=1e-3)
+    assert cost.sparse_seconds(100, 0) == pytest.approx(100e-9)  # no tensor given: no lines
 
 
 @pytest.mark.parametrize(("dtype", "crossover"), [(torch.bfloat16, 0.2), (torch.float32, 0.4)])

@@ -405,6 +405,9 @@ def decode_positions(
         raise MalformedPositions("positions must be a 1-D uint8 byte stream")
     if count < 0 or numel < 0:
         raise MalformedPositions(f"count {count} and numel {numel} must be non-negative")
+    # Words and escapes are read through views of other widths, which need unit steps: a
+    # strided stream (every other byte of a buffer) is the same bytes, copied once.
+    data = data.contiguous()
     if count > numel and encoding is not WireEncoding.INDICES:
         raise MalformedPositions(f"{count} positions do not fit a tensor of {numel} elements")
     if encoding is WireEncoding.INDICES:

@@ -383,3 +383,16 @@ def test_a_stream_at_an_odd_offset_of_a_payload_decodes(encoding: WireEncoding) 
     payload = torch.cat([torch.zeros(1, dtype=torch.uint8), data])
     decoded = decode_positions(payload[1:], numel, positions.numel(), encoding)
     assert decoded.tolist() == positions.tolist()
+
+
+@pytest.mark.parametrize("encoding", SPARSE)
+def test_a_strided_stream_decodes_like_a_contiguous_one(encoding: WireEncoding) -> None:
+    # A 1-D uint8 view with a step (one byte of every two of a buffer) is a valid stream:
+    # decoding it must not depend on its layout.
+    numel = 2**22
+    positions = torch.tensor([0, 3, 70_000, 70_001, 2**21, numel - 1])
+    data = encode_positions(positions, positions_summary(positions, numel), encoding)
+    buffer = torch.zeros(2 * data.numel(), dtype=torch.uint8)
+    buffer[::2] = data
+    decoded = decode_positions(buffer[::2], numel, positions.numel(), encoding)
+    assert decoded.tolist() == positions.tolist()

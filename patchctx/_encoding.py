@@ -507,7 +507,9 @@ def _decode_gaps_on_host(raw: np.ndarray, numel: int, count: int) -> np.ndarray:
                 f"an escape must hold a gap of at least {ESCAPE} and below the tensor's "
                 f"{numel} elements"
             )
-        positions[escaped] = table + 1  # below numel: fits the output dtype
+        # Widened before adding one: in uint32, 2**32 - 1 + 1 wraps to a gap of 0. Below
+        # numel, so the sum fits the output dtype.
+        positions[escaped] = table.astype(wide) + 1
     positions[0] -= 1  # p[i] = g[0] + ... + g[i] - 1
     np.cumsum(positions, dtype=wide, out=positions)
     # Every gap is at least 1 and below numel, so the running sum increases unless it wraps

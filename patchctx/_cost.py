@@ -18,6 +18,7 @@ from numbers import Real
 
 import torch
 
+from patchctx._arguments import positive_int
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 
 __all__ = ["UpdateCost"]
@@ -205,6 +206,10 @@ class UpdateCost:
             device: Where to measure ("cuda" for a GPU worker).
             repeats: Runs per measurement; the fastest counts.
 
+        Raises:
+            InvalidPatchError: `numel` or `repeats` is not positive.
+            InvalidPatchTypeError: `numel` or `repeats` is not an int (a bool is not).
+
         Returns:
             An `UpdateCost` with the measured fields.
 
@@ -214,6 +219,9 @@ class UpdateCost:
             >>> cost.link_bytes_per_second, cost.sparse_seconds_per_patch > 0
             (1000000000.0, True)
         """
+        # Checked first: no run means every time is inf and every field NaN.
+        numel = positive_int(numel, "UpdateCost.calibrate(numel=...)")
+        repeats = positive_int(repeats, "UpdateCost.calibrate(repeats=...)")
         measured = _measure_costs(numel=numel, dtype=dtype, device=device, repeats=repeats)
         return replace(cls(), link_bytes_per_second=link_bytes_per_second, **measured)
 

@@ -293,6 +293,25 @@ def test_diff_state_dicts_refuses_a_cost_that_is_not_an_update_cost() -> None:
         diff_state_dicts(old, new, cost=1e9)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"repeats": 0}, InvalidPatchError, r"repeats=\.\.\.\) must be positive"),
+        ({"repeats": -1}, InvalidPatchError, r"repeats=\.\.\.\) must be positive"),
+        ({"repeats": True}, InvalidPatchTypeError, r"repeats=\.\.\.\) takes an int"),
+        ({"numel": 2.5}, InvalidPatchTypeError, r"numel=\.\.\.\) takes an int"),
+        ({"numel": 0}, InvalidPatchError, r"numel=\.\.\.\) must be positive"),
+    ],
+    ids=["no repeats", "negative repeats", "bool repeats", "float numel", "no numel"],
+)
+def test_calibrate_refuses_counts_it_cannot_measure_with(
+    arguments: dict[str, object], error: type[Exception], message: str
+) -> None:
+    # Without a run, every time is inf and every field NaN: refused by name, not as NaN fields.
+    with pytest.raises(error, match=message):
+        UpdateCost.calibrate(**arguments)  # type: ignore[arg-type]
+
+
 def test_calibrate_measures_every_field_here() -> None:
     cost = UpdateCost.calibrate(link_bytes_per_second=5e9, numel=2**16, repeats=1)
     assert cost.link_bytes_per_second == 5e9

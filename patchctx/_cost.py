@@ -202,7 +202,8 @@ class UpdateCost:
         Args:
             link_bytes_per_second: The link's bandwidth (not measured).
             numel: Elements of the measured tensor; large enough to leave the caches.
-            dtype: Its dtype (the receiver's).
+            dtype: Its dtype (the receiver's). Sparse patches of a dtype `Auto` cannot stage
+                (bool, complex) are measured with `BoolMask`, as a worker must load them.
             device: Where to measure ("cuda" for a GPU worker).
             repeats: Runs per measurement; the fastest counts.
 
@@ -307,11 +308,21 @@ def _measure_costs(
         encode_positions,
         positions_summary,
     )
-    from patchctx._load import load_checkpoint_weight_patches
+    from patchctx._load import load_checkpoint_weight_patches as load_patches
     from patchctx._patch import CheckpointWeightPatch
     from patchctx._routes import RouteCache
+    from patchctx._strategies import Auto, BoolMask
 
     where = torch.device(device)
+    # The default strategy, as a worker's; for the dtypes it cannot stage (bool, complex),
+    # the one it names instead.
+    strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else None
+
+    def load_checkpoint_weight_patches(
+        model: _Slab | _Slabs, patches: list[CheckpointWeightPatch], *, routes: RouteCache
+    ) -> set[str]:
+        return load_patches(model, patches, routes=routes, strategy=strategy)
+
     small = 256
     numel = max(numel, 64 * small)
     generator = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import pytest
 import torch
@@ -310,6 +310,15 @@ def test_calibrate_refuses_counts_it_cannot_measure_with(
     # Without a run, every time is inf and every field NaN: refused by name, not as NaN fields.
     with pytest.raises(error, match=message):
         UpdateCost.calibrate(**arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+def test_calibrate_measures_dtypes_the_default_strategy_cannot_stage(dtype: torch.dtype) -> None:
+    # Auto() has no sentinel for bool or complex; calibrate takes no strategy, so it must pick
+    # the one a worker of that dtype uses instead of refusing the dtype.
+    cost = UpdateCost.calibrate(numel=2**14, dtype=dtype, repeats=1)
+    for field in fields(cost):
+        assert 0 <= getattr(cost, field.name) < math.inf, field.name
 
 
 def test_calibrate_measures_every_field_here() -> None:

@@ -438,7 +438,7 @@ def _measure_costs(
         per_element, per_line = t2 / n2, 0.0
     elif per_element < 0:  # all of it by line
         per_element, per_line = 0.0, t2 / l2
-    return {
+    measured = {
         "sparse_seconds_per_element": per_element,
         "sparse_seconds_per_line": per_line,
         "bitmask_seconds_per_element": per_bit,
@@ -446,3 +446,5 @@ def _measure_costs(
         "sparse_seconds_per_patch": per_patch(dense=False),
         "dense_seconds_per_patch": per_patch(dense=True),
     }
+    # Zero over a negative determinant is -0.0: a "negative" cost to whoever reads it.
+    return {name: value + 0.0 for name, value in measured.items()}

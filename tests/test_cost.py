@@ -16,6 +16,7 @@ from patchctx import (
     InvalidPatchError,
     InvalidPatchTypeError,
     UpdateCost,
+    _cost,
     diff_state_dicts,
 )
 from patchctx._cost import touched_lines
@@ -319,6 +320,15 @@ def test_calibrate_measures_dtypes_the_default_strategy_cannot_stage(dtype: torc
     cost = UpdateCost.calibrate(numel=2**14, dtype=dtype, repeats=1)
     for field in fields(cost):
         assert 0 <= getattr(cost, field.name) < math.inf, field.name
+
+
+def test_calibrate_never_returns_a_negative_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Timings that show no cost at all (a tiny tensor, a coarse clock): the two-density solve
+    # divides zero by a negative determinant. Every field must be +0.0, not -0.0.
+    monkeypatch.setattr(_cost, "_fastest", lambda fn, device, repeats: 0.0)
+    cost = UpdateCost.calibrate(numel=2**14, repeats=1)
+    for field in fields(cost):
+        assert math.copysign(1.0, getattr(cost, field.name)) == 1.0, field.name
 
 
 def test_calibrate_measures_every_field_here() -> None:

@@ -18,6 +18,7 @@ from numbers import Real
 
 import torch
 
+from patchctx._arguments import positive_int
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 
 __all__ = ["UpdateCost"]
@@ -201,9 +202,14 @@ class UpdateCost:
         Args:
             link_bytes_per_second: The link's bandwidth (not measured).
             numel: Elements of the measured tensor; large enough to leave the caches.
-            dtype: Its dtype (the receiver's).
+            dtype: Its dtype (the receiver's). Sparse patches of a dtype `Auto` cannot stage
+                (bool, complex) are measured with `BoolMask`, as a worker must load them.
             device: Where to measure ("cuda" for a GPU worker).
             repeats: Runs per measurement; the fastest counts.
+
+        Raises:
+            InvalidPatchError: `numel` or `repeats` is not positive.
+            InvalidPatchTypeError: `numel` or `repeats` is not an int (a bool is not).
 
         Returns:
             An `UpdateCost` with the measured fields.
@@ -214,6 +220,9 @@ class UpdateCost:
             >>> cost.link_bytes_per_second, cost.sparse_seconds_per_patch > 0
             (1000000000.0, True)
         """
+        # Checked first: no run means every time is inf and every field NaN.
+        numel = positive_int(numel, "UpdateCost.calibrate(numel=...)")
+        repeats = positive_int(repeats, "UpdateCost.calibrate(repeats=...)")
         measured = _measure_costs(numel=numel, dtype=dtype, device=device, repeats=repeats)
         return replace(cls(), link_bytes_per_second=link_bytes_per_second, **measured)
 
@@ -299,11 +308,21 @@ def _measure_costs(
         encode_positions,
         positions_summary,
     )
-    from patchctx._load import load_checkpoint_weight_patches
+    from patchctx._load import load_checkpoint_weight_patches as load_patches
     from patchctx._patch import CheckpointWeightPatch
     from patchctx._routes import RouteCache
+    from patchctx._strategies import Auto, BoolMask
 
     where = torch.device(device)
+    # The default strategy, as a worker's; for the dtypes it cannot stage (bool, complex),
+    # the one it names instead.
+    strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else None
+
+    def load_checkpoint_weight_patches(
+        model: _Slab | _Slabs, patches: list[CheckpointWeightPatch], *, routes: RouteCache
+    ) -> set[str]:
+        return load_patches(model, patches, routes=routes, strategy=strategy)
+
     small = 256
     numel = max(numel, 64 * small)
     generator = torch.Generator().manual_seed(0)
@@ -419,7 +438,7 @@ def _measure_costs(
         per_element, per_line = t2 / n2, 0.0
     elif per_element < 0:  # all of it by line
         per_element, per_line = 0.0, t2 / l2
-    return {
+    measured = {
         "sparse_seconds_per_element": per_element,
         "sparse_seconds_per_line": per_line,
         "bitmask_seconds_per_element": per_bit,
@@ -427,3 +446,5 @@ def _measure_costs(
         "sparse_seconds_per_patch": per_patch(dense=False),
         "dense_seconds_per_patch": per_patch(dense=True),
     }
+    # Zero over a negative determinant is -0.0: a "negative" cost to whoever reads it.
+    return {name: value + 0.0 for name, value in measured.items()}

@@ -405,6 +405,9 @@ def decode_positions(
         raise MalformedPositions("positions must be a 1-D uint8 byte stream")
     if count < 0 or numel < 0:
         raise MalformedPositions(f"count {count} and numel {numel} must be non-negative")
+    # Words and escapes are read through views of other widths, which need unit steps: a
+    # strided stream (every other byte of a buffer) is the same bytes, copied once.
+    data = data.contiguous()
     if count > numel and encoding is not WireEncoding.INDICES:
         raise MalformedPositions(f"{count} positions do not fit a tensor of {numel} elements")
     if encoding is WireEncoding.INDICES:
@@ -504,7 +507,9 @@ def _decode_gaps_on_host(raw: np.ndarray, numel: int, count: int) -> np.ndarray:
                 f"an escape must hold a gap of at least {ESCAPE} and below the tensor's "
                 f"{numel} elements"
             )
-        positions[escaped] = table + 1  # below numel: fits the output dtype
+        # Widened before adding one: in uint32, 2**32 - 1 + 1 wraps to a gap of 0. Below
+        # numel, so the sum fits the output dtype.
+        positions[escaped] = table.astype(wide) + 1
     positions[0] -= 1  # p[i] = g[0] + ... + g[i] - 1
     np.cumsum(positions, dtype=wide, out=positions)
     # Every gap is at least 1 and below numel, so the running sum increases unless it wraps

@@ -177,6 +177,20 @@ class _DryLedger(WriteLedger):
             self.stopped = (status, reason)
 
     def stop(self, status: _Status, reason: str, names: Iterable[str] = ()) -> NoReturn:
+        """End the run (`halt`); outside one, refuse the use of its dry data instead.
+
+        A loader that kept a dry tensor (in a cache, an attribute) may use it in a later call,
+        a real load included: the run's internal stop must not escape it, so that use is
+        refused with a `LoaderContractError`, before the operation runs.
+        """
+        if not self.open:
+            raise LoaderContractError(
+                f"the loader used the dry tensor of {_label(frozenset(names) or self.loading)} "
+                "that a dry run of it handed it before (RouteCache.warm, or a dense patch with "
+                "routes= learning its route) after that run ended: it kept it (a cache, an "
+                f"attribute) and it holds no values ({reason}). Reset the loader's state; a "
+                "loader that keeps checkpoint tensors across calls cannot be dry-run"
+            )
         self.halt(status, reason, names)
         raise _Stop(reason)
 
@@ -326,6 +340,8 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     dry = [t for t in tensors if isinstance(t, DryTensor)]
     ledger = dry[0]._ledger()
     names = frozenset().union(*(t._prov.names for t in dry))
+    if not ledger.open:  # kept by the loader past its run: never computed on
+        ledger.stop("unlearnable", f"{func} on it", names)
     if any(isinstance(t, StagedTensor) and not isinstance(t, DryTensor) for t in tensors) or any(
         t._ledger() is not ledger for t in dry
     ):

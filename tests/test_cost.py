@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from patchctx import (
     InvalidPatchError,
     InvalidPatchTypeError,
     UpdateCost,
+    _cost,
     diff_state_dicts,
 )
 from patchctx._cost import touched_lines
@@ -291,6 +292,43 @@ def test_diff_state_dicts_refuses_a_cost_that_is_not_an_update_cost() -> None:
         diff_state_dicts(old, new, cost=UpdateCost)  # type: ignore[arg-type]
     with pytest.raises(InvalidPatchTypeError, match="takes a UpdateCost instance"):
         diff_state_dicts(old, new, cost=1e9)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"repeats": 0}, InvalidPatchError, r"repeats=\.\.\.\) must be positive"),
+        ({"repeats": -1}, InvalidPatchError, r"repeats=\.\.\.\) must be positive"),
+        ({"repeats": True}, InvalidPatchTypeError, r"repeats=\.\.\.\) takes an int"),
+        ({"numel": 2.5}, InvalidPatchTypeError, r"numel=\.\.\.\) takes an int"),
+        ({"numel": 0}, InvalidPatchError, r"numel=\.\.\.\) must be positive"),
+    ],
+    ids=["no repeats", "negative repeats", "bool repeats", "float numel", "no numel"],
+)
+def test_calibrate_refuses_counts_it_cannot_measure_with(
+    arguments: dict[str, object], error: type[Exception], message: str
+) -> None:
+    # Without a run, every time is inf and every field NaN: refused by name, not as NaN fields.
+    with pytest.raises(error, match=message):
+        UpdateCost.calibrate(**arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+def test_calibrate_measures_dtypes_the_default_strategy_cannot_stage(dtype: torch.dtype) -> None:
+    # Auto() has no sentinel for bool or complex; calibrate takes no strategy, so it must pick
+    # the one a worker of that dtype uses instead of refusing the dtype.
+    cost = UpdateCost.calibrate(numel=2**14, dtype=dtype, repeats=1)
+    for field in fields(cost):
+        assert 0 <= getattr(cost, field.name) < math.inf, field.name
+
+
+def test_calibrate_never_returns_a_negative_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Timings that show no cost at all (a tiny tensor, a coarse clock): the two-density solve
+    # divides zero by a negative determinant. Every field must be +0.0, not -0.0.
+    monkeypatch.setattr(_cost, "_fastest", lambda fn, device, repeats: 0.0)
+    cost = UpdateCost.calibrate(numel=2**14, repeats=1)
+    for field in fields(cost):
+        assert math.copysign(1.0, getattr(cost, field.name)) == 1.0, field.name
 
 
 def test_calibrate_measures_every_field_here() -> None:

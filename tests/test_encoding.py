@@ -383,3 +383,29 @@ def test_a_stream_at_an_odd_offset_of_a_payload_decodes(encoding: WireEncoding) 
     payload = torch.cat([torch.zeros(1, dtype=torch.uint8), data])
     decoded = decode_positions(payload[1:], numel, positions.numel(), encoding)
     assert decoded.tolist() == positions.tolist()
+
+
+@pytest.mark.parametrize("encoding", SPARSE)
+def test_a_strided_stream_decodes_like_a_contiguous_one(encoding: WireEncoding) -> None:
+    # A 1-D uint8 view with a step (one byte of every two of a buffer) is a valid stream:
+    # decoding it must not depend on its layout.
+    numel = 2**22
+    positions = torch.tensor([0, 3, 70_000, 70_001, 2**21, numel - 1])
+    data = encode_positions(positions, positions_summary(positions, numel), encoding)
+    buffer = torch.zeros(2 * data.numel(), dtype=torch.uint8)
+    buffer[::2] = data
+    decoded = decode_positions(buffer[::2], numel, positions.numel(), encoding)
+    assert decoded.tolist() == positions.tolist()
+
+
+def test_the_largest_uint32_escape_is_a_gap_of_2_to_the_32_not_0() -> None:
+    # Up to 2**32 elements, escapes are uint32 and hold the gap less one: 2**32 - 1 (below
+    # numel, so admitted) is a gap of 2**32, past the tensor from any position. Adding one in
+    # uint32 would wrap it to a gap of 0: a repeated position, not strictly increasing.
+    numel = 2**32
+    stream = torch.cat([words(0, 0xFFFF), table(2**32 - 1)])
+    with pytest.raises(MalformedPositions, match="reach past"):
+        decode_positions(stream, numel, 2, WireEncoding.GAPS)
+    # The largest escape that fits: from position 0 to the last element.
+    stream = torch.cat([words(0, 0xFFFF), table(2**32 - 2)])
+    assert decode_positions(stream, numel, 2, WireEncoding.GAPS).tolist() == [0, 2**32 - 1]

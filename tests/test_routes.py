@@ -859,6 +859,34 @@ def test_a_dense_name_without_a_route_is_dry_run_once_then_loaded(loader: str) -
     assert (other.dry, other.real) == (1, 1)
 
 
+class KeepsLast(nn.Module):
+    """Loads the checkpoint tensor of the call before, keeping each one across calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+        self.last: torch.Tensor | None = None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            if self.last is not None:
+                self.w.copy_(self.last)
+            self.last = tensor
+        return {"w"}
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_dry_tensor_the_loader_kept_is_refused_clearly_in_a_later_load(atomic: bool) -> None:
+    # The dry run that learns a dense name's route hands the loader a dry tensor, which this
+    # loader keeps and copies in its next call: a real load. That copy must be refused as a
+    # loader contract error, before it writes, not end the call with the dry run's own stop.
+    model, routes = KeepsLast(), RouteCache()
+    before = state(model)
+    with pytest.raises(LoaderContractError, match="dry tensor"):
+        load_checkpoint_weight_patches(model, [dense_w(1.0)], routes=routes, atomic=atomic)
+    assert_same_state(state(model), before)
+
+
 def test_a_dense_route_into_a_protected_tensor_is_refused_before_any_write() -> None:
     model, routes = Counted("twice-other-positions"), RouteCache()
     before = state(model)

@@ -329,7 +329,7 @@ def _measure_costs(
 
     def dense_time(size: int) -> float:
         # As a worker applies it: along the route (learnt by the first call's dry run).
-        model, cache = _Slab(size, dtype, where), RouteCache()
+        model, cache = _Slab(size, dtype, where), RouteCache(learn_dense=True)
         patch = CheckpointWeightPatch(
             "weight", (size,), dtype, torch.ones(size, dtype=dtype, device=where)
         )
@@ -368,7 +368,7 @@ def _measure_costs(
     def per_patch(dense: bool) -> float:
         # One more small patch in a call of many, as a worker's update is: (many - one) / count.
         count = 33
-        slabs, cache = _Slabs(count, small, dtype, where), RouteCache()
+        slabs, cache = _Slabs(count, small, dtype, where), RouteCache(learn_dense=True)
         names = [f"w{k}" for k in range(count)]
         if dense:
             ones = torch.ones(small, dtype=dtype, device=where)

@@ -202,6 +202,9 @@ class _Loader:
     def learn_dense_routes(self, items: list[CheckedPatch]) -> None:
         """Learn the routes of dense patches' names that have none, by a dry run of the loader.
 
+        Only for a cache made with ``learn_dense=True`` (the dry run is an extra call of the
+        loader, which a loader with Python side effects would notice).
+
         A dense patch along a route is one strided copy per segment, level with a plain reload;
         through the loader, under the guard that checks every write, it costs several times
         that. Only sparse loads record routes, so a name only ever sent dense would never get
@@ -210,7 +213,7 @@ class _Loader:
         tried again until the cache forgets it.
         """
         routes = self.routes
-        if routes is None:
+        if routes is None or not routes._learn_dense:
             return
         specs: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
         for item in items:
@@ -440,8 +443,9 @@ def load_checkpoint_weight_patches(
         ordering: `InputOrder()` (default) or `Coalesce()`.
         routes: A `RouteCache` for this model: sparse patches to names whose route is known
             are replayed in O(nnz) without the loader, and dense ones copied along it; the
-            other sparse patches record their routes. A dense patch to a name without a route
-            learns one first, by a dry run of the loader (see `RouteCache.warm`).
+            other sparse patches record their routes. With ``RouteCache(learn_dense=True)``, a
+            dense patch to a name without a route learns one first, by a dry run of the
+            loader (see `RouteCache.warm`).
         atomic: On any failure (an invalid write, a loader exception, KeyboardInterrupt),
             restore every element this call wrote before the exception propagates. Costs
             memory for the old values, held until the call returns: O(nnz) per sparse

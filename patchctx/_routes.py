@@ -462,8 +462,8 @@ class RouteCache:
     patch to a name goes through the loader and records its route when the loader's writes are
     provably view copies; later sparse patches to the name replay the route without the loader:
     O(nnz) time and memory, in place, bit-identical to the loader path. Dense patches are
-    copied along the route; a dense patch to a name without one learns it first by a dry run
-    of the loader, as `warm` does. Before each replay the
+    copied along the route; with ``learn_dense=True``, a dense patch to a name without one
+    learns it first by a dry run of the loader, as `warm` does. Before each replay the
     route's destinations are checked against the model's live parameters and buffers; a
     parameter that was rebound or reallocated invalidates the route, and that patch goes
     through the loader again (recording a new route). A cache belongs to one model: used with
@@ -481,6 +481,12 @@ class RouteCache:
     Args:
         verify_every: Send every k-th sparse patch of each name through the loader and
             compare routes; `None` (the default) trusts recorded routes.
+        learn_dense: Before a call writes anything, learn the route of each name it sends
+            dense and has no route for, by a dry run of the loader (`warm`'s: nothing is
+            written), so that dense patches follow routes from the first: through the loader
+            under the guard a dense patch costs about 3x a plain reload. The dry run is an
+            extra call of ``load_weights``: leave this off for loaders with Python side
+            effects (a call counter, a set of names seen, work done once all shards arrive).
 
     Examples:
         >>> import torch
@@ -505,7 +511,7 @@ class RouteCache:
         (1, [1.0, 2.0])
     """
 
-    def __init__(self, *, verify_every: int | None = None) -> None:
+    def __init__(self, *, verify_every: int | None = None, learn_dense: bool = False) -> None:
         if verify_every is not None and (
             isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 1
         ):
@@ -513,6 +519,11 @@ class RouteCache:
                 f"RouteCache(verify_every=...) takes a positive int or None; you supplied "
                 f"{verify_every!r}"
             )
+        if not isinstance(learn_dense, bool):
+            raise InvalidPatchError(
+                f"RouteCache(learn_dense=...) takes a bool; you supplied {learn_dense!r}"
+            )
+        self._learn_dense = learn_dense
         self._routes: dict[str, Route] = {}
         self._model: weakref.ref[Any] | None = None
         self._lock = threading.RLock()  # taken only through `_locked`

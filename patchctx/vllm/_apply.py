@@ -153,7 +153,9 @@ class WorkerPatcher:
         no loader of this model consumes it  v1
     """
 
-    routes: RouteCache = field(default_factory=RouteCache)
+    # The worker dry-runs the loader at engine start (`warm`) already: dense patches to names
+    # without a route learn theirs the same way.
+    routes: RouteCache = field(default_factory=lambda: RouteCache(learn_dense=True))
     version: str | int | None = None
     consumed: set[str] = field(default_factory=set)
     check_consumed: bool = True

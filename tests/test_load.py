@@ -487,6 +487,19 @@ def test_coalesce_in_a_training_loop_makes_fewer_loader_calls() -> None:
             assert same_bits(received, trained.detach().to(torch.bfloat16))
 
 
+class OneWeight(torch.nn.Module):
+    """One flat weight `w` of `numel` elements, loaded by a plain ``copy_``."""
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(numel, dtype=dtype), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.w.copy_(tensor)
+        return {"w"}
+
+
 class _Adapter:
     """Not a module: a loader by checkpoint name and the parameters it writes."""
 
@@ -591,21 +604,11 @@ def test_values_that_are_a_lazy_negative_view_load_with_their_sign(
     """A contiguous negative view (``torch._neg_view``, ``z.conj().imag``) as patch values:
     torch's cast copy drops its sign, so validation resolves it once."""
 
-    class One(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(4, dtype=parameter), requires_grad=False)
-
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            for _, tensor in weights:
-                self.w.copy_(tensor)
-            return {"w"}
-
     stored = torch.tensor([1.5, 2.0, 3.0, 4.0])
     values = torch._neg_view(stored if dense else stored[:2])
     assert values.is_neg() and values.is_contiguous()
     indices = None if dense else torch.tensor([1, 3])
-    model = One()
+    model = OneWeight(4, parameter)
     load_checkpoint_weight_patches(
         model, [CheckpointWeightPatch("w", (4,), torch.float32, values, indices)]
     )
@@ -622,21 +625,11 @@ def test_indices_that_are_a_lazy_negative_view_load_at_their_positions(
     """Indices that are a negative view (``torch._neg_view(-i)``) stand for ``i``: validation,
     staging and replay read them by the values they stand for (numpy refused them)."""
 
-    class One(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(2 * count), requires_grad=False)
-
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            for _, tensor in weights:
-                self.w.copy_(tensor)
-            return {"w"}
-
     wanted = torch.arange(1, 2 * count, 2, dtype=index_dtype)
     indices = torch._neg_view(-wanted)
     assert indices.is_neg() and torch.equal(indices, wanted)
     values = torch.arange(1.0, count + 1.0)
-    model = One()
+    model = OneWeight(2 * count)
     routes = RouteCache() if mode == "routes" else None
     if routes is not None:  # learn the route, so that the patch below replays
         first = CheckpointWeightPatch("w", (2 * count,), torch.float32, values[:1], wanted[:1])
@@ -657,25 +650,13 @@ def test_complex32_sparse_patches_load_under_bool_mask(count: int, mode: str) ->
     """torch has no ``put_`` for complex32 (``ComplexHalf``) on CPU: its sparse patches move
     as bits through an integer view, on every path, and a diff round-trips."""
 
-    class One(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(
-                torch.zeros(2 * count, dtype=torch.complex32), requires_grad=False
-            )
-
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            for _, tensor in weights:
-                self.w.copy_(tensor)
-            return {"w"}
-
     shape = (2 * count,)
     indices = torch.arange(1, 2 * count, 2)
     values = torch.complex(torch.arange(1.0, count + 1.0), -torch.ones(count))
     expected = torch.zeros(shape, dtype=torch.complex64)
     expected[indices] = values
     expected = expected.to(torch.complex32)
-    model = One()
+    model = OneWeight(2 * count, torch.complex32)
     routes = RouteCache() if mode == "routes" else None
     if routes is not None:  # learn the route, so that the patch below replays
         first = CheckpointWeightPatch("w", shape, torch.complex32, values[:1], indices[:1])
@@ -752,20 +733,10 @@ def test_sparse_patches_load_under_deterministic_algorithms(
     staging, replay and the undo log write with ``index_put_``, which has one, and a patch
     loads the dense truth instead of raising torch's ``RuntimeError``."""
 
-    class One(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(3 * count, dtype=dtype), requires_grad=False)
-
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            for _, tensor in weights:
-                self.w.copy_(tensor)
-            return {"w"}
-
     shape = (3 * count,)
     indices = torch.arange(0, 3 * count, 3)
     values = torch.arange(1, count + 1).to(dtype)
-    model = One()
+    model = OneWeight(3 * count, dtype)
     routes = RouteCache() if mode == "routes" else None
     if routes is not None:  # learn the route, so that the patch below replays
         first = CheckpointWeightPatch("w", shape, dtype, values[:1], indices[:1])

@@ -1332,6 +1332,20 @@ def test_a_route_follows_the_model_state_its_loader_read_out_of_torch(
     assert routes.stats.invalidated == 1
 
 
+def patch_where_the_loader_now_writes(
+    model: Experts | CountedSlots, routes: RouteCache, name: str, slot: int
+) -> None:
+    """Patch position 2 of expert `name`, whose loader now writes it into row `slot` of
+    ``model.w``: the model ends as a copy of it loaded with the full tensor does."""
+    truth = copy.deepcopy(model)
+    full = truth.w[slot].clone()
+    full[2] = 7.0
+    truth.load_weights([(name, full)])
+    moved = CheckpointWeightPatch(name, (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2]))
+    load_checkpoint_weight_patches(model, [moved], routes=routes)
+    assert_same_state(state(model), state(truth))
+
+
 class ComputedSlots(Experts):
     """`Experts` whose loader reads the slot out of a tensor computed from the expert map."""
 
@@ -1369,15 +1383,7 @@ def test_a_route_follows_model_values_read_through_a_computed_tensor(how: str, r
         load_checkpoint_weight_patches(model, [first], routes=routes)
     assert "experts.0.w" in routes
     model.expert_map.copy_(torch.tensor([1, 0]))  # the experts swap slots
-    truth = copy.deepcopy(model)
-    full = truth.w[1].clone()
-    full[2] = 7.0
-    truth.load_weights([("experts.0.w", full)])
-    moved = CheckpointWeightPatch(
-        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
-    )
-    load_checkpoint_weight_patches(model, [moved], routes=routes)
-    assert_same_state(state(model), state(truth))
+    patch_where_the_loader_now_writes(model, routes, "experts.0.w", 1)
     assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
 
 
@@ -1434,15 +1440,7 @@ def test_a_map_rebuilt_at_the_same_address_is_another_tensor() -> None:
     model.expert_map = nn.Buffer(torch.from_numpy(held))
     assert model.expert_map.data_ptr() == read.data_ptr()
     assert model.expert_map._version == read._version
-    truth = copy.deepcopy(model)
-    full = truth.w[1].clone()
-    full[2] = 7.0
-    truth.load_weights([("experts.0.w", full)])
-    moved = CheckpointWeightPatch(
-        "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
-    )
-    load_checkpoint_weight_patches(model, [moved], routes=routes)
-    assert_same_state(state(model), state(truth))
+    patch_where_the_loader_now_writes(model, routes, "experts.0.w", 1)
     assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
 
 
@@ -1481,15 +1479,7 @@ def test_a_route_follows_model_values_that_decided_a_shape(how: str, count: str)
         load_checkpoint_weight_patches(model, [first], routes=routes)
     assert "experts.2.w" in routes
     model.local.copy_(torch.tensor([False, False, True]))  # expert 1 left: 2 moves to slot 0
-    truth = copy.deepcopy(model)
-    full = truth.w[0].clone()
-    full[2] = 7.0
-    truth.load_weights([("experts.2.w", full)])
-    moved = CheckpointWeightPatch(
-        "experts.2.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
-    )
-    load_checkpoint_weight_patches(model, [moved], routes=routes)
-    assert_same_state(state(model), state(truth))
+    patch_where_the_loader_now_writes(model, routes, "experts.2.w", 0)
     assert routes.stats.replayed == 0 and routes.stats.invalidated == 1
 
 
@@ -1568,15 +1558,7 @@ def test_a_route_follows_model_values_read_under_inference_mode(read: str, creat
         load_checkpoint_weight_patches(model, [first], routes=routes)
         assert ("experts.0.w" in routes) == (created == "outside")
         model.expert_map.copy_(torch.tensor([1, 0]))  # the experts swap slots
-        truth = copy.deepcopy(model)
-        full = truth.w[1].clone()
-        full[2] = 7.0
-        truth.load_weights([("experts.0.w", full)])
-        moved = CheckpointWeightPatch(
-            "experts.0.w", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
-        )
-        load_checkpoint_weight_patches(model, [moved], routes=routes)
-    assert_same_state(state(model), state(truth))
+        patch_where_the_loader_now_writes(model, routes, "experts.0.w", 1)
     assert routes.stats.replayed == 0
 
 

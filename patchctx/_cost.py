@@ -252,23 +252,8 @@ def touched_lines(nnz: int, numel: int, element_size: int) -> float:
     return lines * -math.expm1(per_line * math.log1p(-density)) if density < 1 else float(lines)
 
 
-class _Slab(torch.nn.Module):
-    """One parameter, loaded by a plain copy: the simplest loader a route can be learned from."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(
-            torch.zeros(numel, dtype=dtype, device=device), requires_grad=False
-        )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        for _, tensor in weights:
-            self.weight.data.copy_(tensor)
-        return {"weight"}
-
-
 class _Slabs(torch.nn.Module):
-    """`count` parameters ``w0``, ``w1``, ... of `numel` elements, loaded by plain copies."""
+    """`count` parameters ``w0``, ``w1``, ... loaded by plain copies (learnable routes)."""
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -303,7 +288,6 @@ def _measure_costs(
 ) -> dict[str, float]:
     from patchctx._encoding import (
         WireEncoding,
-        bitmask_nbytes,
         decode_positions,
         encode_positions,
         positions_summary,
@@ -319,7 +303,7 @@ def _measure_costs(
     strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else None
 
     def load_checkpoint_weight_patches(
-        model: _Slab | _Slabs, patches: list[CheckpointWeightPatch], *, routes: RouteCache
+        model: _Slabs, patches: list[CheckpointWeightPatch], *, routes: RouteCache
     ) -> set[str]:
         return load_patches(model, patches, routes=routes, strategy=strategy)
 
@@ -329,29 +313,29 @@ def _measure_costs(
 
     def dense_time(size: int) -> float:
         # As a worker applies it: along the route (learnt by the first call's dry run).
-        model, cache = _Slab(size, dtype, where), RouteCache(learn_dense=True)
+        model, cache = _Slabs(1, size, dtype, where), RouteCache(learn_dense=True)
         patch = CheckpointWeightPatch(
-            "weight", (size,), dtype, torch.ones(size, dtype=dtype, device=where)
+            "w0", (size,), dtype, torch.ones(size, dtype=dtype, device=where)
         )
         load_checkpoint_weight_patches(model, [patch], routes=cache)
         return _fastest(
             lambda: load_checkpoint_weight_patches(model, [patch], routes=cache), where, repeats
         )
 
-    model = _Slab(numel, dtype, where)
+    model = _Slabs(1, numel, dtype, where)
     routes = RouteCache()
 
     def sparse_patch(nnz: int) -> CheckpointWeightPatch:
         positions = torch.randperm(numel, generator=generator)[:nnz].sort().values
         return CheckpointWeightPatch(
-            "weight",
+            "w0",
             (numel,),
             dtype,
             torch.ones(nnz, dtype=dtype, device=where),
             positions.to(device=where, dtype=torch.int32 if numel < 2**31 else torch.int64),
         )
 
-    def sparse_time(nnz: int) -> float:
+    def sparse_time(nnz: int) -> tuple[float, WireEncoding]:
         # what the receiver does: decode the positions (smallest encoding), then replay
         patch = sparse_patch(nnz)
         assert patch.indices is not None
@@ -363,7 +347,7 @@ def _measure_costs(
             indices = decode_positions(data, numel, nnz, encoding)
             load_checkpoint_weight_patches(model, [patch._replace(indices=indices)], routes=routes)
 
-        return _fastest(receive, where, repeats)
+        return _fastest(receive, where, repeats), encoding
 
     def per_patch(dense: bool) -> float:
         # One more small patch in a call of many, as a worker's update is: (many - one) / count.
@@ -398,13 +382,10 @@ def _measure_costs(
         return max(_fastest(lambda: call(count), where, repeats) - single, 0.0) / (count - 1)
 
     load_checkpoint_weight_patches(model, [sparse_patch(1)], routes=routes)  # records the route
-    sparse_fixed = sparse_time(1)
+    sparse_fixed, _ = sparse_time(1)
     dense_fixed = dense_time(small)
     dense_total = dense_time(numel)
     per_byte = (dense_total - dense_fixed) / ((numel - small) * dtype.itemsize)
-    # Replay's cost per element falls with density (positions share cache lines), so the chord
-    # from the fixed cost is taken where sparse and dense cross: a first guess at 5%, then
-    # where that guess says they cross.
     # A bitmask's decode, per element of the tensor (a quarter of it set).
     mask_positions = sparse_patch(numel // 4).indices
     assert mask_positions is not None
@@ -426,8 +407,9 @@ def _measure_costs(
     size = dtype.itemsize
     equations = []
     for nnz in (max(numel // 100, 1), numel // 2):
-        spent = sparse_time(nnz) - sparse_fixed
-        if nnz == numel // 2 and bitmask_nbytes(numel) < 2 * nnz:  # sent as a bitmask
+        spent, encoding = sparse_time(nnz)
+        spent -= sparse_fixed
+        if encoding is WireEncoding.BITMASK:
             spent -= per_bit * numel
         equations.append((float(nnz), touched_lines(nnz, numel, size), max(spent, 0.0)))
     (n1, l1, t1), (n2, l2, t2) = equations

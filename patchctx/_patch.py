@@ -294,8 +294,6 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # No tensor holds more elements than int64 counts.
 _MAX_NUMEL = 2**63 - 1
 
-_STRIDED = torch.strided
-
 
 def _well_formed(
     patch: CheckpointWeightPatch, strategy: CopyStrategy, supported: dict[torch.dtype, bool]
@@ -318,7 +316,7 @@ def _well_formed(
     if (
         not isinstance(values, torch.Tensor)
         or values.ndim != 1
-        or values.layout is not _STRIDED  # data to read: not a sparse layout, not meta
+        or values.layout is not torch.strided  # data to read: not a sparse layout, not meta
         or values.is_meta
         or values.is_neg()
         or values.is_conj()
@@ -333,7 +331,7 @@ def _well_formed(
         or indices.ndim != 1
         or indices.dtype not in _INDEX_DTYPES
         or indices.shape[0] != values.shape[0]
-        or indices.layout is not _STRIDED
+        or indices.layout is not torch.strided
         or indices.is_meta
         or indices.is_neg()
     ):
@@ -535,7 +533,7 @@ def _all_valid(
             return None
         values = patch.values
         device = values.device
-        if indices.shape[0] > (_CPU_BATCHED_UP_TO if device.type == "cpu" else _BATCHED_UP_TO):
+        if indices.shape[0] > _batched_up_to(device):
             large.setdefault(device, []).append(k)
             continue
         groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)

@@ -10,7 +10,8 @@ and fuses some: patchctx's own passes over CPU tensors are made here.
   one pass, read as *unsigned* integers. A negative index reads as a huge unsigned one, so the
   order test and the bound on the last index together rule out negatives, and no difference is
   taken that could wrap. torch needs three passes (``aminmax``, ``diff`` into a buffer, ``min``).
-- `positions_into`: indices minus a shift, as int64 positions, into a buffer.
+- `positions_into`, `shifted_positions`: indices minus a shift, as int64 positions, into a
+  buffer.
 - `has_nan_bits`: a NaN among IEEE floats, by numpy's float maximum (fp32, fp64) or by two
   integer maxima of the same bits (signed, then unsigned: bf16, fp16), without a temporary;
   `has_value`: an integer sentinel among integers.
@@ -18,19 +19,21 @@ and fuses some: patchctx's own passes over CPU tensors are made here.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
-
-from patchctx._blocks import scratch
 
 __all__ = [
     "HOST_FROM",
     "each_increasing_below",
     "has_nan_bits",
     "has_value",
+    "host_scratch",
     "increasing_below",
     "nan_bits_known",
     "positions_into",
+    "shifted_positions",
 ]
 
 # From this many elements a torch elementwise operation or reduction on CPU runs on every
@@ -40,11 +43,27 @@ HOST_FROM = 1 << 15
 
 _UNSIGNED: dict[int, type[np.unsignedinteger]] = {4: np.uint32, 8: np.uint64}
 
-_CPU = torch.device("cpu")
-
-
 # Up to this many indices, the order test writes a fresh temporary (a few KiB).
 _SMALL = 1 << 12
+
+_local = threading.local()
+
+
+def host_scratch(dtype: type[np.generic], size: int) -> np.ndarray:
+    """A numpy buffer of `size` elements owned by this thread, reused by later calls.
+
+    The host twin of `patchctx._blocks.scratch` (no fresh block-sized temporary per pass),
+    at a tenth of its cost: no torch tensor to slice (a slice of one is about a microsecond).
+    Every user fills its prefix and is done with it before its next call on the thread.
+    """
+    try:
+        buffers: dict[type[np.generic], np.ndarray] = _local.buffers
+    except AttributeError:
+        buffers = _local.buffers = {}
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.shape[0] < size:
+        buffer = buffers[dtype] = np.empty(max(size, 1), dtype)
+    return buffer[:size]
 
 
 def increasing_below(window: torch.Tensor, bound: int) -> bool:
@@ -64,7 +83,7 @@ def increasing_below(window: torch.Tensor, bound: int) -> bool:
         return True
     if count <= _SMALL:  # a fresh temporary costs less than finding the thread's buffer
         return bool(np.greater(unsigned[1:], unsigned[:-1]).all())
-    steps = scratch(_CPU, torch.bool, count - 1).numpy()
+    steps = host_scratch(np.bool_, count - 1)
     return bool(np.greater(unsigned[1:], unsigned[:-1], out=steps).all())
 
 
@@ -83,7 +102,7 @@ def each_increasing_below(flat: torch.Tensor, lasts: list[int], bounds: list[int
         return False
     if unsigned.shape[0] < 2:
         return True
-    steps = scratch(_CPU, torch.bool, unsigned.shape[0] - 1).numpy()
+    steps = host_scratch(np.bool_, unsigned.shape[0] - 1)
     np.greater(unsigned[1:], unsigned[:-1], out=steps)
     steps[lasts[:-1]] = True
     return bool(steps.all())
@@ -102,6 +121,24 @@ def positions_into(indices: torch.Tensor, shift: int, out: torch.Tensor) -> None
     np.copyto(target, source)  # int32 to int64: a cast copy, then subtract in place (faster
     if shift:  # than numpy's subtraction with a cast, or torch's)
         np.subtract(target, shift, out=target)
+
+
+def shifted_positions(indices: torch.Tensor, begin: int, end: int, shift: int) -> torch.Tensor:
+    """``indices[begin:end] - shift`` as int64 positions, in this thread's reused buffer.
+
+    As `positions_into` for 1-D CPU int32/int64 `indices`, without a torch slice or buffer
+    to make first (about a microsecond each): numpy slices, and the result is a tensor over
+    the buffer (`host_scratch`), valid until this thread's next call.
+    """
+    source = indices.numpy()[begin:end]
+    target = host_scratch(np.int64, end - begin)
+    if shift and source.dtype == np.int64:
+        np.subtract(source, shift, out=target)
+    else:
+        np.copyto(target, source)
+        if shift:
+            np.subtract(target, shift, out=target)
+    return torch.from_numpy(target)
 
 
 # Per IEEE dtype: its integer view, and the bits of +infinity and of -infinity. A NaN's bits are
@@ -134,10 +171,12 @@ def has_nan_bits(values: torch.Tensor) -> bool:
     """
     if not values.numel():
         return False
+    if values.requires_grad:  # (numpy refuses those; a detach costs half a microsecond)
+        values = values.detach()
     if values.dtype in (torch.float32, torch.float64):
-        return bool(np.isnan(values.detach().numpy().max()))
+        return bool(np.isnan(values.numpy().max()))
     integer, unsigned, positive, negative = _NAN_ABOVE[values.dtype]
-    bits = values.detach().view(integer).numpy()
+    bits = values.view(integer).numpy()
     return bool(bits.max() > positive) or bool(bits.view(unsigned).max() > negative)
 
 

@@ -21,6 +21,7 @@ from patchctx._strategies import (
     IntSentinel,
     NaNMask,
     as_strategy,
+    reserved_on_host,
 )
 
 __all__ = ["CheckedPatch", "CheckpointWeightPatch", "PatchLike", "validate_patches"]
@@ -489,6 +490,12 @@ _BATCHED_UP_TO = 1 << 16
 # shift in one pass). The concatenation of `_batch_flags` pays for tiny patches only.
 _CPU_BATCHED_UP_TO = 1 << 12
 
+# On CPU, the short patches of a call are checked together from this many up; fewer are checked
+# one by one like the long ones, by numpy: two passes each, no concatenation, no int64 copy
+# (replay converts the indices where it needs positions). Joining them costs a concatenation,
+# its int64 copy and its split, which pay off over many patches only.
+_CPU_JOINED_FROM = 8
+
 # Above this, a patch's numel could overflow int64 arithmetic on indices: exact checks only.
 _FAST_NUMEL_LIMIT = 1 << 62
 
@@ -503,19 +510,33 @@ def _all_valid(
     reserved value (the exact checks then find which). One host read per device.
 
     Small patches (`_batched_up_to`) with indices of one dtype are checked together
-    (`_batch_flags`), a lone one on its device by itself (`_small_flags`). Large patches: per
-    block of `BLOCK` indices, the extremes, the smallest step (into a reused buffer) and the
+    (`_batch_flags`), a lone one on its device by itself (`_small_flags`); on CPU, fewer than
+    `_CPU_JOINED_FROM` of them one by one, as the large ones. Large patches: per block of
+    `BLOCK` indices, the extremes, the smallest step (into a reused buffer) and the
     strategy's reserved-value reduction; no temporary exceeds a block.
     """
     if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]
-        indices = item._patch.indices
+        patch = item._patch
+        indices = patch.indices
+        device = patch.values.device
         if (
             indices is not None
-            and indices.shape[0] <= _batched_up_to(item._patch.values.device)
+            and device.type == "cpu"
+            and indices.is_cpu
+            and indices.shape[0] <= block_size()
+            and item._numel < _FAST_NUMEL_LIMIT
+        ):  # order and range by one numpy pass, then the values (`_blocked_flags`, inline)
+            valid = increasing_below(indices, item._numel) and not reserved_on_host(
+                strategy, patch.values, patch.dtype
+            )
+            return {} if valid else None
+        if (
+            indices is not None
+            and device.type != "cpu"
+            and indices.shape[0] <= _BATCHED_UP_TO
             and item._numel < _FAST_NUMEL_LIMIT
         ):
-            device = item._patch.values.device
             flags: list[torch.Tensor | int] = []
             checks: list[tuple[str, int]] = []
             found = _small_flags(item, indices, device, strategy, flags, checks)
@@ -546,7 +567,12 @@ def _all_valid(
         flags = []  # 0-d tensors (on CPU, some host ints), read in one go
         checks = []  # how to judge each flag on the host
         small = [k for ks in groups.get(device, {}).values() for k in ks]
-        if len(small) == 1:  # one patch: its int64 positions, no concatenation
+        if device.type == "cpu" and len(small) < _CPU_JOINED_FROM:
+            for k in small:  # one by one, as the long ones (`_CPU_JOINED_FROM`)
+                indices = checked[k]._patch.indices
+                assert indices is not None
+                _blocked_flags(checked[k], indices, device, strategy, flags, checks)
+        elif len(small) == 1:  # one patch: its int64 positions, no concatenation
             (k,) = small
             indices = checked[k]._patch.indices
             assert indices is not None
@@ -597,21 +623,14 @@ def _small_flags(
     """`_all_valid` for one small sparse patch: its int64 positions on `device`.
 
     Adds its flags: the extremes, the smallest step and the strategy's reserved-value
-    reduction. The steps are exact once the extremes are in range (below ``2**62``). On CPU,
-    order and range are one numpy pass (`increasing_below`).
+    reduction. The steps are exact once the extremes are in range (below ``2**62``). (CPU
+    patches are checked by `_blocked_flags` or together by `_batch_flags`.)
     """
     if indices.device != device:
         indices = indices.to(device)
     positions = indices if indices.dtype == torch.long else _int64(indices)
     count = positions.shape[0]
-    if count and device.type == "cpu":
-        patch = item._patch
-        flags += (
-            int(increasing_below(indices, item._numel)),
-            strategy.reserved_values(patch.values, patch.dtype),
-        )
-        checks += (("eq", 1), ("eq", 0))
-    elif count:
+    if count:
         patch = item._patch
         low, high = torch.aminmax(positions)
         flags += (low, high)
@@ -711,12 +730,11 @@ def _blocked_flags(
             in_order = increasing_below(indices[max(begin - 1, 0) : end], item.numel)
             flags.append(int(in_order))
             checks.append(("eq", 1))
-            flags.append(
-                strategy.reserved_values(values if whole else values[begin:end], item.patch.dtype)
-            )
-            checks.append(("eq", 0))
             if not in_order:
                 return  # the exact checks say which index is wrong
+            chunk = values if whole else values[begin:end]
+            flags.append(int(reserved_on_host(strategy, chunk, item.patch.dtype)))
+            checks.append(("eq", 0))
             continue
         assert steps is not None
         low, high = torch.aminmax(block)

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 
+from patchctx import _cpu_passes
 from patchctx._bits import indexable, write_at
-from patchctx._blocks import block_size, blocks, scratch
-from patchctx._cpu_passes import positions_into
+from patchctx._blocks import block_size, scratch
+from patchctx._cpu_passes import shifted_positions
 from patchctx._errors import InvalidPatchError
 from patchctx._swap import builtin_copy
 from patchctx._undo import UndoLog, storage_flat
@@ -950,12 +951,21 @@ def replay(
     the caller found it already (`replay_bounds`, one host read for many replays).
     `targets`: each segment's destination tensor, checked live (`RouteCache._usable`).
     """
-    if route._whole and positions is not None and undo is None:
-        # The common case, in one write: a whole contiguous tensor, positions made already.
+    if route._whole and undo is None:
+        # The common case, in one write: a whole contiguous tensor, the positions as they are
+        # (converted to int64 here when short: the blocked loop below bounds the memory of
+        # long ones).
         target = targets[0]
         if values.dtype == route.dtype and values.device == target.device:
-            write_at(target, positions, values)
-            return
+            if (
+                positions is None
+                and indices.device == target.device
+                and indices.shape[0] <= _cpu_passes.HOST_FROM
+            ):
+                positions = indices if indices.dtype == torch.long else indices.long()
+            if positions is not None:
+                write_at(target, positions, values)
+                return
     source = positions if positions is not None else indices
     source_device = source.device
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -972,9 +982,9 @@ def replay(
             if device not in on_device:
                 on_device[device] = (source.to(device), values.to(device))
             device_indices, device_values = on_device[device]
-        flat = storage_flat(target)
         count = device_indices.shape[0]
         if not (sorted_unique and segment._direct):
+            flat = storage_flat(target)
             found, picked = segment.positions(
                 device_indices, sorted_unique=sorted_unique, covered=covered
             )
@@ -991,17 +1001,23 @@ def replay(
         start, stop = covered if covered is not None else segment.covered(device_indices)
         shift = segment._shift
         assert shift is not None  # a direct segment
-        for begin, end in blocks(start, stop):
+        # The storage up to the segment's last position (`live` checked it is there).
+        flat = torch.as_strided(target, (segment._high + 1,), (1,), 0)
+        on_cpu = device.type == "cpu"
+        size = block_size()
+        for begin in range(start, stop, size):
+            end = min(stop, begin + size)
             whole = begin == 0 and end == count  # no slicing (each slice is an operation)
-            block = device_indices if whole else device_indices[begin:end]
-            if shift == 0 and block.dtype == torch.long:
-                at = block
+            if shift == 0 and device_indices.dtype == torch.long:
+                at = device_indices if whole else device_indices[begin:end]
+            elif on_cpu:
+                # numpy, into this thread's buffer: no intra-op threads to wait on, and no
+                # torch slice or buffer to make (about a microsecond each).
+                at = shifted_positions(device_indices, begin, end, shift)
             else:
-                buffer = scratch(device, torch.long, min(block_size(), stop - start))
-                at = buffer[: end - begin]
-                if device.type == "cpu":
-                    positions_into(block, shift, at)  # numpy: no intra-op threads to wait on
-                elif shift and block.dtype == torch.long:
+                block = device_indices if whole else device_indices[begin:end]
+                at = scratch(device, torch.long, min(size, stop - start))[: end - begin]
+                if shift and block.dtype == torch.long:
                     torch.sub(block, shift, out=at)
                 else:
                     builtin_copy(at, block)  # int32 to int64: cheaper than a subtraction

@@ -25,7 +25,8 @@ from patchctx import (
     _routes,
     load_checkpoint_weight_patches,
 )
-from patchctx._undo import UndoLog, storage_flat
+from patchctx._bits import write_at
+from patchctx._undo import UndoLog
 from tests.support.models import assert_same_state, same_bits, state
 from tests.test_guard import MASKED, REFUSED, Write
 
@@ -124,16 +125,16 @@ def test_an_exception_inside_route_replay(monkeypatch: pytest.MonkeyPatch, inter
     assert len(routes) == 5
     before = state(model)
     calls = 0
-    real = storage_flat
+    real = write_at
 
-    def failing(tensor: torch.Tensor) -> torch.Tensor:
+    def failing(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
         nonlocal calls
         calls += 1
         if calls == 4:  # inside the fourth replay, after three were written
             raise KeyboardInterrupt if interrupt else RuntimeError("replay failed")
-        return real(tensor)
+        real(target, positions, values)
 
-    monkeypatch.setattr(_routes, "storage_flat", failing)
+    monkeypatch.setattr(_routes, "write_at", failing)
     with pytest.raises(KeyboardInterrupt if interrupt else RuntimeError):
         load_checkpoint_weight_patches(
             model, [sparse(n, 2) for n in NAMES], routes=routes, atomic=True

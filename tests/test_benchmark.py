@@ -158,8 +158,15 @@ def test_replay_bench_quick_prints_its_three_tables_and_json(tmp_path: Path) -> 
     tables = {row["table"] for row in report["rows"]}
     assert tables == {"sweep", "fixed", "contention"}
     methods = {row["method"] for row in report["rows"] if row["table"] == "sweep"}
-    assert methods == {"replay", "index_copy_", "scatter_", "dense"}
+    assert methods == {"replay", "index_copy_", "scatter_", "dense", "replay, one element each"}
     assert all(row["min_us"] > 0 and row["median_us"] >= row["min_us"] for row in report["rows"])
+    for row in report["rows"]:
+        if row["table"] == "sweep" and row["method"] == "replay":
+            assert re.fullmatch(
+                r"[\d.]+x index_copy_; -?[\d.]+x beyond its own fixed cost; "
+                r"[\d.]+x the goal's budget",
+                row["note"],
+            ), row["note"]
 
 
 def test_wire_bench_quick_run_prints_both_tables_and_json(tmp_path: Path) -> None:

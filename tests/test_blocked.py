@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -47,17 +48,20 @@ from patchctx._cpu_passes import (
     increasing_below,
 )
 from patchctx._patch import check_patches
+from patchctx._strategies import reserved_on_host
 from tests.support.models import assert_same_state, packed_tp_model, random_checkpoint, state
 
 
 @contextmanager
-def small_blocks(block: int = 7, batched: int = 5, few: int = 2) -> Iterator[None]:
-    """Blocks of `block` positions, batches of patches up to `batched` indices, the CPU
-    ``scatter_`` write from `few` positions on, and numpy's CPU passes from `block` // 2."""
+def small_blocks(block: int = 7, batched: int = 5, few: int = 2, joined: int = 2) -> Iterator[None]:
+    """Blocks of `block` positions, batches of patches up to `batched` indices (on CPU, from
+    `joined` such patches in a call), the CPU ``scatter_`` write from `few` positions on, and
+    numpy's CPU passes from `block` // 2."""
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setattr(_blocks, "BLOCK", block)
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
         patcher.setattr(_patch, "_CPU_BATCHED_UP_TO", batched)
+        patcher.setattr(_patch, "_CPU_JOINED_FROM", joined)
         patcher.setattr(_bits, "_FEW", few)
         # The CPU passes numpy makes from torch's grain size up, on small tensors too.
         patcher.setattr(_cpu_passes, "HOST_FROM", block // 2)
@@ -140,10 +144,13 @@ def patch_sets(draw: st.DrawFn) -> list[CheckpointWeightPatch]:
 def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
     patches: list[CheckpointWeightPatch], strategy: object
 ) -> None:
-    with small_blocks():
-        assert fast(patches, strategy) == exact(patches, strategy)
-    # And with the real sizes (one batch, one block).
-    assert fast(patches, strategy) == exact(patches, strategy)
+    expected = exact(patches, strategy)
+    with small_blocks():  # short patches checked together, long ones block by block
+        assert fast(patches, strategy) == expected
+    with small_blocks(joined=2**30):  # on CPU, every patch by itself
+        assert fast(patches, strategy) == expected
+    # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each).
+    assert fast(patches, strategy) == expected
 
 
 def test_a_step_back_exactly_at_a_block_boundary_is_seen() -> None:
@@ -386,7 +393,10 @@ def test_the_16_bit_nan_check_by_bits_agrees_with_isnan_on_every_bit_pattern(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_host_nan_check_agrees_with_isnan_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
-    assert [has_nan_bits(every[i : i + 1]) for i in range(2**16)] == torch.isnan(every).tolist()
+    expected = torch.isnan(every).tolist()
+    assert [has_nan_bits(every[i : i + 1]) for i in range(2**16)] == expected
+    # Validation's host read, by torch's amax for a few values: every pattern alone too.
+    assert [reserved_on_host(Auto(), every[i : i + 1], dtype) for i in range(2**16)] == expected
 
 
 _INTEGER_OF = {
@@ -414,11 +424,20 @@ def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
     edges = [infinity, infinity + 1, (1 << (width - 1)) - 1, 0, -1, info.min, info.min + 1]
     edges += [infinity - (1 << (width - 1)), infinity + 1 - (1 << (width - 1))]  # -inf, -NaN
     bits = data.draw(st.one_of(st.sampled_from(edges), st.integers(info.min, info.max)))
-    values = torch.linspace(-3, 3, 40_001).to(dtype)
-    values.view(integer)[at] = bits
+    # Around each way `reserved_on_host` reads: torch's amax up to `_AMAX_UP_TO`, then the bits.
+    count = data.draw(st.sampled_from([1, 8191, 8192, 8193, 40_001]))
+    values = torch.linspace(-3, 3, count).to(dtype)
+    values.view(integer)[at % count] = bits
+    if data.draw(st.booleans()):  # a strided view: every other element of a longer tensor
+        spaced = torch.zeros(2 * count, dtype=dtype)
+        spaced[::2] = values
+        values = spaced[::2]
     expected = bool(torch.isnan(values).any())
     assert has_nan_bits(values) is expected
     assert bool(NaNMask().reserved_values(values, dtype)) is expected
+    for strategy in (NaNMask(), Auto()):
+        assert reserved_on_host(strategy, values, dtype) is expected
+    assert reserved_on_host(BoolMask(), values, dtype) is False  # BoolMask reserves nothing
 
 
 @given(
@@ -438,6 +457,50 @@ def test_the_host_sentinel_check_finds_the_sentinel_among_many_values(
     expected = bool((values == value).any())
     assert has_value(values, value) is expected
     assert bool(strategy.reserved_values(values, dtype)) is expected
+    assert reserved_on_host(strategy, values, dtype) is expected
+    assert reserved_on_host(Auto(), values, dtype) is bool(Auto().reserved_values(values, dtype))
+
+
+@given(
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    data=st.data(),
+)
+def test_shifted_positions_are_exact_near_every_integer_edge(
+    index_dtype: torch.dtype, data: st.DataObject
+) -> None:
+    """``indices[begin:end] - shift`` in int64, the way replay makes a segment's positions:
+    no int32 wrap (int32 indices near 2**31 with a negative shift), int64 extremes exact."""
+    info = torch.iinfo(index_dtype)
+    edge = st.sampled_from([0, 1, info.max, info.max - 1, 2**31 - 1, 2**31, 2**40])
+    values = data.draw(st.lists(st.one_of(edge, st.integers(0, info.max)), max_size=40))
+    values = sorted({min(v, info.max) for v in values})
+    indices = torch.tensor(values, dtype=index_dtype)
+    begin = data.draw(st.integers(0, len(values)))
+    end = data.draw(st.integers(begin, len(values)))
+    # A segment's positions are storage offsets: from 0 up to below 2**63. Any shift that
+    # keeps the covered indices there.
+    low, high = (values[begin], values[end - 1]) if begin < end else (0, 0)
+    least = high - (2**63 - 1)
+    shift = data.draw(st.one_of(st.integers(least, low), st.sampled_from([least, 0, low])))
+    got = _cpu_passes.shifted_positions(indices, begin, end, shift)
+    assert got.dtype == torch.long
+    assert got.tolist() == [v - shift for v in values[begin:end]]
+    assert _cpu_passes.shifted_positions(indices, begin, end, shift).tolist() == got.tolist()
+
+
+def test_the_host_buffers_are_per_thread_and_grow() -> None:
+    """`host_scratch` hands each thread its own buffer, reused while large enough."""
+    first = _cpu_passes.host_scratch(np.int64, 10)
+    assert _cpu_passes.host_scratch(np.int64, 5).ctypes.data == first.ctypes.data  # reused
+    grown = _cpu_passes.host_scratch(np.int64, 1000)
+    assert grown.shape == (1000,)
+    seen: list[int] = []
+    worker = threading.Thread(
+        target=lambda: seen.append(_cpu_passes.host_scratch(np.int64, 1000).ctypes.data)
+    )
+    worker.start()
+    worker.join()
+    assert seen and seen[0] != grown.ctypes.data  # another thread, another buffer
 
 
 def test_a_call_of_many_replays_reads_the_host_once_whatever_their_number() -> None:

@@ -523,14 +523,10 @@ def _all_valid(
         if (
             indices is not None
             and device.type == "cpu"
-            and indices.is_cpu
             and indices.shape[0] <= block_size()
             and item._numel < _FAST_NUMEL_LIMIT
-        ):  # order and range by one numpy pass, then the values (`_blocked_flags`, inline)
-            valid = increasing_below(indices, item._numel) and not reserved_on_host(
-                strategy, patch.values, patch.dtype
-            )
-            return {} if valid else None
+        ):
+            return {} if _host_valid(item, indices, strategy) else None
         if (
             indices is not None
             and device.type != "cpu"
@@ -541,9 +537,8 @@ def _all_valid(
             checks: list[tuple[str, int]] = []
             found = _small_flags(item, indices, device, strategy, flags, checks)
             return {0: found} if _judged(_read_flags(flags, device), checks) else None
-    # Small patches by device and index dtype; their values by device and checkpoint dtype.
+    # Small patches by device and index dtype.
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-    small_values: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     large: dict[torch.device, list[int]] = {}
     for k, item in enumerate(checked):
         patch = item._patch
@@ -558,29 +553,33 @@ def _all_valid(
             large.setdefault(device, []).append(k)
             continue
         groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)
-        dtype = patch.dtype
-        if values.dtype != dtype:  # cast one by one, as staging does: a joint cast could
-            values = values.to(dtype)  # round twice
-        small_values.setdefault(device, {}).setdefault(dtype, []).append(values)
     positions: dict[int, torch.Tensor] = {}
     for device in {*groups, *large}:
         flags = []  # 0-d tensors (on CPU, some host ints), read in one go
         checks = []  # how to judge each flag on the host
         small = [k for ks in groups.get(device, {}).values() for k in ks]
         if device.type == "cpu" and len(small) < _CPU_JOINED_FROM:
-            for k in small:  # one by one, as the long ones (`_CPU_JOINED_FROM`)
+            for k in small:  # one by one (`_CPU_JOINED_FROM`)
                 indices = checked[k]._patch.indices
                 assert indices is not None
-                _blocked_flags(checked[k], indices, device, strategy, flags, checks)
+                if not _host_valid(checked[k], indices, strategy):
+                    return None
         elif len(small) == 1:  # one patch: its int64 positions, no concatenation
             (k,) = small
             indices = checked[k]._patch.indices
             assert indices is not None
             positions[k] = _small_flags(checked[k], indices, device, strategy, flags, checks)
         else:
+            small_values: dict[torch.dtype, list[torch.Tensor]] = {}  # by checkpoint dtype
             for ks in groups.get(device, {}).values():
                 _batch_flags(checked, ks, device, flags, checks, positions)
-            for dtype, joined in small_values.get(device, {}).items():
+                for k in ks:
+                    patch = checked[k]._patch
+                    values = patch.values
+                    if values.dtype != patch.dtype:  # cast one by one, as staging does: a
+                        values = values.to(patch.dtype)  # joint cast could round twice
+                    small_values.setdefault(patch.dtype, []).append(values)
+            for dtype, joined in small_values.items():
                 flags.append(
                     strategy.reserved_values(
                         joined[0] if len(joined) == 1 else torch.cat(joined), dtype
@@ -593,6 +592,20 @@ def _all_valid(
         if not _judged(_read_flags(flags, device), checks):
             return None
     return positions
+
+
+def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrategy) -> bool:
+    """`_all_valid` for one sparse patch on CPU, of at most a block of `indices`.
+
+    Two host passes: the order and range (`increasing_below`), then the values
+    (`reserved_on_host`).
+    """
+    if not indices.is_cpu:  # (indices may lie elsewhere than their values)
+        indices = indices.cpu()
+    patch = item._patch
+    return increasing_below(indices, item._numel) and not reserved_on_host(
+        strategy, patch.values, patch.dtype
+    )
 
 
 def _batched_up_to(device: torch.device) -> int:
@@ -727,7 +740,8 @@ def _blocked_flags(
         block = indices if whole else indices[begin:end]
         if on_cpu:
             # One numpy pass over the block and the step into it (`increasing_below`).
-            in_order = increasing_below(indices[max(begin - 1, 0) : end], item.numel)
+            window = indices if whole else indices[max(begin - 1, 0) : end]
+            in_order = increasing_below(window, item.numel)
             flags.append(int(in_order))
             checks.append(("eq", 1))
             if not in_order:

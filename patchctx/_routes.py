@@ -951,6 +951,12 @@ def replay(
     the caller found it already (`replay_bounds`, one host read for many replays).
     `targets`: each segment's destination tensor, checked live (`RouteCache._usable`).
     """
+    # What the loader path reads before it writes anything (the staged copy): a patch whose
+    # values or indices lie in storage the route writes is read from a copy of its own.
+    values = _apart(values, route)
+    indices = _apart(indices, route)
+    if positions is not None:
+        positions = _apart(positions, route)
     if route._whole and undo is None:
         # The common case, in one write: a whole contiguous tensor, the positions as they are
         # (converted to int64 here when short: the blocked loop below bounds the memory of
@@ -1032,6 +1038,24 @@ def replay(
                 undo.save_positions(target, at)
             write_at(flat, at, update)
     _refill(route, targets, undo)
+
+
+def _apart(tensor: torch.Tensor, route: Route) -> torch.Tensor:
+    """1-D `tensor`, or a copy when its bytes meet storage that a segment of `route` writes.
+
+    Replay writes block by block and segment by segment, reading the patch as it goes: values
+    (or indices) that are a view of a written storage would be read after a write changed them.
+    The loader path stages them first; a copy does the same. A segment writes within the first
+    `Segment._needs` bytes of the storage at `Segment.storage_ptr` (checked live).
+    """
+    low = tensor.data_ptr()
+    for segment in route.segments:
+        start = segment.storage_ptr
+        if low < start + segment._needs:  # (the end of `tensor` only when it may matter)
+            count = tensor.shape[0]
+            if count and start < low + ((count - 1) * tensor.stride(0) + 1) * tensor.itemsize:
+                return tensor.clone()
+    return tensor
 
 
 def _refill(route: Route, targets: Sequence[torch.Tensor], undo: UndoLog | None) -> None:

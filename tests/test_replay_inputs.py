@@ -1,0 +1,187 @@
+"""Patches whose tensors lie where they should not: indices on another device than their values,
+values that view the very storage a route writes. Each loads as the dense truth."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from patchctx import (
+    CheckpointWeightPatch,
+    RouteCache,
+    _routes,
+    load_checkpoint_weight_patches,
+    validate_patches,
+)
+from tests.support.models import (
+    Spec,
+    ToyLayer,
+    ToyModel,
+    assert_same_state,
+    packed_tp_model,
+    random_checkpoint,
+    state,
+)
+
+
+class Elsewhere(torch.Tensor):
+    """Indices held on the CPU that report another device: only a copy to the CPU reads them.
+
+    Stands in for CUDA indices on a machine without CUDA (numpy cannot read either).
+    """
+
+    held: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, held: torch.Tensor) -> Elsewhere:
+        made: Elsewhere = torch.Tensor._make_wrapper_subclass(
+            cls,
+            held.shape,
+            dtype=held.dtype,
+            device=torch.device("cuda"),
+            strides=held.stride(),
+            storage_offset=held.storage_offset(),
+        )
+        made.held = held
+        return made
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            held: torch.Tensor = args[0].held
+            return held.to(dtype=kwargs.get("dtype") or held.dtype, copy=True)
+        raise RuntimeError(f"Elsewhere: {func} would run on the other device")
+
+
+def _patches(count: int, index_device: str) -> tuple[list[CheckpointWeightPatch], Any]:
+    model = packed_tp_model()
+    specs = model.checkpoint_specs()
+    checkpoint = random_checkpoint(specs)
+    model.load_weights(checkpoint.items())
+    patches = []
+    for name in list(specs)[:count]:
+        spec = specs[name]
+        indices = torch.arange(1, checkpoint[name].numel(), 5)
+        values = torch.randn(indices.shape[0]).to(spec.dtype)
+        checkpoint[name].view(-1)[indices] = values
+        moved = Elsewhere(indices) if index_device == "fake" else indices.to(index_device)
+        patches.append(CheckpointWeightPatch(name, spec.shape, spec.dtype, values, moved))
+    return patches, (model, checkpoint)
+
+
+@pytest.mark.parametrize("count", [1, 3, 9])
+def test_cpu_values_with_indices_on_another_device_are_validated(count: int) -> None:
+    """Values on the CPU, indices elsewhere: validation copies the indices to the values'
+    device (as `stage` does), in every CPU path: one patch, a few checked one by one, many
+    joined (the few-patch path once handed them to numpy as they were: "can't convert cuda:0
+    device type tensor to numpy")."""
+    patches, _ = _patches(count, "fake")
+    checked = validate_patches(patches)
+    assert [p.name for p in checked] == [p.name for p in patches]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("count", [1, 3, 9])
+def test_cpu_values_with_cuda_indices_load_as_the_dense_reload(count: int) -> None:
+    patches, (model, checkpoint) = _patches(count, "cuda")
+    load_checkpoint_weight_patches(model, patches)
+    reference = packed_tp_model()
+    reference.load_weights(checkpoint.items())
+    assert_same_state(state(model), state(reference))
+
+
+H = 8
+
+
+class Aliased(ToyLayer):
+    """A weight over the first 2H elements of a 3H buffer, loaded by one copy or by halves,
+    the second half first."""
+
+    def __init__(self, halves: bool) -> None:
+        super().__init__()
+        self.halves = halves
+        self.buffer = torch.zeros(3 * H)
+        self.buffer[2 * H :] = torch.arange(100.0, 100.0 + H)  # a spare tail, never loaded
+        self.weight = nn.Parameter(self.buffer[: 2 * H], requires_grad=False)
+        self.specs = {"w": Spec((2 * H,), torch.float32)}
+
+    def load(self, shard: str, loaded: torch.Tensor) -> None:
+        if self.halves:
+            self.weight.data[H:].copy_(loaded[H:])
+            self.weight.data[:H].copy_(loaded[:H])
+        else:
+            self.weight.data.copy_(loaded)
+
+
+@pytest.mark.parametrize("halves", [True, False], ids=["two-segments", "whole"])
+@pytest.mark.parametrize("routes", [True, False], ids=["replay", "loader"])
+def test_sparse_values_that_view_the_written_storage_replay_as_the_loader_stages_them(
+    routes: bool, halves: bool
+) -> None:
+    """Values read from the storage a route writes: the loader path stages them (a copy)
+    before any write, so replay must read them as they were too.
+
+    Two segments (second half first), values viewing the weight's second half and the spare
+    tail: through a flat view up to the segment's last position, torch's overlap check does
+    not see the values, and the second segment read values the first had just written
+    (silently wrong). A whole-tensor route refused the call with torch's "some elements of the
+    input tensor and the written-to tensor refer to a single memory location".
+    """
+    layer = Aliased(halves)
+    model = ToyModel({"h": layer})
+    name, shape = "h.w.weight", (2 * H,)
+    model.load_weights([(name, torch.arange(2.0 * H))])
+    cache = RouteCache() if routes else None
+    learn = CheckpointWeightPatch(
+        name, shape, torch.float32, torch.tensor([0.5]), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [learn], routes=cache)
+    values = layer.buffer[H : 3 * H] if halves else layer.buffer[1 : 2 * H + 1]
+    expected = values.clone()
+    patch = CheckpointWeightPatch(name, shape, torch.float32, values, torch.arange(2 * H))
+    load_checkpoint_weight_patches(model, [patch], routes=cache)
+    if cache is not None:
+        assert cache.stats.replayed == 1
+    assert torch.equal(layer.weight.detach(), expected)
+
+
+def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
+    """`_apart` copies exactly the tensors that overlap what a segment writes: its bytes up
+    to the segment's last, counted with the tensor's stride; neighbours are left as they are."""
+    layer = Aliased(halves=True)
+    model = ToyModel({"h": layer})
+    name = "h.w.weight"
+    cache = RouteCache()
+    learn = CheckpointWeightPatch(
+        name, (2 * H,), torch.float32, torch.tensor([0.5]), torch.tensor([0])
+    )
+    load_checkpoint_weight_patches(model, [learn], routes=cache)
+    route = cache._routes[name]
+    buffer = layer.buffer
+    apart = [
+        torch.ones(4),  # elsewhere
+        buffer[2 * H :],  # the spare tail: right after the last byte written
+    ]
+    for tensor in apart:
+        assert _routes._apart(tensor, route) is tensor
+    meeting = [
+        buffer[2 * H - 1 :],  # the last written element, then the tail
+        buffer[H : 2 * H],  # the second half itself
+        buffer[:1],  # the first element
+        buffer.as_strided((3,), (H,), 0),  # strided: elements 0, H and 2H
+        buffer.as_strided((2,), (0,), H),  # expanded over one written element
+    ]
+    for tensor in meeting:
+        copied = _routes._apart(tensor, route)
+        assert copied is not tensor and torch.equal(copied, tensor)
+        assert copied.data_ptr() != tensor.data_ptr()

@@ -432,10 +432,17 @@ class Route:
     _reads: frozenset[str] = field(init=False, repr=False, compare=False)
     # What a replay writes through, in order: the segments, then the fills.
     _written: tuple[Segment | Fill, ...] = field(init=False, repr=False, compare=False)
+    # The bytes the segments write within: from each one's storage start, `Segment._needs`.
+    _spans: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
         object.__setattr__(self, "_numel", numel)
+        object.__setattr__(
+            self,
+            "_spans",
+            tuple((s.storage_ptr, s.storage_ptr + s._needs) for s in self.segments),
+        )
         written: tuple[Segment | Fill, ...] = (*self.segments, *self.fills)
         object.__setattr__(self, "_written", written)
         object.__setattr__(
@@ -953,10 +960,14 @@ def replay(
     """
     # What the loader path reads before it writes anything (the staged copy): a patch whose
     # values or indices lie in storage the route writes is read from a copy of its own.
-    values = _apart(values, route)
-    indices = _apart(indices, route)
-    if positions is not None:
-        positions = _apart(positions, route)
+    # (Validation's positions are the indices themselves or a tensor of its own.)
+    spans = route._spans
+    values = _apart(values, spans)
+    apart = _apart(indices, spans)
+    if apart is not indices:
+        if positions is indices:
+            positions = apart
+        indices = apart
     if route._whole and undo is None:
         # The common case, in one write: a whole contiguous tensor, the positions as they are
         # (converted to int64 here when short: the blocked loop below bounds the memory of
@@ -1040,18 +1051,17 @@ def replay(
     _refill(route, targets, undo)
 
 
-def _apart(tensor: torch.Tensor, route: Route) -> torch.Tensor:
-    """1-D `tensor`, or a copy when its bytes meet storage that a segment of `route` writes.
+def _apart(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """1-D `tensor`, or a copy when its bytes meet one of a route's written `spans`.
 
     Replay writes block by block and segment by segment, reading the patch as it goes: values
     (or indices) that are a view of a written storage would be read after a write changed them.
     The loader path stages them first; a copy does the same. A segment writes within the first
-    `Segment._needs` bytes of the storage at `Segment.storage_ptr` (checked live).
+    `Segment._needs` bytes of the storage at `Segment.storage_ptr` (checked live): `Route._spans`.
     """
     low = tensor.data_ptr()
-    for segment in route.segments:
-        start = segment.storage_ptr
-        if low < start + segment._needs:  # (the end of `tensor` only when it may matter)
+    for start, end in spans:
+        if low < end:  # (the end of `tensor` only when it may matter)
             count = tensor.shape[0]
             if count and start < low + ((count - 1) * tensor.stride(0) + 1) * tensor.itemsize:
                 return tensor.clone()

@@ -316,6 +316,7 @@ def _well_formed(
         return None
     if (
         not isinstance(values, torch.Tensor)
+        or _own_dispatch(values)
         or values.ndim != 1
         or values.layout is not torch.strided  # data to read: not a sparse layout, not meta
         or values.is_meta
@@ -329,6 +330,7 @@ def _well_formed(
         return numel if values.shape[0] == numel else None
     if (
         not isinstance(indices, torch.Tensor)
+        or _own_dispatch(indices)
         or indices.ndim != 1
         or indices.dtype not in _INDEX_DTYPES
         or indices.shape[0] != values.shape[0]
@@ -343,11 +345,31 @@ def _well_formed(
     return numel if ok else None
 
 
+# What a tensor class dispatches through when it has no dispatch of its own: torch.Tensor,
+# nn.Parameter and plain Python subclasses, whose data patchctx reads and writes directly.
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _own_dispatch(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is of a subclass with a dispatch of its own (a wrapper: DTensor,
+    FakeTensor, ...), whose data lies elsewhere or nowhere."""
+    kind = type(tensor)
+    return kind is not torch.Tensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH
+
+
 def _data_problem(what: str, tensor: torch.Tensor) -> tuple[str, bool] | None:
     """Why `tensor` cannot be read as the patch's `what`, and whether that is a type problem.
 
-    Returns `None` when it can: a strided tensor with data.
+    Returns `None` when it can: a strided tensor with data, of a class without a dispatch of
+    its own (validation and replay read and write it through numpy and torch directly).
     """
+    if _own_dispatch(tensor):
+        name = type(tensor).__name__
+        return (
+            f"{what} are a {name}, a tensor subclass with a dispatch of its own, whose data "
+            "patchctx cannot read directly; pass a plain tensor (its local or full data)",
+            True,
+        )
     if tensor.layout is not torch.strided:
         return f"{what} must be a strided tensor, got {tensor.layout}", True
     if tensor.is_meta:

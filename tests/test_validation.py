@@ -16,6 +16,7 @@ from patchctx import (
     InvalidPatchError,
     NaNMask,
     PatchError,
+    RouteCache,
     _patch,
     load_checkpoint_weight_patches,
     validate_patches,
@@ -395,3 +396,96 @@ def test_dense_only_calls_do_no_host_read(monkeypatch: pytest.MonkeyPatch) -> No
     reads = count_host_reads(monkeypatch)
     validate_patches([good(values=torch.zeros(128), indices=None)])
     assert reads == []
+
+
+class Wrapper(torch.Tensor):
+    """A tensor subclass with a dispatch of its own (as DTensor and FakeTensor have): its data
+    lies in `held`, and every operation runs on that."""
+
+    held: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, held: torch.Tensor) -> Wrapper:
+        made: Wrapper = torch.Tensor._make_wrapper_subclass(
+            cls, held.shape, dtype=held.dtype, device=held.device, strides=held.stride()
+        )
+        made.held = held
+        return made
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        def unwrap(value: Any) -> Any:
+            return value.held if isinstance(value, Wrapper) else value
+
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class Plain(torch.Tensor):
+    """A Python subclass without a dispatch of its own: its data is its own."""
+
+
+@pytest.mark.parametrize("count", [1, 3, 9])
+@pytest.mark.parametrize("field", ["values", "indices", "dense values"])
+def test_tensors_with_a_dispatch_of_their_own_are_refused_by_name_before_any_write(
+    count: int, field: str
+) -> None:
+    """Their data is not where numpy and torch's writes read it: refused, clearly, for every
+    number of patches (a few CPU patches reached numpy's "not supported for tensor
+    subclasses" before), and nothing is written."""
+    model = packed_tp_model()
+    specs = model.checkpoint_specs()
+    checkpoint = random_checkpoint(specs)
+    model.load_weights(checkpoint.items())
+    before = state(model)
+    patches = []
+    for name in list(specs)[:count]:
+        spec = specs[name]
+        numel = checkpoint[name].numel()
+        if field == "dense values":
+            values = torch.zeros(numel, dtype=spec.dtype)
+            patches.append(CheckpointWeightPatch(name, spec.shape, spec.dtype, Wrapper(values)))
+            continue
+        indices = torch.arange(0, numel, 3)
+        values = torch.ones(indices.shape[0], dtype=spec.dtype)
+        if field == "values":
+            values = Wrapper(values)
+        else:
+            indices = Wrapper(indices)
+        patches.append(CheckpointWeightPatch(name, spec.shape, spec.dtype, values, indices))
+    kind = "values" if "values" in field else "indices"
+    with pytest.raises(InvalidPatchError, match=f"{kind} are a Wrapper, a tensor subclass"):
+        load_checkpoint_weight_patches(model, patches)
+    assert_same_state(state(model), before)
+
+
+@pytest.mark.parametrize("count", [1, 3, 9])
+def test_parameters_and_plain_subclasses_load_as_plain_tensors(count: int) -> None:
+    model = packed_tp_model()
+    specs = model.checkpoint_specs()
+    checkpoint = random_checkpoint(specs)
+    model.load_weights(checkpoint.items())
+    patches = []
+    for k, name in enumerate(list(specs)[:count]):
+        spec = specs[name]
+        indices = torch.arange(k % 3, checkpoint[name].numel(), 4)
+        values = torch.full((indices.shape[0],), 0.25 * (k + 1), dtype=spec.dtype)
+        checkpoint[name].view(-1)[indices] = values
+        wrapped = (
+            torch.nn.Parameter(values, requires_grad=False) if k % 2 else values.as_subclass(Plain)
+        )
+        patches.append(
+            CheckpointWeightPatch(name, spec.shape, spec.dtype, wrapped, indices.as_subclass(Plain))
+        )
+    routes = RouteCache()
+    load_checkpoint_weight_patches(model, patches, routes=routes)  # records the routes
+    load_checkpoint_weight_patches(model, patches, routes=routes)  # replays them
+    assert routes.stats.replayed == count
+    reference = packed_tp_model()
+    reference.load_weights(checkpoint.items())
+    assert_same_state(state(model), state(reference))

@@ -1,6 +1,6 @@
 """Steady-state replay against its lower bounds, its fixed costs, and its behaviour under load.
 
-Three tables, each measured side by side in one process, methods interleaved (the order
+Four tables, each measured side by side in one process, methods interleaved (the order
 rotates from round to round), min and median of the rounds:
 
 1. **Density sweep** (one torch thread): one packed-QKV tensor-parallel slice and its MLP
@@ -20,7 +20,10 @@ rotates from round to round), min and median of the rounds:
 2. **Fixed costs** (one thread): N tensors of 256x256 bf16 at 0.1 %: replay per tensor in
    one call of N patches, a call of one patch, a dense reload per tensor, the bare write per
    tensor; with vLLM's own function beside them when vLLM is importable.
-3. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
+3. **Warm** (one thread): calls in a loop of calls, as ``timeit`` times them (the caches as
+   the previous call left them): the packed layer at hidden 1024 bf16 with one element per
+   tensor and at 1 %, validation alone of the latter, and the N small tensors per tensor.
+4. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
    process started by the script (``--spinners``), replay and the bare write, and the ratio
    loaded / quiet.
 
@@ -57,14 +60,19 @@ from benchmarks.patch_bench import (
     progress,
     random_patches,
 )
-from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
+from patchctx import (
+    CheckpointWeightPatch,
+    RouteCache,
+    load_checkpoint_weight_patches,
+    validate_patches,
+)
 from patchctx._bits import write_at
 from patchctx._model import model_tensors
 
 
 @dataclass
 class Row:
-    table: str  # "sweep", "fixed", "contention"
+    table: str  # "sweep", "fixed", "warm", "contention"
     case: str  # what the row measures (hidden/dtype/density, or the fixed-cost case)
     method: str
     min_us: float
@@ -231,6 +239,73 @@ def fixed_costs(args: argparse.Namespace) -> list[Row]:
     return [Row("fixed", f"{count} x 256x256 bf16, 0.1 %", m, *_us(s)) for m, s in rounds.items()]
 
 
+def warm(args: argparse.Namespace) -> list[Row]:
+    """Calls in a loop of calls (as ``timeit``): the caches as the previous call left them.
+
+    What a worker applying many small updates back to back pays: the packed layer at hidden
+    1024 bf16 (four tensors) with one element each and at 1 %, validation alone of the latter,
+    and the many-small-tensors call per tensor. Per row, the min and median over `--rounds`
+    (at least 5) repeats of a loop; each repeat's time is the loop's mean per call.
+    """
+    progress("warm: calls in a loop, hidden 1024 bf16 and the many small tensors")
+    generator = torch.Generator().manual_seed(3)
+    model = PackedSlice(1024, 2, 0, torch.bfloat16, "cpu")
+    model.load_weights((n, torch.zeros(s, dtype=torch.bfloat16)) for n, s in model.shapes.items())
+    routes = RouteCache()
+    first = random_patches(model.shapes, torch.bfloat16, 0.001, generator, "cpu")
+    load_checkpoint_weight_patches(model, first, routes=routes)
+    ones = random_patches(model.shapes, torch.bfloat16, 0.0, generator, "cpu")
+    dense = random_patches(model.shapes, torch.bfloat16, 0.01, generator, "cpu")
+    count = args.many
+    many = Many(count)
+    shapes = {f"w{i}": (256, 256) for i in range(count)}
+    many_routes = RouteCache()
+    load_checkpoint_weight_patches(
+        many, random_patches(shapes, torch.bfloat16, 0.001, generator, "cpu"), routes=many_routes
+    )
+    small = random_patches(shapes, torch.bfloat16, 0.001, generator, "cpu")
+    cases: list[tuple[str, Callable[[], object], int, int]] = [
+        (
+            "4 tensors, one element each",
+            partial(load_checkpoint_weight_patches, model, ones, routes=routes),
+            200,
+            1,
+        ),
+        (
+            "4 tensors at 1 %",
+            partial(load_checkpoint_weight_patches, model, dense, routes=routes),
+            50,
+            1,
+        ),
+        (
+            "4 tensors at 1 %, validation alone",
+            partial(validate_patches, dense),
+            50,
+            1,
+        ),
+        (
+            f"{count} x 256x256 at 0.1 %, per tensor",
+            partial(load_checkpoint_weight_patches, many, small, routes=many_routes),
+            5,
+            count,
+        ),
+    ]
+    rows = []
+    with collector_off():
+        for case, call, number, per in cases:
+            call()
+            seconds = []
+            for _ in range(max(args.rounds, 5)):
+                start = time.perf_counter()
+                for _ in range(number):
+                    call()
+                seconds.append((time.perf_counter() - start) / number / per)
+            rows.append(
+                Row("warm", case, "replay" if "alone" not in case else "validation", *_us(seconds))
+            )
+    return rows
+
+
 def _one_by_one(model: Any, patches: list[CheckpointWeightPatch], routes: RouteCache) -> None:
     for patch in patches:
         load_checkpoint_weight_patches(model, [patch], routes=routes)
@@ -307,17 +382,18 @@ def table(rows: list[Row]) -> str:
         "sweep": "density sweep, 1 thread: one call applying a patch to each of 4 tensors (ms)",
         "fixed": "fixed costs, 1 thread (µs)",
         "contention": "contention, 2 threads: one call at 10 % (ms)",
+        "warm": "calls in a loop of calls, 1 thread: per call or per tensor (µs)",
     }
     lines = []
     for kind, title in titles.items():
         chosen = [r for r in rows if r.table == kind]
         if not chosen:
             continue
-        scale = 1.0 if kind == "fixed" else 1e-3
-        lines += ["", title, f"{'case':>28}  {'method':<36}{'min':>10}{'median':>10}  note"]
+        scale = 1.0 if kind in ("fixed", "warm") else 1e-3
+        lines += ["", title, f"{'case':>36}  {'method':<28}{'min':>10}{'median':>10}  note"]
         for row in chosen:
             lines.append(
-                f"{row.case:>28}  {row.method:<36}{row.min_us * scale:>10.2f}"
+                f"{row.case:>36}  {row.method:<28}{row.min_us * scale:>10.2f}"
                 f"{row.median_us * scale:>10.2f}  {row.note}"
             )
     return "\n".join(lines)
@@ -347,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         "--spinners", type=int, default=1, help="busy processes competing in the contention table"
     )
     parser.add_argument(
-        "--tables", type=lambda t: t.split(","), default=["sweep", "fixed", "contention"]
+        "--tables",
+        type=lambda t: t.split(","),
+        default=["sweep", "fixed", "warm", "contention"],
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
@@ -357,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.many, args.contention_hidden = 2, 20, 256
     torch.set_num_threads(1)
     rows: list[Row] = []
-    for kind, run in (("sweep", sweep), ("fixed", fixed_costs), ("contention", contention)):
+    runs = (("sweep", sweep), ("fixed", fixed_costs), ("warm", warm), ("contention", contention))
+    for kind, run in runs:
         if kind in args.tables:
             rows += run(args)
     header = (

@@ -351,8 +351,11 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 def _own_dispatch(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is of a subclass with a dispatch of its own (a wrapper: DTensor,
-    FakeTensor, ...), whose data lies elsewhere or nowhere."""
+    """Whether `tensor` is of a subclass with a dispatch of its own, data elsewhere or none.
+
+    Wrapper subclasses (DTensor, FakeTensor, ``_make_wrapper_subclass``) are; `nn.Parameter`
+    and plain Python subclasses are not.
+    """
     kind = type(tensor)
     return kind is not torch.Tensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH
 

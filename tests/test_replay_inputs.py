@@ -28,39 +28,19 @@ from tests.support.models import (
 
 
 class Elsewhere(torch.Tensor):
-    """Indices held on the CPU that report another device: only a copy to the CPU reads them.
+    """CPU indices that say they lie elsewhere: numpy refuses them as it refuses CUDA ones,
+    and ``.cpu()`` gives their data. A stand-in for CUDA indices on a machine without CUDA (a
+    plain subclass: one with a dispatch of its own is refused outright)."""
 
-    Stands in for CUDA indices on a machine without CUDA (numpy cannot read either).
-    """
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
 
-    held: torch.Tensor
+    def numpy(self, *, force: bool = False) -> Any:
+        raise TypeError("can't convert cuda:0 device type tensor to numpy (Elsewhere)")
 
-    @staticmethod
-    def __new__(cls, held: torch.Tensor) -> Elsewhere:
-        made: Elsewhere = torch.Tensor._make_wrapper_subclass(
-            cls,
-            held.shape,
-            dtype=held.dtype,
-            device=torch.device("cuda"),
-            strides=held.stride(),
-            storage_offset=held.storage_offset(),
-        )
-        made.held = held
-        return made
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
-            held: torch.Tensor = args[0].held
-            return held.to(dtype=kwargs.get("dtype") or held.dtype, copy=True)
-        raise RuntimeError(f"Elsewhere: {func} would run on the other device")
+    def cpu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).clone()
 
 
 def _patches(count: int, index_device: str) -> tuple[list[CheckpointWeightPatch], Any]:
@@ -74,17 +54,19 @@ def _patches(count: int, index_device: str) -> tuple[list[CheckpointWeightPatch]
         indices = torch.arange(1, checkpoint[name].numel(), 5)
         values = torch.randn(indices.shape[0]).to(spec.dtype)
         checkpoint[name].view(-1)[indices] = values
-        moved = Elsewhere(indices) if index_device == "fake" else indices.to(index_device)
+        moved = (
+            indices.as_subclass(Elsewhere) if index_device == "fake" else indices.to(index_device)
+        )
         patches.append(CheckpointWeightPatch(name, spec.shape, spec.dtype, values, moved))
     return patches, (model, checkpoint)
 
 
-@pytest.mark.parametrize("count", [1, 3, 9])
+@pytest.mark.parametrize("count", [1, 3])
 def test_cpu_values_with_indices_on_another_device_are_validated(count: int) -> None:
-    """Values on the CPU, indices elsewhere: validation copies the indices to the values'
-    device (as `stage` does), in every CPU path: one patch, a few checked one by one, many
-    joined (the few-patch path once handed them to numpy as they were: "can't convert cuda:0
-    device type tensor to numpy")."""
+    """Values on the CPU, indices elsewhere: the CPU paths that read indices by numpy (one
+    patch, a few one by one) bring them to the host first (they once handed them to numpy as
+    they were: "can't convert cuda:0 device type tensor to numpy"). Many patches are joined
+    on the values' device by ``.to``, which only a real device exercises (the next test)."""
     patches, _ = _patches(count, "fake")
     checked = validate_patches(patches)
     assert [p.name for p in checked] == [p.name for p in patches]

@@ -1,6 +1,6 @@
 """Steady-state replay against its lower bounds, its fixed costs, and its behaviour under load.
 
-Four tables, each measured side by side in one process, methods interleaved (the order
+Five tables, each measured side by side in one process, methods interleaved (the order
 rotates from round to round), min and median of the rounds:
 
 1. **Density sweep** (one torch thread): one packed-QKV tensor-parallel slice and its MLP
@@ -23,7 +23,10 @@ rotates from round to round), min and median of the rounds:
 3. **Warm** (one thread): calls in a loop of calls, as ``timeit`` times them (the caches as
    the previous call left them): the packed layer at hidden 1024 bf16 with one element per
    tensor and at 1 %, validation alone of the latter, and the N small tensors per tensor.
-4. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
+4. **Cold** (one thread): the first call of an operation right after a 128 MiB copy, against
+   its second call: a few tiny torch and numpy operations, a replay call of four one-element
+   patches, and its bare writes. Why the sweep's calls cost more than the warm table's.
+5. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
    process started by the script (``--spinners``), replay and the bare write, and the ratio
    loaded / quiet.
 
@@ -48,6 +51,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
@@ -72,7 +76,7 @@ from patchctx._model import model_tensors
 
 @dataclass
 class Row:
-    table: str  # "sweep", "fixed", "warm", "contention"
+    table: str  # "sweep", "fixed", "warm", "cold", "contention"
     case: str  # what the row measures (hidden/dtype/density, or the fixed-cost case)
     method: str
     min_us: float
@@ -306,6 +310,58 @@ def warm(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def cold(args: argparse.Namespace) -> list[Row]:
+    """An operation's first call after a sweep of memory, against its second call.
+
+    Between two updates a worker streams far more than the caches hold (the sweep's dense
+    loads, or inference): the first call of each distinct operation then fetches its code and
+    data from memory again. Per operation (a few tiny torch and numpy ones, a replay call of
+    four one-element patches, and its bare writes), each round copies a 128 MiB buffer, then
+    times the operation twice.
+    """
+    progress("cold: first calls after a 128 MiB sweep, against second calls")
+    source = torch.empty(128 << 20, dtype=torch.uint8)
+    sink = torch.empty_like(source)
+    small = torch.arange(1000, dtype=torch.int32)
+    host = small.numpy()
+    generator = torch.Generator().manual_seed(4)
+    model = PackedSlice(1024, 2, 0, torch.bfloat16, "cpu")
+    model.load_weights((n, torch.zeros(s, dtype=torch.bfloat16)) for n, s in model.shapes.items())
+    routes = RouteCache()
+    load_checkpoint_weight_patches(
+        model, random_patches(model.shapes, torch.bfloat16, 0.001, generator, "cpu"), routes=routes
+    )
+    ones = random_patches(model.shapes, torch.bfloat16, 0.0, generator, "cpu")
+    bare = copy.deepcopy(model)
+    plan = _lower_bound_plan(routes, ones, model_tensors(bare))
+    operations: dict[str, Callable[[], object]] = {
+        "torch.cat of two 1000-element tensors": lambda: torch.cat([small, small]),
+        "tensor.amax() of 1000 elements": small.amax,
+        "numpy.greater of 1000 elements": lambda: numpy.greater(host[1:], host[:-1]),
+        "replay: 4 tensors, one element each": partial(
+            load_checkpoint_weight_patches, model, ones, routes=routes
+        ),
+        "bare writes of the same": partial(_scatters, plan),
+    }
+    rows = []
+    with collector_off():
+        for case, operation in operations.items():
+            operation()
+            first, second = [], []
+            for _ in range(max(args.rounds, 5)):
+                sink.copy_(source)
+                start = time.perf_counter()
+                operation()
+                middle = time.perf_counter()
+                operation()
+                first.append(middle - start)
+                second.append(time.perf_counter() - middle)
+            ratio = statistics.median(first) / statistics.median(second)
+            rows.append(Row("cold", case, "after the sweep", *_us(first), f"{ratio:.1f}x"))
+            rows.append(Row("cold", case, "called again", *_us(second)))
+    return rows
+
+
 def _one_by_one(model: Any, patches: list[CheckpointWeightPatch], routes: RouteCache) -> None:
     for patch in patches:
         load_checkpoint_weight_patches(model, [patch], routes=routes)
@@ -383,17 +439,18 @@ def table(rows: list[Row]) -> str:
         "fixed": "fixed costs, 1 thread (µs)",
         "contention": "contention, 2 threads: one call at 10 % (ms)",
         "warm": "calls in a loop of calls, 1 thread: per call or per tensor (µs)",
+        "cold": "first calls after a 128 MiB sweep of memory, 1 thread (µs)",
     }
     lines = []
     for kind, title in titles.items():
         chosen = [r for r in rows if r.table == kind]
         if not chosen:
             continue
-        scale = 1.0 if kind in ("fixed", "warm") else 1e-3
-        lines += ["", title, f"{'case':>36}  {'method':<28}{'min':>10}{'median':>10}  note"]
+        scale = 1.0 if kind in ("fixed", "warm", "cold") else 1e-3
+        lines += ["", title, f"{'case':>38}  {'method':<26}{'min':>10}{'median':>10}  note"]
         for row in chosen:
             lines.append(
-                f"{row.case:>36}  {row.method:<28}{row.min_us * scale:>10.2f}"
+                f"{row.case:>38}  {row.method:<26}{row.min_us * scale:>10.2f}"
                 f"{row.median_us * scale:>10.2f}  {row.note}"
             )
     return "\n".join(lines)
@@ -425,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tables",
         type=lambda t: t.split(","),
-        default=["sweep", "fixed", "warm", "contention"],
+        default=["sweep", "fixed", "warm", "cold", "contention"],
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
@@ -435,7 +492,13 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.many, args.contention_hidden = 2, 20, 256
     torch.set_num_threads(1)
     rows: list[Row] = []
-    runs = (("sweep", sweep), ("fixed", fixed_costs), ("warm", warm), ("contention", contention))
+    runs = (
+        ("sweep", sweep),
+        ("fixed", fixed_costs),
+        ("warm", warm),
+        ("cold", cold),
+        ("contention", contention),
+    )
     for kind, run in runs:
         if kind in args.tables:
             rows += run(args)

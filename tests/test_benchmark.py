@@ -149,14 +149,14 @@ def test_versus_runs_a_revision_against_this_one_in_one_process(tmp_path: Path) 
     assert "replay, per tensor" in many.stdout and "dense reload, per tensor" in many.stdout
 
 
-def test_replay_bench_quick_prints_its_four_tables_and_json(tmp_path: Path) -> None:
+def test_replay_bench_quick_prints_its_five_tables_and_json(tmp_path: Path) -> None:
     from benchmarks import replay_bench
 
     out = tmp_path / "replay.json"
     assert replay_bench.main(["--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     tables = {row["table"] for row in report["rows"]}
-    assert tables == {"sweep", "fixed", "warm", "contention"}
+    assert tables == {"sweep", "fixed", "warm", "cold", "contention"}
     methods = {row["method"] for row in report["rows"] if row["table"] == "sweep"}
     assert methods == {"replay", "index_copy_", "scatter_", "dense", "replay, one element each"}
     assert all(row["min_us"] > 0 and row["median_us"] >= row["min_us"] for row in report["rows"])

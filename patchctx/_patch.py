@@ -316,7 +316,7 @@ def _well_formed(
         return None
     if (
         not isinstance(values, torch.Tensor)
-        or _own_dispatch(values)
+        or (type(values) is not torch.Tensor and _own_dispatch(values))
         or values.ndim != 1
         or values.layout is not torch.strided  # data to read: not a sparse layout, not meta
         or values.is_meta
@@ -330,7 +330,7 @@ def _well_formed(
         return numel if values.shape[0] == numel else None
     if (
         not isinstance(indices, torch.Tensor)
-        or _own_dispatch(indices)
+        or (type(indices) is not torch.Tensor and _own_dispatch(indices))
         or indices.ndim != 1
         or indices.dtype not in _INDEX_DTYPES
         or indices.shape[0] != values.shape[0]

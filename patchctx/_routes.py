@@ -960,14 +960,15 @@ def replay(
     """
     # What the loader path reads before it writes anything (the staged copy): a patch whose
     # values or indices lie in storage the route writes is read from a copy of its own.
-    # (Validation's positions are the indices themselves or a tensor of its own.)
+    # Validation's positions are the indices themselves or a tensor of its own, which replay
+    # then reads instead of the indices.
     spans = route._spans
     values = _apart(values, spans)
-    apart = _apart(indices, spans)
-    if apart is not indices:
-        if positions is indices:
-            positions = apart
-        indices = apart
+    if positions is None or positions is indices:
+        apart = _apart(indices, spans)
+        if apart is not indices:
+            positions = None if positions is None else apart
+            indices = apart
     if route._whole and undo is None:
         # The common case, in one write: a whole contiguous tensor, the positions as they are
         # (converted to int64 here when short: the blocked loop below bounds the memory of

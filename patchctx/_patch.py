@@ -369,8 +369,9 @@ def _data_problem(what: str, tensor: torch.Tensor) -> tuple[str, bool] | None:
     if _own_dispatch(tensor):
         name = type(tensor).__name__
         return (
-            f"{what} are a {name}, a tensor subclass with a dispatch of its own, whose data "
-            "patchctx cannot read directly; pass a plain tensor (its local or full data)",
+            f"{what} are of class {name}, a tensor subclass with a dispatch of its own, whose data "
+            "patchctx cannot read directly; pass a plain tensor (a DTensor's .full_tensor() "
+            "or .to_local(), an AsyncCollectiveTensor's .wait())",
             True,
         )
     if tensor.layout is not torch.strided:

@@ -459,8 +459,12 @@ def test_tensors_with_a_dispatch_of_their_own_are_refused_by_name_before_any_wri
             indices = Wrapper(indices)
         patches.append(CheckpointWeightPatch(name, spec.shape, spec.dtype, values, indices))
     kind = "values" if "values" in field else "indices"
-    with pytest.raises(InvalidPatchError, match=f"{kind} are a Wrapper, a tensor subclass"):
+    with pytest.raises(
+        InvalidPatchError, match=f"{kind} are of class Wrapper, a tensor subclass"
+    ) as info:
         load_checkpoint_weight_patches(model, patches)
+    assert "pass a plain tensor (a DTensor's .full_tensor()" in str(info.value)
+    assert isinstance(info.value, TypeError)  # a type problem, as vLLM reports those
     assert_same_state(state(model), before)
 
 
@@ -486,6 +490,32 @@ def test_parameters_and_plain_subclasses_load_as_plain_tensors(count: int) -> No
     load_checkpoint_weight_patches(model, patches, routes=routes)  # records the routes
     load_checkpoint_weight_patches(model, patches, routes=routes)  # replays them
     assert routes.stats.replayed == count
+    reference = packed_tp_model()
+    reference.load_weights(checkpoint.items())
+    assert_same_state(state(model), state(reference))
+
+
+def test_an_async_collective_tensor_is_refused_by_name_and_loads_once_waited() -> None:
+    """torch's functional collectives return an AsyncCollectiveTensor (a wrapper whose data is
+    ready only once waited on): refused with the remedy; its ``.wait()`` loads as the truth."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    model = packed_tp_model()
+    specs = model.checkpoint_specs()
+    checkpoint = random_checkpoint(specs)
+    model.load_weights(checkpoint.items())
+    before = state(model)
+    name = next(iter(specs))
+    spec = specs[name]
+    indices = torch.arange(0, checkpoint[name].numel(), 7)
+    values = torch.full((indices.shape[0],), 0.5, dtype=spec.dtype)
+    received = AsyncCollectiveTensor(values.clone())
+    patch = CheckpointWeightPatch(name, spec.shape, spec.dtype, received, indices)
+    with pytest.raises(InvalidPatchError, match=r"AsyncCollectiveTensor's \.wait\(\)"):
+        load_checkpoint_weight_patches(model, [patch])
+    assert_same_state(state(model), before)
+    load_checkpoint_weight_patches(model, [patch._replace(values=received.wait())])
+    checkpoint[name].view(-1)[indices] = values
     reference = packed_tp_model()
     reference.load_weights(checkpoint.items())
     assert_same_state(state(model), state(reference))

@@ -243,6 +243,16 @@ def fixed_costs(args: argparse.Namespace) -> list[Row]:
     return [Row("fixed", f"{count} x 256x256 bf16, 0.1 %", m, *_us(s)) for m, s in rounds.items()]
 
 
+def _packed_with_routes(generator: torch.Generator) -> tuple[PackedSlice, RouteCache]:
+    """The packed layer at hidden 1024 bf16 (zeros), its routes recorded by a first update."""
+    model = PackedSlice(1024, 2, 0, torch.bfloat16, "cpu")
+    model.load_weights((n, torch.zeros(s, dtype=torch.bfloat16)) for n, s in model.shapes.items())
+    routes = RouteCache()
+    first = random_patches(model.shapes, torch.bfloat16, 0.001, generator, "cpu")
+    load_checkpoint_weight_patches(model, first, routes=routes)
+    return model, routes
+
+
 def warm(args: argparse.Namespace) -> list[Row]:
     """Calls in a loop of calls (as ``timeit``): the caches as the previous call left them.
 
@@ -253,11 +263,7 @@ def warm(args: argparse.Namespace) -> list[Row]:
     """
     progress("warm: calls in a loop, hidden 1024 bf16 and the many small tensors")
     generator = torch.Generator().manual_seed(3)
-    model = PackedSlice(1024, 2, 0, torch.bfloat16, "cpu")
-    model.load_weights((n, torch.zeros(s, dtype=torch.bfloat16)) for n, s in model.shapes.items())
-    routes = RouteCache()
-    first = random_patches(model.shapes, torch.bfloat16, 0.001, generator, "cpu")
-    load_checkpoint_weight_patches(model, first, routes=routes)
+    model, routes = _packed_with_routes(generator)
     ones = random_patches(model.shapes, torch.bfloat16, 0.0, generator, "cpu")
     dense = random_patches(model.shapes, torch.bfloat16, 0.01, generator, "cpu")
     count = args.many
@@ -325,12 +331,7 @@ def cold(args: argparse.Namespace) -> list[Row]:
     small = torch.arange(1000, dtype=torch.int32)
     host = small.numpy()
     generator = torch.Generator().manual_seed(4)
-    model = PackedSlice(1024, 2, 0, torch.bfloat16, "cpu")
-    model.load_weights((n, torch.zeros(s, dtype=torch.bfloat16)) for n, s in model.shapes.items())
-    routes = RouteCache()
-    load_checkpoint_weight_patches(
-        model, random_patches(model.shapes, torch.bfloat16, 0.001, generator, "cpu"), routes=routes
-    )
+    model, routes = _packed_with_routes(generator)
     ones = random_patches(model.shapes, torch.bfloat16, 0.0, generator, "cpu")
     bare = copy.deepcopy(model)
     plan = _lower_bound_plan(routes, ones, model_tensors(bare))

@@ -114,31 +114,29 @@ def positions_into(indices: torch.Tensor, shift: int, out: torch.Tensor) -> None
     The indices are in range (validated) and the shift is the difference of two offsets in the
     same tensor: the result cannot wrap.
     """
-    target, source = out.numpy(), indices.numpy()
+    _shifted_into(indices.numpy(), shift, out.numpy())
+
+
+def shifted_positions(indices: torch.Tensor, begin: int, end: int, shift: int) -> torch.Tensor:
+    """``indices[begin:end] - shift`` as int64 positions, in this thread's reused buffer.
+
+    As `positions_into`, without a torch slice or buffer to make first (about a microsecond
+    each): numpy slices, and the result is a tensor over the buffer (`host_scratch`), valid
+    until this thread's next call.
+    """
+    target = host_scratch(np.int64, end - begin)
+    _shifted_into(indices.numpy()[begin:end], shift, target)
+    return torch.from_numpy(target)
+
+
+def _shifted_into(source: np.ndarray, shift: int, target: np.ndarray) -> None:
+    """``target[:] = source - shift``, int32/int64 `source` into int64 `target`."""
     if shift and source.dtype == np.int64:
         np.subtract(source, shift, out=target)
         return
     np.copyto(target, source)  # int32 to int64: a cast copy, then subtract in place (faster
     if shift:  # than numpy's subtraction with a cast, or torch's)
         np.subtract(target, shift, out=target)
-
-
-def shifted_positions(indices: torch.Tensor, begin: int, end: int, shift: int) -> torch.Tensor:
-    """``indices[begin:end] - shift`` as int64 positions, in this thread's reused buffer.
-
-    As `positions_into` for 1-D CPU int32/int64 `indices`, without a torch slice or buffer
-    to make first (about a microsecond each): numpy slices, and the result is a tensor over
-    the buffer (`host_scratch`), valid until this thread's next call.
-    """
-    source = indices.numpy()[begin:end]
-    target = host_scratch(np.int64, end - begin)
-    if shift and source.dtype == np.int64:
-        np.subtract(source, shift, out=target)
-    else:
-        np.copyto(target, source)
-        if shift:
-            np.subtract(target, shift, out=target)
-    return torch.from_numpy(target)
 
 
 # Per IEEE dtype: its integer view, and the bits of +infinity and of -infinity. A NaN's bits are

@@ -536,22 +536,18 @@ def _all_valid(
     reserved value (the exact checks then find which). One host read per device.
 
     Small patches (`_batched_up_to`) with indices of one dtype are checked together
-    (`_batch_flags`), a lone one on its device by itself (`_small_flags`); on CPU, fewer than
-    `_CPU_JOINED_FROM` of them one by one, as the large ones. Large patches: per block of
-    `BLOCK` indices, the extremes, the smallest step (into a reused buffer) and the
-    strategy's reserved-value reduction; no temporary exceeds a block.
+    (`_batch_flags`), a lone one on its device by itself (`_small_flags`). On CPU, fewer than
+    `_CPU_JOINED_FROM` small ones, and every large one, are decided on the host patch by
+    patch (`_host_valid`). Large patches on an accelerator: per block of `BLOCK` indices, the
+    extremes, the smallest step (into a reused buffer) and the strategy's reserved-value
+    reduction (`_blocked_flags`). No temporary exceeds a block.
     """
     if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]
         patch = item._patch
         indices = patch.indices
         device = patch.values.device
-        if (
-            indices is not None
-            and device.type == "cpu"
-            and indices.shape[0] <= block_size()
-            and item._numel < _FAST_NUMEL_LIMIT
-        ):
+        if indices is not None and device.type == "cpu" and item._numel < _FAST_NUMEL_LIMIT:
             return {} if _host_valid(item, indices, strategy) else None
         if (
             indices is not None
@@ -613,25 +609,40 @@ def _all_valid(
                 )
                 checks.append(("eq", 0))
         for k in large.get(device, ()):
-            indices = checked[k]._patch.indices.to(device)  # type: ignore[union-attr]
-            _blocked_flags(checked[k], indices, device, strategy, flags, checks)
+            indices = checked[k]._patch.indices
+            assert indices is not None
+            if device.type == "cpu":
+                if not _host_valid(checked[k], indices, strategy):
+                    return None
+            else:
+                _blocked_flags(checked[k], indices.to(device), device, strategy, flags, checks)
         if not _judged(_read_flags(flags, device), checks):
             return None
     return positions
 
 
 def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrategy) -> bool:
-    """`_all_valid` for one sparse patch on CPU, of at most a block of `indices`.
+    """`_all_valid` for one sparse patch on CPU, decided on the host: no flags to read.
 
-    Two host passes: the order and range (`increasing_below`), then the values
-    (`reserved_on_host`).
+    Per block of `BLOCK` indices, two host passes: the order and range of the block and the
+    step into it (`increasing_below`), then its values (`reserved_on_host`). No temporary
+    exceeds a block; the first block that fails ends the check (the exact checks say why).
     """
     if not indices.is_cpu:  # (indices may lie elsewhere than their values)
         indices = indices.cpu()
     patch = item._patch
-    return increasing_below(indices, item._numel) and not reserved_on_host(
-        strategy, patch.values, patch.dtype
-    )
+    values, dtype, numel = patch.values, patch.dtype, item._numel
+    count = indices.shape[0]
+    for begin, end in blocks(0, count):
+        if end - begin == count:  # one block: no slicing (each slice is an operation)
+            return increasing_below(indices, numel) and not reserved_on_host(
+                strategy, values, dtype
+            )
+        if not increasing_below(indices[max(begin - 1, 0) : end], numel) or reserved_on_host(
+            strategy, values[begin:end], dtype
+        ):
+            return False
+    return True
 
 
 def _batched_up_to(device: torch.device) -> int:
@@ -663,7 +674,7 @@ def _small_flags(
 
     Adds its flags: the extremes, the smallest step and the strategy's reserved-value
     reduction. The steps are exact once the extremes are in range (below ``2**62``). (CPU
-    patches are checked by `_blocked_flags` or together by `_batch_flags`.)
+    patches are checked on the host by `_host_valid`, or together by `_batch_flags`.)
     """
     if indices.device != device:
         indices = indices.to(device)
@@ -755,28 +766,18 @@ def _blocked_flags(
     flags: list[torch.Tensor | int],
     checks: list[tuple[str, int]],
 ) -> None:
-    """`_all_valid` for one long patch (its `indices` on `device`), block by block."""
+    """`_all_valid` for one long patch on an accelerator (its `indices` on `device`).
+
+    Block by block, flags read with the device's others (on CPU, `_host_valid` decides on
+    the host).
+    """
     values = item.patch.values
     count = indices.numel()
-    on_cpu = device.type == "cpu"
     # The steps go into a reused buffer (a later block has `block_size()` of them).
-    steps = None if on_cpu else scratch(device, indices.dtype, min(count, block_size()))
+    steps = scratch(device, indices.dtype, min(count, block_size()))
     for begin, end in blocks(0, count):
         whole = end - begin == count  # one block: no slicing (each slice is an operation)
         block = indices if whole else indices[begin:end]
-        if on_cpu:
-            # One numpy pass over the block and the step into it (`increasing_below`).
-            window = indices if whole else indices[max(begin - 1, 0) : end]
-            in_order = increasing_below(window, item.numel)
-            flags.append(int(in_order))
-            checks.append(("eq", 1))
-            if not in_order:
-                return  # the exact checks say which index is wrong
-            chunk = values if whole else values[begin:end]
-            flags.append(int(reserved_on_host(strategy, chunk, item.patch.dtype)))
-            checks.append(("eq", 0))
-            continue
-        assert steps is not None
         low, high = torch.aminmax(block)
         flags += (low, high)
         checks += (("ge", 0), ("le", item.numel - 1))

@@ -576,9 +576,9 @@ class Auto:
 def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.dtype) -> bool:
     """``strategy.reserved_values(values, dtype)`` read on the host, for values on CPU.
 
-    NaN under patchctx's own NaN strategies, in values already of `dtype`, is found by numpy
-    from the bits (`has_nan_bits`: no cast, no 0-d tensor made and read back); anything else
-    asks the strategy.
+    NaN under patchctx's own NaN strategies, in values already of `dtype`, is found without
+    the strategy's cast and 0-d tensor: by torch's ``amax`` for a few values, by numpy from
+    the bits for more (`has_nan_bits`). Anything else asks the strategy.
     """
     chosen = strategy.resolve(dtype) if type(strategy) is Auto else strategy
     if type(chosen) is NaNMask and values.dtype is dtype and dtype in _NAN_BY_AMAX:

@@ -7,6 +7,7 @@ import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy
@@ -621,10 +622,15 @@ def test_replays_with_constant_fills_equal_the_dense_truth_whatever_wrote_since(
 # ------------------------------------------------------------------ invalidation
 
 
-def sparse_w(value: float, index: int = 7) -> CheckpointWeightPatch:
+def one_element(name: str, shape: tuple[int, ...], value: float, at: int) -> CheckpointWeightPatch:
+    """A float32 patch changing one element of `name`: `value` at flat index `at`."""
     return CheckpointWeightPatch(
-        "w", (4, 6), torch.float32, torch.tensor([value]), torch.tensor([index])
+        name, shape, torch.float32, torch.tensor([value]), torch.tensor([at])
     )
+
+
+def sparse_w(value: float, index: int = 7) -> CheckpointWeightPatch:
+    return one_element("w", (4, 6), value, index)
 
 
 def test_rebound_parameter_invalidates_its_route() -> None:
@@ -681,10 +687,7 @@ def test_a_tensor_sharing_bytes_with_the_one_a_route_names_is_followed(how: str)
     untied or rebound, the route must not write the old bytes."""
     model, routes = SharedBytes("tied" if how == "untied" else "flat"), RouteCache()
 
-    def patch(value: float, at: int) -> CheckpointWeightPatch:
-        return CheckpointWeightPatch(
-            "b", (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
-        )
+    patch = partial(one_element, "b", (4,))
 
     load_checkpoint_weight_patches(model, [patch(1.0, 1)], routes=routes)
     load_checkpoint_weight_patches(model, [patch(2.0, 2)], routes=routes)
@@ -735,10 +738,7 @@ def test_a_submodule_replaced_between_calls_is_followed_never_its_detached_tenso
     them: replay must write the model's tensors, whatever object now holds them."""
     model, routes = _Outer(), RouteCache()
 
-    def patch(value: float, at: int) -> CheckpointWeightPatch:
-        return CheckpointWeightPatch(
-            "w", (8,), torch.float32, torch.tensor([value]), torch.tensor([at])
-        )
+    patch = partial(one_element, "w", (8,))
 
     load_checkpoint_weight_patches(model, [patch(1.0, 2)], routes=routes)
     load_checkpoint_weight_patches(model, [patch(2.0, 3)], routes=routes)
@@ -1505,10 +1505,7 @@ def test_a_route_that_writes_nothing_holds_only_while_the_model_holds_the_same_t
     loader, which writes it."""
     model, routes = Skipping(), RouteCache()
 
-    def patch(value: float, at: int) -> CheckpointWeightPatch:
-        return CheckpointWeightPatch(
-            "bias", (4,), torch.float32, torch.tensor([value]), torch.tensor([at])
-        )
+    patch = partial(one_element, "bias", (4,))
 
     load_checkpoint_weight_patches(model, [patch(1.0, 0)], routes=routes)
     load_checkpoint_weight_patches(model, [patch(2.0, 1)], routes=routes)

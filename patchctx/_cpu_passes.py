@@ -31,6 +31,7 @@ __all__ = [
     "has_value",
     "host_scratch",
     "increasing_below",
+    "listed_positions",
     "nan_bits_known",
     "positions_into",
     "shifted_positions",
@@ -127,6 +128,18 @@ def shifted_positions(indices: torch.Tensor, begin: int, end: int, shift: int) -
     target = host_scratch(np.int64, end - begin)
     _shifted_into(indices.numpy()[begin:end], shift, target)
     return torch.from_numpy(target)
+
+
+def listed_positions(listed: list[int], begin: int, end: int, shift: int) -> torch.Tensor:
+    """``listed[begin:end] - shift`` as a new int64 CPU tensor, for a few validated indices.
+
+    One numpy array made from the list (about 1.5 µs for a few, against 3 to 4 for the
+    tensor path of `shifted_positions`); a tensor of its own, not a thread buffer.
+    """
+    found = np.array(listed if begin == 0 and end == len(listed) else listed[begin:end], np.int64)
+    if shift:
+        np.subtract(found, shift, out=found)
+    return torch.from_numpy(found)
 
 
 def _shifted_into(source: np.ndarray, shift: int, target: np.ndarray) -> None:

@@ -319,10 +319,14 @@ class _Loader:
         if not pending:
             return
         assert self.routes is not None
-        searches = [
+        searches: list[tuple[Route, torch.Tensor | list[int], bool]] = [
             (
                 route,
-                item._positions if item._positions is not None else item._patch.indices,
+                item._listed
+                if item._listed is not None
+                else item._positions
+                if item._positions is not None
+                else item._patch.indices,
                 item._sorted_unique,
             )
             for route, item, _ in pending
@@ -348,6 +352,7 @@ class _Loader:
                     undo=undo,
                     positions=item._positions,
                     bounds=None if route._whole else next(found),
+                    listed=item._listed,
                 )
             names |= route.reported
             stats.replayed += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -141,7 +142,7 @@ class CheckedPatch:
         InvalidPatchTypeError
     """
 
-    __slots__ = ("_numel", "_patch", "_position", "_positions", "_sorted_unique")
+    __slots__ = ("_listed", "_numel", "_patch", "_position", "_positions", "_sorted_unique")
 
     _position: int | None
     _patch: CheckpointWeightPatch
@@ -150,6 +151,9 @@ class CheckedPatch:
     # Sparse patches validated in a batch: their indices as int64, on the values' device (a
     # by-product of validation that replay uses instead of converting them again).
     _positions: torch.Tensor | None
+    # Short sparse patches on CPU validated on the host: their indices as a Python list (a
+    # snapshot, as `_positions` is), which replay searches and shifts without a torch operation.
+    _listed: list[int] | None
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise InvalidPatchTypeError(
@@ -174,6 +178,7 @@ class CheckedPatch:
         *,
         sorted_unique: bool = False,
         positions: torch.Tensor | None = None,
+        listed: list[int] | None = None,
     ) -> CheckedPatch:
         self = object.__new__(cls)
         _set_position(self, position)
@@ -181,6 +186,7 @@ class CheckedPatch:
         _set_numel(self, numel)
         _set_sorted_unique(self, sorted_unique)
         _set_positions(self, positions)
+        _set_listed(self, listed)
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -236,6 +242,7 @@ class CheckedPatch:
             self._numel,
             sorted_unique=self._sorted_unique,
             positions=self._positions,
+            listed=self._listed,
         )
 
     def unpositioned(self) -> CheckedPatch:
@@ -246,6 +253,7 @@ class CheckedPatch:
             self._numel,
             sorted_unique=self._sorted_unique,
             positions=self._positions,
+            listed=self._listed,
         )
 
 
@@ -261,6 +269,7 @@ _set_patch = _slot_setter("_patch")
 _set_numel = _slot_setter("_numel")
 _set_sorted_unique = _slot_setter("_sorted_unique")
 _set_positions = _slot_setter("_positions")
+_set_listed = _slot_setter("_listed")
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -522,6 +531,12 @@ _CPU_BATCHED_UP_TO = 1 << 12
 # its int64 copy and its split, which pay off over many patches only.
 _CPU_JOINED_FROM = 8
 
+# On CPU, a sparse patch of at most this many indices is checked on a Python list of them (one
+# ``tolist``, about 0.3 µs, against a microsecond or more for each numpy or torch operation),
+# which replay then searches by `bisect` and shifts without a torch operation. Beyond a few dozen
+# indices, the Python loop costs more than numpy's passes.
+_LISTED_UP_TO = 32
+
 # Above this, a patch's numel could overflow int64 arithmetic on indices: exact checks only.
 _FAST_NUMEL_LIMIT = 1 << 62
 
@@ -633,6 +648,19 @@ def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrateg
     patch = item._patch
     values, dtype, numel = patch.values, patch.dtype, item._numel
     count = indices.shape[0]
+    if count <= _LISTED_UP_TO:
+        # A few indices: checked as a Python list, kept for replay (`CheckedPatch._listed`).
+        listed: list[int] = indices.tolist()
+        if count and (
+            listed[0] < 0
+            or listed[-1] >= numel
+            or not all(a < b for a, b in itertools.pairwise(listed))
+        ):
+            return False
+        if reserved_on_host(strategy, values, dtype):
+            return False
+        _set_listed(item, listed)
+        return True
     for begin, end in blocks(0, count):
         if end - begin == count:  # one block: no slicing (each slice is an operation)
             return increasing_below(indices, numel) and not reserved_on_host(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
@@ -946,6 +947,7 @@ def replay(
     undo: UndoLog | None = None,
     positions: torch.Tensor | None = None,
     bounds: list[tuple[int, int] | None] | None = None,
+    listed: list[int] | None = None,
 ) -> None:
     """Write a sparse patch along `route`: O(nnz), in place, casting as the loader path does.
 
@@ -957,6 +959,8 @@ def replay(
     per million positions. `bounds`: per segment, the covered slice of the sorted indices if
     the caller found it already (`replay_bounds`, one host read for many replays).
     `targets`: each segment's destination tensor, checked live (`RouteCache._usable`).
+    `listed`: the indices as a Python list when validation made one (a few, on CPU: see
+    `CheckedPatch._listed`); a CPU destination's positions are made from it.
     """
     # What the loader path reads before it writes anything (the staged copy): a patch whose
     # values or indices lie in storage the route writes is read from a copy of its own.
@@ -975,7 +979,9 @@ def replay(
         # long ones).
         target = targets[0]
         if values.dtype == route.dtype and values.device == target.device:
-            if (
+            if positions is None and listed is not None and target.is_cpu:
+                positions = _cpu_passes.listed_positions(listed, 0, len(listed), 0)
+            elif (
                 positions is None
                 and indices.device == target.device
                 and indices.shape[0] <= _cpu_passes.HOST_FROM
@@ -1026,7 +1032,9 @@ def replay(
         for begin in range(start, stop, size):
             end = min(stop, begin + size)
             whole = begin == 0 and end == count  # no slicing (each slice is an operation)
-            if shift == 0 and device_indices.dtype == torch.long:
+            if listed is not None and on_cpu:
+                at = _cpu_passes.listed_positions(listed, begin, end, shift)
+            elif shift == 0 and device_indices.dtype == torch.long:
                 at = device_indices if whole else device_indices[begin:end]
             elif on_cpu:
                 # numpy, into this thread's buffer: no intra-op threads to wait on, and no
@@ -1107,7 +1115,7 @@ def replay_dense(
 
 
 def replay_bounds(
-    replays: list[tuple[Route, torch.Tensor, bool]], *, host: bool = True
+    replays: Sequence[tuple[Route, torch.Tensor | list[int], bool]], *, host: bool = True
 ) -> list[list[tuple[int, int] | None] | None]:
     """The covered slices of every partly covered segment of many replays, read at once.
 
@@ -1115,7 +1123,8 @@ def replay_bounds(
     it covers, or `None` where it covers the whole tensor (or the indices are unsorted). One
     host read per device for all of them; `replay` would otherwise read each on its own, a
     device synchronisation each. Indices on CPU are searched at once by numpy (`host`; False
-    sends them the accelerators' way, for tests).
+    sends them the accelerators' way, for tests), a Python list of them (validation's
+    `CheckedPatch._listed`) by `bisect`.
     """
     searches: dict[torch.device, list[torch.Tensor]] = {}
     # Per segment: None (whole tensor), the slice found on the host, or where to read it.
@@ -1129,6 +1138,9 @@ def replay_bounds(
         for segment in route.segments:
             if segment._span == (0, last):
                 slots.append(None)
+            elif isinstance(indices, list):
+                low, high = segment._span
+                slots.append((bisect_left(indices, low), bisect_right(indices, high)))
             elif host and indices.device.type == "cpu":  # nothing to synchronise: search now
                 slots.append(_host_covered(indices, segment._span))
             else:

@@ -79,16 +79,27 @@ def exact(patches: list[CheckpointWeightPatch], strategy: object) -> tuple[list[
     return [c.sorted_unique for c in checked], ""
 
 
-def fast(patches: list[CheckpointWeightPatch], strategy: object) -> tuple[list[bool], str]:
+def fast(
+    patches: list[CheckpointWeightPatch], strategy: object, *, one_by_one: bool = False
+) -> tuple[list[bool], str]:
+    """The common case's verdict; `one_by_one`: every CPU patch was checked by itself."""
     try:
         checked = check_patches(patches, strategy=strategy)  # type: ignore[arg-type]
     except InvalidPatchError as error:
         return [], str(error)
+    # Every sparse patch increasing: the common case decided them (no exact checks ran).
+    common = all(c.sorted_unique for c in checked if c.sparse)
     for item in checked:
         if item._positions is not None:  # int64 copies of the indices, for replay
             assert item.patch.indices is not None
             assert item._positions.dtype == torch.long
             assert torch.equal(item._positions, item.patch.indices.long())
+        indices = item.patch.indices
+        if item._listed is not None:  # a short patch checked as a list keeps it for replay
+            assert indices is not None and indices.shape[0] <= _patch._LISTED_UP_TO
+            assert item._listed == indices.tolist()
+        elif one_by_one and common and indices is not None:
+            assert indices.shape[0] > _patch._LISTED_UP_TO, "a short patch kept no list"
     return [c.sorted_unique for c in checked], ""
 
 
@@ -148,9 +159,10 @@ def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
     with small_blocks():  # short patches checked together, long ones block by block
         assert fast(patches, strategy) == expected
     with small_blocks(joined=2**30):  # on CPU, every patch by itself
-        assert fast(patches, strategy) == expected
-    # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each).
-    assert fast(patches, strategy) == expected
+        assert fast(patches, strategy, one_by_one=True) == expected
+    # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each; those
+    # of up to `_LISTED_UP_TO` indices as Python lists).
+    assert fast(patches, strategy, one_by_one=True) == expected
 
 
 def test_a_step_back_exactly_at_a_block_boundary_is_seen() -> None:
@@ -424,8 +436,9 @@ def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
     edges = [infinity, infinity + 1, (1 << (width - 1)) - 1, 0, -1, info.min, info.min + 1]
     edges += [infinity - (1 << (width - 1)), infinity + 1 - (1 << (width - 1))]  # -inf, -NaN
     bits = data.draw(st.one_of(st.sampled_from(edges), st.integers(info.min, info.max)))
-    # Around each way `reserved_on_host` reads: torch's amax up to `_AMAX_UP_TO`, then the bits.
-    count = data.draw(st.sampled_from([1, 8191, 8192, 8193, 40_001]))
+    # Around each way `reserved_on_host` reads: Python floats up to `_LISTED_UP_TO`, torch's amax
+    # up to `_AMAX_UP_TO`, then the bits.
+    count = data.draw(st.sampled_from([1, 31, 32, 33, 8191, 8192, 8193, 40_001]))
     values = torch.linspace(-3, 3, count).to(dtype)
     values.view(integer)[at % count] = bits
     if data.draw(st.booleans()):  # a strided view: every other element of a longer tensor
@@ -486,6 +499,13 @@ def test_shifted_positions_are_exact_near_every_integer_edge(
     assert got.dtype == torch.long
     assert got.tolist() == [v - shift for v in values[begin:end]]
     assert _cpu_passes.shifted_positions(indices, begin, end, shift).tolist() == got.tolist()
+    # The same from validation's list of a short patch: a tensor of its own.
+    listed = _cpu_passes.listed_positions(values, begin, end, shift)
+    assert listed.dtype == torch.long and listed.is_contiguous()
+    assert listed.tolist() == [v - shift for v in values[begin:end]]
+    assert _cpu_passes.listed_positions(values, begin, end, shift).data_ptr() != (
+        listed.data_ptr() if listed.numel() else -1
+    )
 
 
 def test_the_host_buffers_are_per_thread_and_grow() -> None:
@@ -584,4 +604,10 @@ def test_the_accelerators_batched_search_finds_the_slices_the_host_search_finds(
         route = routes._route(name)
         assert route is not None
         replays.append((route, torch.tensor(chosen, dtype=dtype), data.draw(st.booleans())))
-    assert _routes.replay_bounds(replays, host=False) == _routes.replay_bounds(replays)
+    found = _routes.replay_bounds(replays)
+    assert _routes.replay_bounds(replays, host=False) == found
+    # And validation's list of a short patch, searched by bisect.
+    listed: list[tuple[_routes.Route, torch.Tensor | list[int], bool]] = [
+        (route, indices.tolist(), ordered) for route, indices, ordered in replays
+    ]
+    assert _routes.replay_bounds(listed) == found

@@ -6,6 +6,7 @@ validate -> resolve aliases -> order -> replay known routes | chunk -> stage -> 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import cast
 
 import torch
@@ -165,8 +166,15 @@ class _Loader:
         protect: Mapping[str, str],
         *,
         atomic: bool,
+        items: list[CheckedPatch],
     ) -> None:
         self.model, self.chunking = model, chunking
+        # The call's patches in order, as read: an entry is replaced by a copy (`_copy`) when
+        # an earlier write of the call would change what it reads.
+        self.items = items
+        self.at = 0  # the index in `items` of the patch being added
+        self._inputs: set[int] | None = None  # see `_input_storages`
+        self._copied: set[int] = set()
         self.module = as_module(model)  # what the loader calls run on
         self.routes, self.undo, self.protect, self.atomic = routes, undo, protect, atomic
         # Replays look tensors up where the model registers them (RouteCache._live: two dict
@@ -180,14 +188,14 @@ class _Loader:
         )
         self._index: ModelIndex | None = None  # built at the first loader call
         self.names: set[str] = set()
-        self.chunk: list[CheckedPatch] = []
+        self.chunk: list[int] = []  # indices in `items`
         self.chunk_names: set[str] = set()
         self.chunk_nbytes = 0
         # Routes being verified in the current chunk: name -> the route to compare with.
         self.verifying: dict[str, Route] = {}
-        # Replays gathered since the last loader call (route, patch, each segment's
-        # destination as checked live), run by `flush`.
-        self.pending: list[tuple[Route, CheckedPatch, list[torch.Tensor]]] = []
+        # Replays gathered since the last loader call (route, the patch's index in `items`,
+        # each segment's destination as checked live), run by `flush`.
+        self.pending: list[tuple[Route, int, list[torch.Tensor]]] = []
         # The tensors they write, by name: gathered only once a route that read model values
         # needs them (`None` until then).
         self.pending_writes: set[str] | None = None
@@ -284,7 +292,7 @@ class _Loader:
                 else:
                     self._load_chunk()
                     # Replayed at the next flush, in order.
-                    self.pending.append((usable[0], item, usable[1]))
+                    self.pending.append((usable[0], self.at, usable[1]))
                     if self.pending_writes is not None:
                         self.pending_writes |= usable[0]._writes
                     return
@@ -292,13 +300,13 @@ class _Loader:
         size = item.staged_nbytes
         if self.chunk and (
             name in self.chunk_names
-            or item.sparse != self.chunk[0].sparse
+            or item.sparse != self.items[self.chunk[0]].sparse
             or self.chunking.split_before(
                 ChunkState(self.chunk_nbytes, len(self.chunk), item, size)
             )
         ):
             self.flush()
-        self.chunk.append(item)
+        self.chunk.append(self.at)
         self.chunk_names.add(name)
         self.chunk_nbytes += size
 
@@ -319,23 +327,38 @@ class _Loader:
         if not pending:
             return
         assert self.routes is not None
-        searches: list[tuple[Route, torch.Tensor | list[int], bool]] = [
-            (
-                route,
-                item._listed
-                if item._listed is not None
-                else item._positions
-                if item._positions is not None
-                else item._patch.indices,
-                item._sorted_unique,
-            )
-            for route, item, _ in pending
-            if item._patch.indices is not None and not route._whole
-        ]
+        items = self.items
+        searches: list[tuple[Route, torch.Tensor | list[int], bool]] = []
+        for route, at, _ in pending:
+            item = items[at]
+            if item._patch.indices is not None and not route._whole:
+                searches.append(
+                    (
+                        route,
+                        item._listed
+                        if item._listed is not None
+                        else item._positions
+                        if item._positions is not None
+                        else item._patch.indices,
+                        item._sorted_unique,
+                    )
+                )
         found = iter(replay_bounds(searches))
         undo = self.undo if self.atomic else None
         names, stats = self.names, self.routes.stats
-        for route, item, targets in pending:
+        # The storages these replays write that the call's patches read (rarely any): before
+        # each write into one, the later patches reading it get copies.
+        hits: AbstractSet[int] = (
+            set().union(*[route._storages for route, _, _ in pending]) & self._input_storages()
+            if len(items) > 1
+            else set()
+        )
+        for route, at, targets in pending:
+            if hits:
+                reached = route._storages & hits
+                if reached:
+                    self._copy_readers(reached, at + 1)
+            item = items[at]
             patch = item._patch
             if self.protect:
                 for target in targets:
@@ -357,6 +380,47 @@ class _Loader:
             names |= route.reported
             stats.replayed += 1
 
+    def _input_storages(self) -> set[int]:
+        """The storages the call's patches read (values and indices), by data pointer.
+
+        Found once, at the call's first write that a later patch could read, before any write.
+        """
+        if self._inputs is None:
+            items = self.items
+            found = {item._patch.values.untyped_storage().data_ptr() for item in items}
+            found.update(
+                indices.untyped_storage().data_ptr()
+                for item in items
+                if (indices := item._patch.indices) is not None
+            )
+            found.discard(0)  # (an empty storage holds nothing to change)
+            self._inputs = found
+        return self._inputs
+
+    def _copy_readers(self, storages: AbstractSet[int], first: int) -> None:
+        """Give copies to the patches from `first` on that read one of `storages`.
+
+        Called before a write into `storages`: those patches read copies made now
+        (`CheckedPatch._copied`), as the tensors were when the call began.
+
+        A patch's values or indices may view a model tensor that an earlier patch of the same
+        call writes (a layer's weights sent as another's, a payload decoded into a buffer the
+        model holds): the loader path stages a chunk's sparse patches before writing any, a
+        replay reads its patch when it writes, a dense load when the loader copies it. Copying
+        before the first write that reaches them makes every path read the same values: those
+        validation checked, whatever routes and chunking the call takes.
+        """
+        items, copied = self.items, self._copied
+        for k in range(first, len(items)):
+            patch = items[k]._patch
+            indices = patch.indices
+            if k not in copied and (
+                patch.values.untyped_storage().data_ptr() in storages
+                or (indices is not None and indices.untyped_storage().data_ptr() in storages)
+            ):
+                copied.add(k)
+                items[k] = items[k]._copied()
+
     def flush(self) -> None:
         """Apply everything gathered: pending replays, or the chunk (never both at once)."""
         self._replay_pending()
@@ -367,6 +431,13 @@ class _Loader:
         if not self.chunk:
             return
         chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
+        # The loader may write any model tensor. Its sparse patches are staged before it runs;
+        # its dense ones are read as it copies them, and every later patch after it.
+        index = self.index
+        reached = {key for key in self._input_storages() if index.holds(key)}
+        if reached:
+            first = chunk[0] if not self.items[chunk[0]].sparse else chunk[-1] + 1
+            self._copy_readers(reached, first)
         loads = [
             Load(
                 item.patch.name,
@@ -375,9 +446,8 @@ class _Loader:
                 item.patch.values,
                 item.patch.indices,
             )
-            for item in chunk
+            for item in (self.items[at] for at in chunk)
         ]
-        del chunk[:]  # only the loader holds the staged tensors from here on
         if self.routes is not None:
             self.routes.stats.loader_calls += 1
         result = run_loader(
@@ -514,13 +584,14 @@ def load_checkpoint_weight_patches(
     if routes is not None:
         routes._bind(model)
     undo = UndoLog()
-    loader = _Loader(model, chosen_chunking, routes, undo, protected, atomic=atomic)
+    loader = _Loader(model, chosen_chunking, routes, undo, protected, atomic=atomic, items=items)
     loader.learn_dense_routes(items)
     loader.refuse_protected_routes(items)
     done = False
     try:
-        for item in items:
-            loader.add(item)
+        for at in range(len(items)):
+            loader.at = at
+            loader.add(items[at])  # (a copy, if an earlier write reached what it reads)
         loader.flush()
         done = True
     except BaseException:

@@ -245,6 +245,29 @@ class CheckedPatch:
             listed=self._listed,
         )
 
+    def _copied(self) -> CheckedPatch:
+        """The same checked patch reading copies of its values and indices.
+
+        What a call reads instead of tensors that an earlier write of the same call would
+        change (see `patchctx._load`). Validation's own by-products are kept: its int64
+        positions (moved to the copy when they are the indices themselves) and its list of
+        short indices are snapshots already.
+        """
+        patch = self._patch
+        indices = patch.indices
+        copy = None if indices is None else indices.clone()
+        positions = self._positions
+        if positions is not None and positions is indices:
+            positions = copy
+        return CheckedPatch._make(
+            self._position,
+            patch._replace(values=patch.values.clone(), indices=copy),
+            self._numel,
+            sorted_unique=self._sorted_unique,
+            positions=positions,
+            listed=self._listed,
+        )
+
     def unpositioned(self) -> CheckedPatch:
         """The same checked patch, marked as made by a policy."""
         return CheckedPatch._make(

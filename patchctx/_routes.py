@@ -435,6 +435,8 @@ class Route:
     _written: tuple[Segment | Fill, ...] = field(init=False, repr=False, compare=False)
     # The bytes the segments write within: from each one's storage start, `Segment._needs`.
     _spans: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    # The storages a replay writes (segments' and fills'), by their data pointers.
+    _storages: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
@@ -446,6 +448,7 @@ class Route:
         )
         written: tuple[Segment | Fill, ...] = (*self.segments, *self.fills)
         object.__setattr__(self, "_written", written)
+        object.__setattr__(self, "_storages", frozenset(w.storage_ptr for w in written))
         object.__setattr__(
             self,
             "_writes",
@@ -1100,8 +1103,9 @@ def replay_dense(
     """
     # The segments' source geometry is that of the staged tensor: contiguous, from its start.
     # (as_strided takes an offset into the storage, so `values` may not start it: a view into
-    # a received payload, say.)
-    full = values.to(dtype=route.dtype).contiguous()
+    # a received payload, say.) Values over bytes the route writes are read from a copy, as the
+    # loader path reads its staged tensor (`_apart`).
+    full = _apart(values, route._spans).to(dtype=route.dtype).contiguous()
     for segment, target in zip(route.segments, targets[: len(route.segments)], strict=True):
         source = full if full.device == target.device else full.to(target.device)
         there = segment.target

@@ -101,6 +101,10 @@ class ModelIndex:
             if key is not None:
                 self._protected[key] = f"{name!r} ({reason})"
 
+    def holds(self, key: int) -> bool:
+        """Whether the storage with data pointer `key` (`storage_key`) is a model tensor's."""
+        return key in self._by_storage
+
     def owner(self, tensor: torch.Tensor) -> Owner | None:
         key = storage_key(tensor)
         return None if key is None else self._by_storage.get(key)

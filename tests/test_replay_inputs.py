@@ -3,6 +3,7 @@ values that view the very storage a route writes. Each loads as the dense truth.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 from torch import nn
 
 from patchctx import (
+    CheckedPatch,
     CheckpointWeightPatch,
+    PerTensor,
     RouteCache,
     _routes,
     load_checkpoint_weight_patches,
@@ -105,10 +108,11 @@ class Aliased(ToyLayer):
             self.weight.data.copy_(loaded)
 
 
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 @pytest.mark.parametrize("halves", [True, False], ids=["two-segments", "whole"])
 @pytest.mark.parametrize("routes", [True, False], ids=["replay", "loader"])
-def test_sparse_values_that_view_the_written_storage_replay_as_the_loader_stages_them(
-    routes: bool, halves: bool
+def test_values_that_view_the_written_storage_replay_as_the_loader_stages_them(
+    routes: bool, halves: bool, sparse: bool
 ) -> None:
     """Values read from the storage a route writes: the loader path stages them (a copy)
     before any write, so replay must read them as they were too.
@@ -117,7 +121,8 @@ def test_sparse_values_that_view_the_written_storage_replay_as_the_loader_stages
     tail: through a flat view up to the segment's last position, torch's overlap check does
     not see the values, and the second segment read values the first had just written
     (silently wrong). A whole-tensor route refused the call with torch's "some elements of the
-    input tensor and the written-to tensor refer to a single memory location".
+    input tensor and the written-to tensor refer to a single memory location". A dense patch
+    along its route did both, with its strided copies.
     """
     layer = Aliased(halves)
     model = ToyModel({"h": layer})
@@ -130,7 +135,8 @@ def test_sparse_values_that_view_the_written_storage_replay_as_the_loader_stages
     load_checkpoint_weight_patches(model, [learn], routes=cache)
     values = layer.buffer[H : 3 * H] if halves else layer.buffer[1 : 2 * H + 1]
     expected = values.clone()
-    patch = CheckpointWeightPatch(name, shape, torch.float32, values, torch.arange(2 * H))
+    indices = torch.arange(2 * H) if sparse else None
+    patch = CheckpointWeightPatch(name, shape, torch.float32, values, indices)
     load_checkpoint_weight_patches(model, [patch], routes=cache)
     if cache is not None:
         assert cache.stats.replayed == 1
@@ -167,3 +173,140 @@ def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
         copied = _routes._apart(tensor, route._spans)
         assert copied is not tensor and torch.equal(copied, tensor)
         assert copied.data_ptr() != tensor.data_ptr()
+
+
+# ----------------------------------------------------------------- across patches of one call
+
+
+N = 40  # more indices than validation keeps as a list (`_patch._LISTED_UP_TO`)
+M = 2 * N  # the weights' size
+
+
+class Two(nn.Module):
+    """Two weights and an int64 buffer, each loaded by a plain ``copy_``."""
+
+    where: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.arange(float(M)), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(M), requires_grad=False)
+        self.register_buffer("where", torch.arange(N, dtype=torch.int64))
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            getattr(self, name).copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+def _learnt(routes: bool) -> tuple[Two, RouteCache | None]:
+    model = Two()
+    cache = RouteCache() if routes else None
+    if cache is not None:  # a first sparse patch to each name records its route
+        first = [
+            CheckpointWeightPatch(
+                n, tuple(t.shape), t.dtype, t.view(-1)[:1].clone(), torch.tensor([0])
+            )
+            for n, t in [("a", model.a), ("b", model.b), ("where", model.where)]
+        ]
+        load_checkpoint_weight_patches(model, first, routes=cache)
+        model.load_weights([("a", torch.arange(float(M))), ("b", torch.zeros(M))])
+        model.load_weights([("where", torch.arange(N, dtype=torch.int64))])
+    return model, cache
+
+
+def _reading_the_model(case: str, count: int, model: Two) -> list[CheckpointWeightPatch]:
+    """Two patches: the first writes a model tensor that the second's values or indices view.
+
+    Every element of the second patch's tensors, as they are when the call begins, is valid;
+    after the first patch's write, they are not what validation checked (NaN values that the
+    NaN strategy reserves, indices elsewhere).
+    """
+    a, where = model.a.view(-1), model.where.view(-1)
+    nan = torch.full((M,), float("nan"))
+    first_a = CheckpointWeightPatch("a", (M,), torch.float32, nan)  # dense: NaN is a value
+    if case == "sparse values":  # b[:count] = a[:count] as it was
+        second = CheckpointWeightPatch("b", (M,), torch.float32, a[:count], torch.arange(count))
+        return [first_a, second]
+    if case == "dense values":  # b = a as it was
+        return [first_a, CheckpointWeightPatch("b", (M,), torch.float32, a)]
+    # "sparse indices": b[where[:count]] = 1, where as it was (0 .. count - 1), not N on
+    moved = torch.arange(N, 2 * N, dtype=torch.int64)
+    return [
+        CheckpointWeightPatch("where", (N,), torch.int64, moved),
+        CheckpointWeightPatch("b", (M,), torch.float32, torch.ones(count), where[:count]),
+    ]
+
+
+def _as_they_were(patches: list[CheckpointWeightPatch]) -> list[CheckpointWeightPatch]:
+    return [
+        p._replace(
+            values=p.values.clone(), indices=None if p.indices is None else p.indices.clone()
+        )
+        for p in patches
+    ]
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+@pytest.mark.parametrize("chunking", ["one call", "per tensor"])
+@pytest.mark.parametrize("routes", [True, False], ids=["replay", "loader"])
+@pytest.mark.parametrize("count", [4, N], ids=["short", "long"])
+@pytest.mark.parametrize("case", ["sparse values", "dense values", "sparse indices"])
+def test_a_patch_reads_its_tensors_as_they_were_when_the_call_began(
+    case: str, count: int, routes: bool, chunking: str, atomic: bool
+) -> None:
+    """A patch whose values or indices view a model tensor that an earlier patch of the same
+    call writes reads them as they were when the call began, on every path.
+
+    The loader path stages a chunk's sparse patches before writing any; a replay read its
+    patch when it wrote it, and a dense load when the loader copied it. So the result depended
+    on routes and chunking: a sparse replay wrote NaN that validation never saw (the loader
+    path, in one chunk, the values as they were), a dense load copied the new values, and
+    indices read after the write put the values elsewhere (or out of range).
+    """
+    model, cache = _learnt(routes)
+    reference = copy.deepcopy(model)
+    expected_patches = _as_they_were(_reading_the_model(case, count, reference))
+    load_checkpoint_weight_patches(reference, expected_patches)
+    patches = _reading_the_model(case, count, model)
+    policy = PerTensor() if chunking == "per tensor" else None
+    load_checkpoint_weight_patches(model, patches, routes=cache, chunking=policy, atomic=atomic)
+    if cache is not None:
+        assert cache.stats.replayed == 2 and cache.stats.invalidated == 0
+    assert_same_state(state(model), state(reference))
+    assert not torch.isnan(model.b).any()
+
+
+def test_only_patches_reading_a_written_storage_are_copied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copies cost nothing in the common case: a patch is copied only when an earlier
+    write of its call reaches the storage its values or indices lie in."""
+    copied: list[str] = []
+    original = CheckedPatch._copied
+
+    def counted(self: CheckedPatch) -> CheckedPatch:
+        copied.append(self.name)
+        return original(self)
+
+    monkeypatch.setattr(CheckedPatch, "_copied", counted)
+    for routes in (True, False):
+        model, cache = _learnt(routes)
+        fresh = [
+            CheckpointWeightPatch("a", (M,), torch.float32, torch.ones(3), torch.arange(3)),
+            CheckpointWeightPatch("b", (M,), torch.float32, torch.ones(M)),
+            CheckpointWeightPatch("where", (N,), torch.int64, torch.arange(N)),
+        ]
+        load_checkpoint_weight_patches(model, fresh, routes=cache)
+        assert copied == []
+        # A view of a model tensor the call does not write: left where it is by replays (they
+        # know what they write), copied before a loader call (it may write any).
+        unwritten = [CheckpointWeightPatch("b", (M,), torch.float32, model.a.view(-1))]
+        load_checkpoint_weight_patches(model, unwritten, routes=cache)
+        assert copied == ([] if routes else ["b"])
+        copied.clear()
+        load_checkpoint_weight_patches(model, _reading_the_model("sparse values", 4, model))
+        assert copied == ["b"]
+        copied.clear()

@@ -17,7 +17,13 @@ from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState
 from patchctx._errors import InvalidPatchError, LoaderContractError, PatchProblem
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
 from patchctx._ordering import InputOrder, OrderingPolicy
-from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, check_patches
+from patchctx._patch import (
+    CheckedPatch,
+    CheckpointWeightPatch,
+    PatchLike,
+    check_patches,
+    starts_of,
+)
 from patchctx._routes import Route, RouteCache, replay, replay_bounds, replay_dense
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
@@ -290,7 +296,8 @@ class _Loader:
                 if patch.indices is not None and routes._due_for_verification(name):
                     self.verifying[name] = usable[0]  # through the loader, then compared
                 else:
-                    self._load_chunk()
+                    if self.chunk:
+                        self._load_chunk()
                     # Replayed at the next flush, in order.
                     self.pending.append((usable[0], self.at, usable[1]))
                     if self.pending_writes is not None:
@@ -386,13 +393,7 @@ class _Loader:
         Found once, at the call's first write that a later patch could read, before any write.
         """
         if self._inputs is None:
-            items = self.items
-            found = {item._patch.values.untyped_storage().data_ptr() for item in items}
-            found.update(
-                indices.untyped_storage().data_ptr()
-                for item in items
-                if (indices := item._patch.indices) is not None
-            )
+            found = {start for item in self.items for start in starts_of(item)}
             found.discard(0)  # (an empty storage holds nothing to change)
             self._inputs = found
         return self._inputs
@@ -412,12 +413,7 @@ class _Loader:
         """
         items, copied = self.items, self._copied
         for k in range(first, len(items)):
-            patch = items[k]._patch
-            indices = patch.indices
-            if k not in copied and (
-                patch.values.untyped_storage().data_ptr() in storages
-                or (indices is not None and indices.untyped_storage().data_ptr() in storages)
-            ):
+            if k not in copied and not storages.isdisjoint(starts_of(items[k])):
                 copied.add(k)
                 items[k] = items[k]._copied()
 

@@ -142,7 +142,15 @@ class CheckedPatch:
         InvalidPatchTypeError
     """
 
-    __slots__ = ("_listed", "_numel", "_patch", "_position", "_positions", "_sorted_unique")
+    __slots__ = (
+        "_listed",
+        "_numel",
+        "_patch",
+        "_position",
+        "_positions",
+        "_sorted_unique",
+        "_starts",
+    )
 
     _position: int | None
     _patch: CheckpointWeightPatch
@@ -154,6 +162,9 @@ class CheckedPatch:
     # Short sparse patches on CPU validated on the host: their indices as a Python list (a
     # snapshot, as `_positions` is), which replay searches and shifts without a torch operation.
     _listed: list[int] | None
+    # Where the storages of its values and indices start (`storage_start`), found while
+    # validation reads the tensors anyway: what a call checks its writes against (`_load`).
+    _starts: tuple[int, ...] | None
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise InvalidPatchTypeError(
@@ -179,6 +190,7 @@ class CheckedPatch:
         sorted_unique: bool = False,
         positions: torch.Tensor | None = None,
         listed: list[int] | None = None,
+        starts: tuple[int, ...] | None = None,
     ) -> CheckedPatch:
         self = object.__new__(cls)
         _set_position(self, position)
@@ -187,6 +199,7 @@ class CheckedPatch:
         _set_sorted_unique(self, sorted_unique)
         _set_positions(self, positions)
         _set_listed(self, listed)
+        _set_starts(self, starts)
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -243,6 +256,7 @@ class CheckedPatch:
             sorted_unique=self._sorted_unique,
             positions=self._positions,
             listed=self._listed,
+            starts=self._starts,
         )
 
     def _copied(self) -> CheckedPatch:
@@ -293,6 +307,23 @@ _set_numel = _slot_setter("_numel")
 _set_sorted_unique = _slot_setter("_sorted_unique")
 _set_positions = _slot_setter("_positions")
 _set_listed = _slot_setter("_listed")
+_set_starts = _slot_setter("_starts")
+
+
+def starts_of(item: CheckedPatch) -> tuple[int, ...]:
+    """Where the storages a checked patch reads start (`CheckedPatch._starts`).
+
+    Each as ``untyped_storage().data_ptr()``, without making the storage's Python object
+    (for a tensor just made, that costs a microsecond).
+    """
+    if item._starts is not None:
+        return item._starts
+    patch = item._patch
+    values, indices = patch.values, patch.indices
+    start = values.data_ptr() - values.storage_offset() * values.itemsize
+    if indices is None:
+        return (int(start),)
+    return int(start), int(indices.data_ptr() - indices.storage_offset() * indices.itemsize)
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -1054,6 +1085,9 @@ def check_patches(
             if found:
                 continue
         structural.append(CheckedPatch._make(position, patch, numel))
+    if len(structural) > 1:  # a write of the call may reach what a later patch reads
+        for item in structural:  # (found here, where the tensors were just read)
+            _set_starts(item, starts_of(item))
     checked, numeric = _numeric_problems(structural, strategy, validate_unique_indices)
     problems.extend(numeric)
     if problems:

@@ -761,9 +761,12 @@ for a loader that copies views
     def _slot_of(self, name: str, model: torch.nn.Module) -> torch.Tensor | None:
         found_in, slots = self._slots
         slot = slots.get(name) if found_in is model else None
-        if slot is None or not all(
-            parent._modules.get(attr) is child for parent, attr, child in slot[2]
-        ):
+        if slot is not None:
+            for parent, attr, child in slot[2]:  # (a loop: a generator costs more than it)
+                if parent._modules.get(attr) is not child:
+                    slot = None
+                    break
+        if slot is None:
             slots = _slots_of(model)
             self._slots = (model, slots)
             slot = slots.get(name)

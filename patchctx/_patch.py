@@ -354,6 +354,7 @@ def _as_patch(
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_CPU = torch.device("cpu")
 
 # No tensor holds more elements than int64 counts.
 _MAX_NUMEL = 2**63 - 1
@@ -639,8 +640,11 @@ def _all_valid(
         if item._numel >= _FAST_NUMEL_LIMIT:
             return None
         values = patch.values
-        device = values.device
-        if indices.shape[0] > _batched_up_to(device):
+        if values.is_cpu:  # (one device object for all: no new one to make and hash)
+            device, most = _CPU, _CPU_BATCHED_UP_TO
+        else:
+            device, most = values.device, _BATCHED_UP_TO
+        if indices.shape[0] > most:
             large.setdefault(device, []).append(k)
             continue
         groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)
@@ -807,10 +811,11 @@ def _batch_flags(
     lasts: list[int] = []  # position of each non-empty patch's last index in the concatenation
     limits: list[int] = []
     end = 0
+    on_cpu = device.type == "cpu"
     for k in keys:
         indices = checked[k]._patch.indices
         assert indices is not None
-        if indices.device != device:
+        if not indices.is_cpu if on_cpu else indices.device != device:
             indices = indices.to(device)
         parts.append(indices)
         count = indices.shape[0]

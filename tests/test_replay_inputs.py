@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from patchctx import (
@@ -310,3 +312,88 @@ def test_only_patches_reading_a_written_storage_are_copied(
         load_checkpoint_weight_patches(model, _reading_the_model("sparse values", 4, model))
         assert copied == ["b"]
         copied.clear()
+
+
+class Three(nn.Module):
+    """Three weights and an int64 buffer of positions, each loaded by a plain ``copy_``."""
+
+    where: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        for k, name in enumerate("abc"):
+            start = float(k * M)
+            setattr(self, name, nn.Parameter(torch.arange(start, start + M), requires_grad=False))
+        self.register_buffer("where", torch.arange(N, dtype=torch.int64))
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            getattr(self, name).copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+@st.composite
+def reading_calls(draw: st.DrawFn, model: Three) -> list[CheckpointWeightPatch]:
+    """A call of 2 to 5 patches whose values and indices are fresh or views of the model."""
+    tensors = {name: getattr(model, name).view(-1) for name in "abc"}
+    patches = []
+    for _ in range(draw(st.integers(2, 5))):
+        name = draw(st.sampled_from("abcw"))
+        if name == "w":  # new positions, still strictly increasing and below M
+            chosen = sorted(draw(st.sets(st.integers(0, M - 1), min_size=N, max_size=N)))
+            moved = torch.tensor(chosen, dtype=torch.int64)
+            patches.append(CheckpointWeightPatch("where", (N,), torch.int64, moved))
+            continue
+        source = draw(st.sampled_from(["fresh", "a", "b", "c"]))
+        if draw(st.booleans()):  # dense
+            values = torch.randn(M) if source == "fresh" else tensors[source]
+            patches.append(CheckpointWeightPatch(name, (M,), torch.float32, values))
+            continue
+        count = draw(st.integers(1, N))
+        at = draw(st.integers(0, N - count))
+        values = torch.randn(count) if source == "fresh" else tensors[source][at : at + count]
+        if draw(st.booleans()):
+            indices = model.where.view(-1)[at : at + count]
+        else:
+            chosen = sorted(draw(st.sets(st.integers(0, M - 1), min_size=count, max_size=count)))
+            indices = torch.tensor(chosen)
+        patches.append(CheckpointWeightPatch(name, (M,), torch.float32, values, indices))
+    return patches
+
+
+@given(
+    data=st.data(),
+    routes=st.booleans(),
+    chunking=st.sampled_from(["one call", "per tensor"]),
+    atomic=st.booleans(),
+)
+def test_any_call_reading_the_model_equals_its_patches_applied_as_they_were(
+    data: st.DataObject, routes: bool, chunking: str, atomic: bool
+) -> None:
+    """Property: whatever model tensors a call's patches view, and whichever of them it
+    writes first, the weights equal the patches' values and indices as they were when the
+    call began, applied one by one in order."""
+    model = Three()
+    cache = RouteCache() if routes else None
+    if cache is not None:
+        first = [
+            CheckpointWeightPatch(
+                n,
+                (M,) if n != "where" else (N,),
+                t.dtype,
+                t.view(-1)[:1].clone(),
+                torch.tensor([0]),
+            )
+            for n, t in model.state_dict().items()
+        ]
+        load_checkpoint_weight_patches(model, first, routes=cache)
+    reference = copy.deepcopy(model)
+    patches = data.draw(reading_calls(model))
+    as_they_were = _as_they_were(patches)
+    for patch in as_they_were:
+        load_checkpoint_weight_patches(reference, [patch])
+    policy = PerTensor() if chunking == "per tensor" else None
+    load_checkpoint_weight_patches(model, patches, routes=cache, chunking=policy, atomic=atomic)
+    assert_same_state(state(model), state(reference))

@@ -175,8 +175,8 @@ class _Loader:
         items: list[CheckedPatch],
     ) -> None:
         self.model, self.chunking = model, chunking
-        # The call's patches in order, as read: an entry is replaced by a copy (`_copy`) when
-        # an earlier write of the call would change what it reads.
+        # The call's patches in order, as read: an entry is replaced by a copy
+        # (`_copy_readers`) when an earlier write of the call would change what it reads.
         self.items = items
         self.at = 0  # the index in `items` of the patch being added
         self._inputs: set[int] | None = None  # see `_input_storages`
@@ -427,8 +427,9 @@ class _Loader:
         if not self.chunk:
             return
         chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
-        # The loader may write any model tensor. Its sparse patches are staged before it runs;
-        # its dense ones are read as it copies them, and every later patch after it.
+        # The loader may write any model tensor. It reads the chunk's dense patches as it copies
+        # them (its sparse ones are staged before it runs), and every later patch reads after
+        # it: those that view a model tensor get copies first.
         index = self.index
         reached = {key for key in self._input_storages() if index.holds(key)}
         if reached:

@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "HOST_FROM",
+    "LISTED_UP_TO",
     "each_increasing_below",
     "has_nan_bits",
     "has_value",
@@ -43,6 +44,12 @@ __all__ = [
 HOST_FROM = 1 << 15
 
 _UNSIGNED: dict[int, type[np.unsignedinteger]] = {4: np.uint32, 8: np.uint64}
+
+# A patch of at most this many indices (and values) is checked on the host as Python lists (one
+# ``tolist`` each, about 0.3 µs, against a microsecond or more for each numpy or torch
+# operation), and replay keeps the list of indices (`listed_positions`). Beyond a few dozen,
+# the Python loops cost more than numpy's passes.
+LISTED_UP_TO = 32
 
 # Up to this many indices, the order test writes a fresh temporary (a few KiB).
 _SMALL = 1 << 12
@@ -136,7 +143,7 @@ def listed_positions(listed: list[int], begin: int, end: int, shift: int) -> tor
     One numpy array made from the list (about 1.5 µs for a few, against 3 to 4 for the
     tensor path of `shifted_positions`); a tensor of its own, not a thread buffer.
     """
-    found = np.array(listed if begin == 0 and end == len(listed) else listed[begin:end], np.int64)
+    found = np.array(listed[begin:end], np.int64)
     if shift:
         np.subtract(found, shift, out=found)
     return torch.from_numpy(found)

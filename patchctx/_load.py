@@ -178,7 +178,6 @@ class _Loader:
         # The call's patches in order, as read: an entry is replaced by a copy
         # (`_copy_readers`) when an earlier write of the call would change what it reads.
         self.items = items
-        self.at = 0  # the index in `items` of the patch being added
         self._inputs: set[int] | None = None  # see `_input_storages`
         self._copied: set[int] = set()
         self.module = as_module(model)  # what the loader calls run on
@@ -271,7 +270,9 @@ class _Loader:
                 + "; ".join(refused)
             )
 
-    def add(self, item: CheckedPatch) -> None:
+    def add(self, at: int) -> None:
+        """Gather the patch at `at` in `items`: a replay, or the chunk of the next loader call."""
+        item = self.items[at]  # (a copy, if an earlier write reached what it reads)
         patch = item._patch
         name = patch.name
         routes = self.routes
@@ -299,7 +300,7 @@ class _Loader:
                     if self.chunk:
                         self._load_chunk()
                     # Replayed at the next flush, in order.
-                    self.pending.append((usable[0], self.at, usable[1]))
+                    self.pending.append((usable[0], at, usable[1]))
                     if self.pending_writes is not None:
                         self.pending_writes |= usable[0]._writes
                     return
@@ -313,7 +314,7 @@ class _Loader:
             )
         ):
             self.flush()
-        self.chunk.append(self.at)
+        self.chunk.append(at)
         self.chunk_names.add(name)
         self.chunk_nbytes += size
 
@@ -587,8 +588,7 @@ def load_checkpoint_weight_patches(
     done = False
     try:
         for at in range(len(items)):
-            loader.at = at
-            loader.add(items[at])  # (a copy, if an earlier write reached what it reads)
+            loader.add(at)
         loader.flush()
         done = True
     except BaseException:

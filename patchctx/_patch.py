@@ -586,12 +586,6 @@ _CPU_BATCHED_UP_TO = 1 << 12
 # its int64 copy and its split, which pay off over many patches only.
 _CPU_JOINED_FROM = 8
 
-# On CPU, a sparse patch of at most this many indices is checked on a Python list of them (one
-# ``tolist``, about 0.3 µs, against a microsecond or more for each numpy or torch operation),
-# which replay then searches by `bisect` and shifts without a torch operation. Beyond a few dozen
-# indices, the Python loop costs more than numpy's passes.
-_LISTED_UP_TO = 32
-
 # Above this, a patch's numel could overflow int64 arithmetic on indices: exact checks only.
 _FAST_NUMEL_LIMIT = 1 << 62
 
@@ -605,12 +599,13 @@ def _all_valid(
     when some patch has an index out of range, indices that are not strictly increasing, or a
     reserved value (the exact checks then find which). One host read per device.
 
-    Small patches (`_batched_up_to`) with indices of one dtype are checked together
-    (`_batch_flags`), a lone one on its device by itself (`_small_flags`). On CPU, fewer than
-    `_CPU_JOINED_FROM` small ones, and every large one, are decided on the host patch by
-    patch (`_host_valid`). Large patches on an accelerator: per block of `BLOCK` indices, the
-    extremes, the smallest step (into a reused buffer) and the strategy's reserved-value
-    reduction (`_blocked_flags`). No temporary exceeds a block.
+    Small patches (up to `_CPU_BATCHED_UP_TO` indices on CPU, `_BATCHED_UP_TO` elsewhere) with
+    indices of one dtype are checked together (`_batch_flags`), a lone one on its device by
+    itself (`_small_flags`). On CPU, fewer than `_CPU_JOINED_FROM` small ones, and every
+    large one, are decided on the host patch by patch (`_host_valid`). Large patches on an
+    accelerator: per block of `BLOCK` indices, the extremes, the smallest step (into a reused
+    buffer) and the strategy's reserved-value reduction (`_blocked_flags`). No temporary
+    exceeds a block.
     """
     if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]
@@ -706,7 +701,7 @@ def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrateg
     patch = item._patch
     values, dtype, numel = patch.values, patch.dtype, item._numel
     count = indices.shape[0]
-    if count <= _LISTED_UP_TO:
+    if count <= _cpu_passes.LISTED_UP_TO:
         # A few indices: checked as a Python list, kept for replay (`CheckedPatch._listed`).
         listed: list[int] = indices.tolist()
         if count and (
@@ -729,11 +724,6 @@ def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrateg
         ):
             return False
     return True
-
-
-def _batched_up_to(device: torch.device) -> int:
-    """The most indices of a patch checked with others (its device's `_BATCHED_UP_TO`)."""
-    return _CPU_BATCHED_UP_TO if device.type == "cpu" else _BATCHED_UP_TO
 
 
 def _judged(read: list[int], checks: list[tuple[str, int]]) -> bool:

@@ -584,7 +584,7 @@ def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.
     chosen = strategy.resolve(dtype) if type(strategy) is Auto else strategy
     if type(chosen) is NaNMask and values.dtype is dtype and dtype in _NAN_BY_AMAX:
         count = values.numel()
-        if count <= _LISTED_UP_TO and values.is_cpu:
+        if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
             # A few values as Python floats (NaN stays NaN): no tensor operation at all.
             return any(map(math.isnan, values.tolist()))
         if count <= _AMAX_UP_TO and values.is_cpu:
@@ -600,9 +600,6 @@ def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.
 # values; that reads bf16 faster from about 10K on).
 _NAN_BY_AMAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _AMAX_UP_TO = 8192
-# ... and up to how many by Python's `math.isnan` over ``tolist`` (about 0.3 µs for one value,
-# 1.2 µs for 32, against 3 µs for amax).
-_LISTED_UP_TO = 32
 
 
 def as_strategy(strategy: object, default: CopyStrategy, where: str) -> CopyStrategy:

@@ -96,10 +96,10 @@ def fast(
             assert torch.equal(item._positions, item.patch.indices.long())
         indices = item.patch.indices
         if item._listed is not None:  # a short patch checked as a list keeps it for replay
-            assert indices is not None and indices.shape[0] <= _patch._LISTED_UP_TO
+            assert indices is not None and indices.shape[0] <= _cpu_passes.LISTED_UP_TO
             assert item._listed == indices.tolist()
         elif one_by_one and common and indices is not None:
-            assert indices.shape[0] > _patch._LISTED_UP_TO, "a short patch kept no list"
+            assert indices.shape[0] > _cpu_passes.LISTED_UP_TO, "a short patch kept no list"
     return [c.sorted_unique for c in checked], ""
 
 
@@ -161,7 +161,7 @@ def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
     with small_blocks(joined=2**30):  # on CPU, every patch by itself
         assert fast(patches, strategy, one_by_one=True) == expected
     # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each; those
-    # of up to `_LISTED_UP_TO` indices as Python lists).
+    # of up to `_cpu_passes.LISTED_UP_TO` indices as Python lists).
     assert fast(patches, strategy, one_by_one=True) == expected
 
 
@@ -436,7 +436,7 @@ def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
     edges = [infinity, infinity + 1, (1 << (width - 1)) - 1, 0, -1, info.min, info.min + 1]
     edges += [infinity - (1 << (width - 1)), infinity + 1 - (1 << (width - 1))]  # -inf, -NaN
     bits = data.draw(st.one_of(st.sampled_from(edges), st.integers(info.min, info.max)))
-    # Around each way `reserved_on_host` reads: Python floats up to `_LISTED_UP_TO`, torch's amax
+    # Around each way `reserved_on_host` reads: Python floats up to `LISTED_UP_TO`, torch's amax
     # up to `_AMAX_UP_TO`, then the bits.
     count = data.draw(st.sampled_from([1, 31, 32, 33, 8191, 8192, 8193, 40_001]))
     values = torch.linspace(-3, 3, count).to(dtype)

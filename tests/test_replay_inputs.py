@@ -180,19 +180,23 @@ def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
 # ----------------------------------------------------------------- across patches of one call
 
 
-N = 40  # more indices than validation keeps as a list (`_patch._LISTED_UP_TO`)
+N = 40  # more indices than validation keeps as a list (`_cpu_passes.LISTED_UP_TO`)
 M = 2 * N  # the weights' size
 
 
-class Two(nn.Module):
-    """Two weights and an int64 buffer, each loaded by a plain ``copy_``."""
+class Weights(nn.Module):
+    """Three weights and an int64 buffer of positions, each loaded by a plain ``copy_``."""
 
+    a: nn.Parameter
+    b: nn.Parameter
+    c: nn.Parameter
     where: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Parameter(torch.arange(float(M)), requires_grad=False)
-        self.b = nn.Parameter(torch.zeros(M), requires_grad=False)
+        for k, name in enumerate("abc"):
+            start = float(k * M)
+            setattr(self, name, nn.Parameter(torch.arange(start, start + M), requires_grad=False))
         self.register_buffer("where", torch.arange(N, dtype=torch.int64))
 
     def load_weights(self, weights: Any) -> set[str]:
@@ -203,23 +207,22 @@ class Two(nn.Module):
         return loaded
 
 
-def _learnt(routes: bool) -> tuple[Two, RouteCache | None]:
-    model = Two()
+def _learnt(routes: bool) -> tuple[Weights, RouteCache | None]:
+    """The model, with the route of each name recorded when `routes` (values unchanged)."""
+    model = Weights()
     cache = RouteCache() if routes else None
-    if cache is not None:  # a first sparse patch to each name records its route
+    if cache is not None:  # a sparse patch of each name's first element, as it is
         first = [
             CheckpointWeightPatch(
                 n, tuple(t.shape), t.dtype, t.view(-1)[:1].clone(), torch.tensor([0])
             )
-            for n, t in [("a", model.a), ("b", model.b), ("where", model.where)]
+            for n, t in model.state_dict().items()
         ]
         load_checkpoint_weight_patches(model, first, routes=cache)
-        model.load_weights([("a", torch.arange(float(M))), ("b", torch.zeros(M))])
-        model.load_weights([("where", torch.arange(N, dtype=torch.int64))])
     return model, cache
 
 
-def _reading_the_model(case: str, count: int, model: Two) -> list[CheckpointWeightPatch]:
+def _reading_the_model(case: str, count: int, model: Weights) -> list[CheckpointWeightPatch]:
     """Two patches: the first writes a model tensor that the second's values or indices view.
 
     Every element of the second patch's tensors, as they are when the call begins, is valid;
@@ -314,28 +317,8 @@ def test_only_patches_reading_a_written_storage_are_copied(
         copied.clear()
 
 
-class Three(nn.Module):
-    """Three weights and an int64 buffer of positions, each loaded by a plain ``copy_``."""
-
-    where: torch.Tensor
-
-    def __init__(self) -> None:
-        super().__init__()
-        for k, name in enumerate("abc"):
-            start = float(k * M)
-            setattr(self, name, nn.Parameter(torch.arange(start, start + M), requires_grad=False))
-        self.register_buffer("where", torch.arange(N, dtype=torch.int64))
-
-    def load_weights(self, weights: Any) -> set[str]:
-        loaded = set()
-        for name, tensor in weights:
-            getattr(self, name).copy_(tensor)
-            loaded.add(name)
-        return loaded
-
-
 @st.composite
-def reading_calls(draw: st.DrawFn, model: Three) -> list[CheckpointWeightPatch]:
+def reading_calls(draw: st.DrawFn, model: Weights) -> list[CheckpointWeightPatch]:
     """A call of 2 to 5 patches whose values and indices are fresh or views of the model."""
     tensors = {name: getattr(model, name).view(-1) for name in "abc"}
     patches = []
@@ -375,20 +358,7 @@ def test_any_call_reading_the_model_equals_its_patches_applied_as_they_were(
     """Property: whatever model tensors a call's patches view, and whichever of them it
     writes first, the weights equal the patches' values and indices as they were when the
     call began, applied one by one in order."""
-    model = Three()
-    cache = RouteCache() if routes else None
-    if cache is not None:
-        first = [
-            CheckpointWeightPatch(
-                n,
-                (M,) if n != "where" else (N,),
-                t.dtype,
-                t.view(-1)[:1].clone(),
-                torch.tensor([0]),
-            )
-            for n, t in model.state_dict().items()
-        ]
-        load_checkpoint_weight_patches(model, first, routes=cache)
+    model, cache = _learnt(routes)
     reference = copy.deepcopy(model)
     patches = data.draw(reading_calls(model))
     as_they_were = _as_they_were(patches)

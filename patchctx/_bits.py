@@ -77,6 +77,9 @@ def _write_views(dtype: torch.dtype) -> tuple[torch.dtype | None, torch.dtype | 
     return views
 
 
+_deterministic = torch.are_deterministic_algorithms_enabled
+
+
 def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """``target.view(-1)[positions] = values``, `target` 1-D or contiguous of any shape.
 
@@ -91,21 +94,21 @@ def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     every device).
     """
     dtype = target.dtype
-    if values.dtype != dtype:  # a bit view of other-width values would write garbage
+    if values.dtype is not dtype:  # a bit view of other-width values would write garbage
         raise TypeError(f"write_at: values are {values.dtype}, the destination {dtype}")
     bits, indexed = _WRITE_VIEWS.get(dtype) or _write_views(dtype)
-    if torch.are_deterministic_algorithms_enabled():
+    if target.is_cpu and positions.shape[0] <= _FEW and not _deterministic():
+        if indexed is None:
+            target.put_(positions, values)
+        else:
+            target.view(indexed).put_(positions, values.view(indexed))
+        return
+    if _deterministic():
         flat = target.view(-1)
         if bits is None:  # 16 bytes (complex128): index_put_ has its own kernel
             flat.index_put_((positions,), values)
         else:
             flat.view(bits).index_put_((positions,), values.view(bits))
-        return
-    if target.is_cpu and positions.shape[0] <= _FEW:
-        if indexed is None:
-            target.put_(positions, values)
-        else:
-            target.view(indexed).put_(positions, values.view(indexed))
         return
     flat = target.view(-1)
     if bits is not None and flat.is_cpu:

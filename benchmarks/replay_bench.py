@@ -25,7 +25,8 @@ rotates from round to round), min and median of the rounds:
    tensor and at 1 %, validation alone of the latter, and the N small tensors per tensor.
 4. **Cold** (one thread): the first call of an operation right after a 128 MiB copy, against
    its second call: a few tiny torch and numpy operations, a replay call of four one-element
-   patches, and its bare writes. Why the sweep's calls cost more than the warm table's.
+   patches, its validation alone, and its bare writes. Why the sweep's calls cost more than
+   the warm table's.
 5. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
    process started by the script (``--spinners``), replay and the bare write, and the ratio
    loaded / quiet.
@@ -322,8 +323,8 @@ def cold(args: argparse.Namespace) -> list[Row]:
     Between two updates a worker streams far more than the caches hold (the sweep's dense
     loads, or inference): the first call of each distinct operation then fetches its code and
     data from memory again. Per operation (a few tiny torch and numpy ones, a replay call of
-    four one-element patches, and its bare writes), each round copies a 128 MiB buffer, then
-    times the operation twice.
+    four one-element patches, its validation alone, and its bare writes), each round copies a
+    128 MiB buffer, then times the operation twice.
     """
     progress("cold: first calls after a 128 MiB sweep, against second calls")
     source = torch.empty(128 << 20, dtype=torch.uint8)
@@ -342,6 +343,7 @@ def cold(args: argparse.Namespace) -> list[Row]:
         "replay: 4 tensors, one element each": partial(
             load_checkpoint_weight_patches, model, ones, routes=routes
         ),
+        "validation alone of the same": partial(validate_patches, ones),
         "bare writes of the same": partial(_scatters, plan),
     }
     rows = []

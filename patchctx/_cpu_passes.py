@@ -46,10 +46,12 @@ HOST_FROM = 1 << 15
 _UNSIGNED: dict[int, type[np.unsignedinteger]] = {4: np.uint32, 8: np.uint64}
 
 # A patch of at most this many indices (and values) is checked on the host as Python lists (one
-# ``tolist`` each, about 0.3 µs, against a microsecond or more for each numpy or torch
-# operation), and replay keeps the list of indices (`listed_positions`). Beyond a few dozen,
-# the Python loops cost more than numpy's passes.
-LISTED_UP_TO = 32
+# ``tolist`` each, against a microsecond or more for each numpy or torch operation), and replay
+# keeps the list of indices (`listed_positions`). A call of one such patch (bf16, int32
+# indices, a whole-tensor route, one thread) took 23-34 µs this way against 36-37 through
+# numpy for 40 to 130 indices, and a third less right after a sweep of memory (numpy's first
+# calls cost 20-30 µs each); from about 160 the Python loops cost more in a loop of calls.
+LISTED_UP_TO = 128
 
 # Up to this many indices, the order test writes a fresh temporary (a few KiB).
 _SMALL = 1 << 12

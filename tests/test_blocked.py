@@ -438,7 +438,10 @@ def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
     bits = data.draw(st.one_of(st.sampled_from(edges), st.integers(info.min, info.max)))
     # Around each way `reserved_on_host` reads: Python floats up to `LISTED_UP_TO`, torch's amax
     # up to `_AMAX_UP_TO`, then the bits.
-    count = data.draw(st.sampled_from([1, 31, 32, 33, 8191, 8192, 8193, 40_001]))
+    listed = _cpu_passes.LISTED_UP_TO
+    count = data.draw(
+        st.sampled_from([1, listed - 1, listed, listed + 1, 8191, 8192, 8193, 40_001])
+    )
     values = torch.linspace(-3, 3, count).to(dtype)
     values.view(integer)[at % count] = bits
     if data.draw(st.booleans()):  # a strided view: every other element of a longer tensor

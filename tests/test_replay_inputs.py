@@ -17,6 +17,7 @@ from patchctx import (
     CheckpointWeightPatch,
     PerTensor,
     RouteCache,
+    _cpu_passes,
     _routes,
     load_checkpoint_weight_patches,
     validate_patches,
@@ -227,7 +228,7 @@ def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
 # ----------------------------------------------------------------- across patches of one call
 
 
-N = 40  # more indices than validation keeps as a list (`_cpu_passes.LISTED_UP_TO`)
+N = _cpu_passes.LISTED_UP_TO + 8  # more indices than validation keeps as a list
 M = 2 * N  # the weights' size
 
 
@@ -364,6 +365,13 @@ def test_only_patches_reading_a_written_storage_are_copied(
         copied.clear()
 
 
+def _some_positions(seed: int, count: int) -> torch.Tensor:
+    """`count` distinct positions below `M`, sorted (int64): a seeded draw (a set of a hundred
+    or more integers is costly for hypothesis to draw one by one)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(M, generator=generator)[:count].sort().values
+
+
 @st.composite
 def reading_calls(draw: st.DrawFn, model: Weights) -> list[CheckpointWeightPatch]:
     """A call of 2 to 16 patches whose values and indices are fresh or views of the model.
@@ -376,8 +384,7 @@ def reading_calls(draw: st.DrawFn, model: Weights) -> list[CheckpointWeightPatch
     for _ in range(draw(st.integers(2, 16))):
         name = draw(st.sampled_from("abcabcabcw"))  # (the buffer of positions now and then)
         if name == "w":  # new positions, still strictly increasing and below M
-            chosen = sorted(draw(st.sets(st.integers(0, M - 1), min_size=N, max_size=N)))
-            moved = torch.tensor(chosen, dtype=torch.int64)
+            moved = _some_positions(draw(st.integers(0, 2**32 - 1)), N)
             patches.append(CheckpointWeightPatch("where", (N,), torch.int64, moved))
             continue
         source = draw(st.sampled_from(["fresh", "a", "b", "c"]))
@@ -391,8 +398,7 @@ def reading_calls(draw: st.DrawFn, model: Weights) -> list[CheckpointWeightPatch
         if draw(st.booleans()):
             indices = model.where.view(-1)[at : at + count]
         else:
-            chosen = sorted(draw(st.sets(st.integers(0, M - 1), min_size=count, max_size=count)))
-            indices = torch.tensor(chosen)
+            indices = _some_positions(draw(st.integers(0, 2**32 - 1)), count)
         patches.append(CheckpointWeightPatch(name, (M,), torch.float32, values, indices))
     return patches
 

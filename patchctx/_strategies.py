@@ -577,9 +577,9 @@ def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.
     """``strategy.reserved_values(values, dtype)`` read on the host, for values on CPU.
 
     NaN under patchctx's own NaN strategies, in values already of `dtype`, is found without
-    the strategy's cast and 0-d tensor: by Python's `math.isnan` over ``tolist`` for a few
-    dozen values, by torch's ``amax`` up to a few thousand, by numpy from the bits for more
-    (`has_nan_bits`). Anything else asks the strategy.
+    the strategy's cast and 0-d tensor: by Python's `math.isnan` over ``tolist`` up to
+    `_cpu_passes.LISTED_UP_TO` values, by torch's ``amax`` up to a few thousand, by numpy
+    from the bits for more (`has_nan_bits`). Anything else asks the strategy.
     """
     chosen = strategy.resolve(dtype) if type(strategy) is Auto else strategy
     if type(chosen) is NaNMask and values.dtype is dtype and dtype in _NAN_BY_AMAX:

@@ -53,11 +53,14 @@ from tests.support.models import assert_same_state, packed_tp_model, random_chec
 
 
 @contextmanager
-def small_blocks(block: int = 7, batched: int = 5, few: int = 2, joined: int = 2) -> Iterator[None]:
+def small_blocks(
+    block: int = 7, batched: int = 5, few: int = 2, joined: int = 2, listed: int = 3
+) -> Iterator[None]:
     """Blocks of `block` positions, batches of patches up to `batched` indices (on CPU, from
-    `joined` such patches in a call), the CPU ``scatter_`` write from `few` positions on, and
-    numpy's CPU passes from `block` // 2."""
+    `joined` such patches in a call), the CPU ``scatter_`` write from `few` positions on,
+    numpy's CPU passes from `block` // 2, and Python lists for patches of up to `listed`."""
     with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(_cpu_passes, "LISTED_UP_TO", listed)
         patcher.setattr(_blocks, "BLOCK", block)
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
         patcher.setattr(_patch, "_CPU_BATCHED_UP_TO", batched)
@@ -161,7 +164,8 @@ def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
     with small_blocks(joined=2**30):  # on CPU, every patch by itself
         assert fast(patches, strategy, one_by_one=True) == expected
     # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each; those
-    # of up to `_cpu_passes.LISTED_UP_TO` indices as Python lists).
+    # of up to `_cpu_passes.LISTED_UP_TO` indices as Python lists: all of them here, while
+    # the small blocks above take the others through numpy).
     assert fast(patches, strategy, one_by_one=True) == expected
 
 

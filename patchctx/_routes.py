@@ -180,6 +180,10 @@ class Segment:
     _span: tuple[int, int] = field(init=False, repr=False, compare=False)
     _shift: int | None = field(init=False, repr=False, compare=False)
     _high: int = field(init=False, repr=False, compare=False)  # highest target offset
+    # Direct segments within their tensor's own elements, the tensor contiguous: checkpoint
+    # index i is element ``i - _inside`` of the live tensor's ``view(-1)`` (None otherwise).
+    # Replay writes through the tensor itself then, without a flat view of its storage.
+    _inside: int | None = field(init=False, repr=False, compare=False)
     # Checkpoint index i is element i of the live tensor's ``view(-1)``: the staged tensor's
     # run from 0 onto the whole of a contiguous destination tensor (most weights).
     _whole: bool = field(init=False, repr=False, compare=False)
@@ -205,6 +209,17 @@ class Segment:
             self, "_shift", self.source.offset - self.target.offset if self._direct else None
         )
         object.__setattr__(self, "_high", self.target.span()[1])
+        low, layout = self.target.span()[0], self.layout
+        object.__setattr__(
+            self,
+            "_inside",
+            self._shift + layout.offset
+            if self._shift is not None
+            and layout.contiguous_run()
+            and layout.offset <= low
+            and self._high < layout.offset + layout.numel
+            else None,
+        )
         layout, target, numel = self.layout, self.target, self.source.numel
         object.__setattr__(
             self,
@@ -1032,10 +1047,15 @@ def replay(
         # the covered slice, then shift it block by block (no copy at all when the shift is 0
         # and the indices are already int64).
         start, stop = covered if covered is not None else segment.covered(device_indices)
-        shift = segment._shift
-        assert shift is not None  # a direct segment
-        # The storage up to the segment's last position (`live` checked it is there).
-        flat = torch.as_strided(target, (segment._high + 1,), (1,), 0)
+        inside, direct = segment._inside, segment._shift
+        assert direct is not None  # a direct segment
+        if undo is None and inside is not None:
+            # Within the contiguous tensor: its own elements, no view to make (the undo log
+            # keeps storage positions, so an atomic call takes the storage's flat view).
+            flat, shift = target, inside
+        else:
+            # The storage up to the segment's last position (`live` checked it is there).
+            flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
         on_cpu = device.type == "cpu"
         size = block_size()
         for begin in range(start, stop, size):

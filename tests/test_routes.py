@@ -1086,6 +1086,39 @@ def test_positions_beyond_int32_are_exact_from_int32_indices(
     ]
 
 
+@pytest.mark.parametrize("first", [4, 5, 6])
+@pytest.mark.parametrize("last", [13, 14, 15])
+def test_a_segment_writes_through_its_tensor_exactly_when_it_lies_within_it(
+    first: int, last: int
+) -> None:
+    """`Segment._inside`: replay writes a direct segment through the live tensor itself (no
+    flat view of the storage) only when the tensor is contiguous and the segment's run lies
+    within its elements; checkpoint index i is then the tensor's element ``i - _inside``,
+    the storage position ``i - _shift``."""
+    storage = torch.zeros(40)
+    weight = storage[5:15]  # elements 5 to 14 of the storage
+    layout = Geometry.of(weight)
+    count = last - first + 1
+    source = Geometry((count,), (1,), 3)  # checkpoint indices 3 .. 3 + count - 1
+    segment = Segment(source, Geometry((count,), (1,), first), "w", 0, torch.float32, layout)
+    within = first >= 5 and last <= 14
+    assert (segment._inside is not None) is within
+    assert segment._shift is not None
+    if within:
+        assert segment._inside is not None
+        flat = weight.view(-1)
+        for index in range(3, 3 + count):
+            assert (
+                flat[index - segment._inside].data_ptr()
+                == storage[index - segment._shift].data_ptr()
+            )
+    strided = Geometry.of(storage[5:25:2])  # not contiguous: the storage's flat view always
+    spread = Segment(source, Geometry((count,), (1,), first), "w", 0, torch.float32, strided)
+    assert spread._inside is None
+    stepped = Segment(source, Geometry((count,), (2,), first), "w", 0, torch.float32, layout)
+    assert stepped._inside is None  # not a contiguous run: not direct
+
+
 # ------------------------------------------------------------------ verification
 # ------------------------------------------------------------------ verification
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -450,6 +451,43 @@ def test_gradient_recording_is_off_inside_and_as_it_was_after(
     assert model.seen == ([] if ending == "invalid" else [False])
     # (A loader call that fails keeps none of its writes, atomic or not: see `_session`.)
     assert model.w.tolist() == ([0.0, 2.0, 0.0] if ending == "returns" else [0.0, 0.0, 0.0])
+
+
+def test_gradient_recording_is_put_back_per_thread() -> None:
+    """Gradient recording is a thread's own: two threads loading at once, one recording
+    gradients and one not, each find theirs as it was after every call (and off inside)."""
+    errors: list[str] = []
+    start = threading.Barrier(2)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(64))  # requires grad
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for _, tensor in weights:
+                if torch.is_grad_enabled():
+                    errors.append("gradient recording on inside a load")
+                self.w.copy_(tensor)
+
+    def work(recording: bool) -> None:
+        model, routes = Model(), RouteCache()
+        torch.set_grad_enabled(recording)
+        start.wait()
+        for k in range(200):
+            patch = CheckpointWeightPatch(
+                "w", (64,), torch.float32, torch.tensor([float(k)]), torch.tensor([k % 64])
+            )
+            load_checkpoint_weight_patches(model, [patch], routes=routes if k % 2 else None)
+            if torch.is_grad_enabled() is not recording:
+                errors.append(f"the thread recording={recording} found it changed after call {k}")
+
+    threads = [threading.Thread(target=work, args=(recording,)) for recording in (True, False)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
 
 
 @pytest.mark.parametrize("strategy", [NaNMask(), BoolMask(), Auto()])

@@ -77,9 +77,6 @@ def _write_views(dtype: torch.dtype) -> tuple[torch.dtype | None, torch.dtype | 
     return views
 
 
-_deterministic = torch.are_deterministic_algorithms_enabled
-
-
 def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """``target.view(-1)[positions] = values``, `target` 1-D or contiguous of any shape.
 
@@ -97,13 +94,14 @@ def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     if values.dtype is not dtype:  # a bit view of other-width values would write garbage
         raise TypeError(f"write_at: values are {values.dtype}, the destination {dtype}")
     bits, indexed = _WRITE_VIEWS.get(dtype) or _write_views(dtype)
-    if target.is_cpu and positions.shape[0] <= _FEW and not _deterministic():
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if not deterministic and target.is_cpu and positions.shape[0] <= _FEW:
         if indexed is None:
             target.put_(positions, values)
         else:
             target.view(indexed).put_(positions, values.view(indexed))
         return
-    if _deterministic():
+    if deterministic:
         flat = target.view(-1)
         if bits is None:  # 16 bytes (complex128): index_put_ has its own kernel
             flat.index_put_((positions,), values)

@@ -301,15 +301,10 @@ class _Loader:
             # A dense patch follows a known route too (the loader's copies, without the
             # loader); only sparse loads record routes, so only they are used to verify one.
             if usable is not None:
-                if (
-                    patch.indices is not None
-                    and (routes._verify_every is not None or routes._verify_all)
-                    and routes._due_for_verification(name)
-                ):
+                if patch.indices is not None and routes._due_for_verification(name):
                     self.verifying[name] = usable[0]  # through the loader, then compared
                 else:
-                    if self.chunk:
-                        self._load_chunk()
+                    self._load_chunk()
                     # Replayed at the next flush, in order.
                     self.pending.append((usable[0], at, usable[1]))
                     if self.pending_writes is not None:

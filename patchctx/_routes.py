@@ -989,31 +989,27 @@ def replay(
     # Validation's positions are the indices themselves or a tensor of its own, which replay
     # then reads instead of the indices.
     spans = route._spans
-    values = _apart(values, spans)
     if positions is None or positions is indices:
         apart = _apart(indices, spans)
         if apart is not indices:
             positions = None if positions is None else apart
             indices = apart
     if route._whole and undo is None:
-        # The common case, in one write: a whole contiguous tensor, the positions as they are
-        # (converted to int64 here when short: the blocked loop below bounds the memory of
-        # long ones).
+        # The common case, in one write (`replay_whole`): a whole contiguous tensor, the
+        # positions as they are (converted to int64 here when short: the blocked loop below
+        # bounds the memory of long ones; it reads these too when the write does not apply).
         target = targets[0]
-        if values.dtype is route.dtype and (
-            (values.is_cpu and target.is_cpu) or values.device == target.device
+        if positions is None and listed is not None and target.is_cpu:
+            positions = _cpu_passes.listed_positions(listed, 0, len(listed), 0)
+        elif (
+            positions is None
+            and indices.device == target.device
+            and indices.shape[0] <= _cpu_passes.HOST_FROM
         ):
-            if positions is None and listed is not None and target.is_cpu:
-                positions = _cpu_passes.listed_positions(listed, 0, len(listed), 0)
-            elif (
-                positions is None
-                and indices.device == target.device
-                and indices.shape[0] <= _cpu_passes.HOST_FROM
-            ):
-                positions = indices if indices.dtype == torch.long else indices.long()
-            if positions is not None:
-                write_at(target, positions, _apart(values, route._spans))
-                return
+            positions = indices if indices.dtype == torch.long else indices.long()
+        if positions is not None and replay_whole(route, target, positions, values):
+            return
+    values = _apart(values, spans)
     source = positions if positions is not None else indices
     source_device = source.device
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -1094,10 +1090,11 @@ def replay_whole(
 ) -> bool:
     """`replay`'s common case, in one write; False, having written nothing, where it does not apply.
 
-    A whole-tensor route (`Route._whole`), validation's int64 `positions` (a tensor of their own,
-    not the patch's indices), no undo to keep, and values in the checkpoint dtype on the
-    destination's device: what a batch of short patches to ordinary weights is. `target` is
-    the route's destination as checked live.
+    A whole-tensor route (`Route._whole`), int64 `positions` on the destination's device that
+    do not lie in the storage the route writes (validation's own, or indices `_apart` from
+    it), no undo to keep, and values in the checkpoint dtype on the destination's device:
+    what a batch of short patches to ordinary weights is. `target` is the route's destination
+    as checked live. The values are read apart from the written storage here (`_apart`).
     """
     if values.dtype is not route.dtype or not (
         (values.is_cpu and target.is_cpu) or values.device == target.device

@@ -10,6 +10,7 @@ import torch
 
 from patchctx._arguments import name_map
 from patchctx._errors import LoaderContractError
+from patchctx._grad import without_grad
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
 from patchctx._report import status_counts, status_table
 from patchctx._session import Load, ModelIndex, run_loader
@@ -71,6 +72,7 @@ class AuditReport:
         return status_table(self.rows, self.counts())
 
 
+@without_grad
 def audit(
     model: SupportsLoadWeights,
     specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
@@ -126,11 +128,10 @@ def audit(
     persistent = ModelIndex(model_tensors(model), protected)
     module = as_module(model)  # what the loader calls run on
     rows = []
-    with torch.no_grad():
-        for name, shape, dtype in specs:
-            rows.append(
-                _audit_one(module, persistent, chosen, name, tuple(int(d) for d in shape), dtype)
-            )
+    for name, shape, dtype in specs:
+        rows.append(
+            _audit_one(module, persistent, chosen, name, tuple(int(d) for d in shape), dtype)
+        )
     return AuditReport(tuple(rows))
 
 

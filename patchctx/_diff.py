@@ -26,6 +26,7 @@ from patchctx._encoding import (
     wire_sizes,
 )
 from patchctx._errors import InvalidPatchError, PatchProblem
+from patchctx._grad import without_grad
 from patchctx._patch import CheckpointWeightPatch, PatchLike
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 
@@ -458,7 +459,7 @@ def _diff_tensor(
     return CheckpointWeightPatch(name, tuple(new.shape), dtype, flat)
 
 
-@torch.no_grad()
+@without_grad
 def diff_state_dicts(
     old: Mapping[str, torch.Tensor],
     new: Mapping[str, torch.Tensor],

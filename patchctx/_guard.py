@@ -16,7 +16,12 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+)
 from torch.utils._pytree import tree_map
 
 from patchctx._errors import LoaderContractError
@@ -29,7 +34,7 @@ from patchctx._staged import (
 )
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["Guard", "constant_of", "host_reads"]
+__all__ = ["Guard", "constant_of", "host_reads", "leave_mode"]
 
 aten = torch.ops.aten
 
@@ -82,6 +87,24 @@ def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant 
         if isinstance(value, (bool, int, float, complex)):
             return value
     return None
+
+
+def leave_mode(mode: TorchDispatchMode, left: list[str]) -> None:
+    """Take `mode` off this thread's dispatch stack, with every mode still above it.
+
+    A loader that enters a dispatch mode and never leaves it would keep `mode` (a guard of
+    patchctx's) on the thread after the call, seeing every later operation. The modes above
+    it are popped without running their code (their ``__exit__`` is the loader's), each
+    named in `left` for the caller to refuse the call with; `mode`'s own exit then puts
+    torch's mode flags back as they were when it was entered. Idempotent: a call cut short
+    by an interrupt is completed by the next. Nothing happens when `mode` is not on the stack.
+    """
+    if all(entry is not mode for entry in _get_current_dispatch_mode_stack()):
+        return
+    while (top := _get_current_dispatch_mode()) is not mode and top is not None:
+        left.append(type(top).__name__)
+        _pop_mode(top.__dict__.get("_mode_key"))
+    mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
 class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]

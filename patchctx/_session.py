@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from patchctx import _swap
 from patchctx._errors import LoaderContractError
-from patchctx._guard import Guard
+from patchctx._grad import set_recording
+from patchctx._guard import Guard, leave_mode
 from patchctx._model import read_names
 from patchctx._recording import Recorder
 from patchctx._routes import Route, Segment
@@ -118,6 +118,9 @@ class _Call:
         self.snapshot = Snapshot(model)
         self.guard = Guard(self.ledger)
         self.regions: tuple[_swap.Region, ...] | None = None
+        self.left_modes: list[str] = []  # dispatch modes the loader entered and never left
+        self.left_regions: list[str] = []  # masked regions the loader opened and never closed
+        self.recording = torch.is_grad_enabled()  # (off: the call runs `without_grad`)
 
     def enter(self) -> None:
         """Suspend this thread's masked regions and push the guard (see `leave`)."""
@@ -125,12 +128,17 @@ class _Call:
         self.guard.__enter__()  # type: ignore[no-untyped-call]
 
     def leave(self) -> None:
-        """Undo `enter` and close the ledger; idempotent, every step checked before it runs."""
+        """Undo `enter` and close the ledger; idempotent, every step checked before it runs.
+
+        Gradient recording goes back to what it was before the loader ran: a loader that turns
+        it on and leaves it on would make patchctx's own later writes (the rollback, the undo
+        of an atomic call, route replays) fail on weights that require gradients.
+        """
+        set_recording(self.recording)
         self.ledger.open = False  # from here on, staged data written anywhere is refused
-        if _get_current_dispatch_mode() is self.guard:
-            self.guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        leave_mode(self.guard, self.left_modes)
         if self.regions is not None:
-            _swap.resume(self.regions)
+            _swap.resume(self.regions, self.left_regions)
 
     def rollback(self) -> None:
         """Put the model back as it was; idempotent, so an interrupted rollback can be redone."""
@@ -190,6 +198,18 @@ def run_loader(
             call.leave()
         finally:
             call.leave()  # every cleanup runs twice, at different lines (module doc)
+        if call.left_modes:
+            raise LoaderContractError(
+                f"the loader entered {', '.join(call.left_modes)} (a dispatch mode) and did not "
+                "leave it: it would see every later operation of this thread. patchctx took it "
+                "off the thread and refused the call"
+            )
+        if call.left_regions:
+            raise LoaderContractError(
+                f"the loader opened {', '.join(call.left_regions)} (a masked region) and did "
+                "not close it: it would hold the region lock and the copy_ swap past the call. "
+                "patchctx closed it and refused the call"
+            )
         if call.ledger.refusals:
             first = call.ledger.refusals[0]
             raise type(first)(

@@ -174,8 +174,7 @@ class Snapshot:
                     lost.add(entry.name)
                     if old_nbytes is not None:
                         entry.data.untyped_storage().resize_(old_nbytes)
-                with torch.no_grad():
-                    entry.tensor.data = entry.data
+                entry.tensor.data = entry.data  # (in any gradient mode: no operation)
                 changed.add(entry.name)
         for empty in self._empty:
             if _put(empty.module, empty.attr, None, is_parameter=empty.is_parameter):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from patchctx import _swap
@@ -49,7 +49,8 @@ from patchctx._errors import (
     LoaderContractError,
     PatchProblem,
 )
-from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of, host_reads
+from patchctx._grad import without_grad
+from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of, host_reads, leave_mode
 from patchctx._model import (
     SupportsLoadWeights,
     as_module,
@@ -539,12 +540,6 @@ def _write_into_plain(
     )
 
 
-def _leave(guard: _DryGuard) -> None:
-    """Pop `guard` off this thread's mode stack if it is on top (idempotent)."""
-    if _get_current_dispatch_mode() is guard:
-        guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-
-
 class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The loader's plain operations in a dry run (its thread): model writes checked, skipped."""
 
@@ -675,6 +670,8 @@ def _dry_run(
         ledger.recorder.expect(name)
     reported: set[str] = set()
     guard = _DryGuard(ledger)
+    left: list[str] = []  # dispatch modes the loader entered and never left (`leave_mode`)
+    left_regions: list[str] = []  # masked regions it opened and never closed (`resume`)
     regions = _swap.suspend()
     try:
         # Not a ``with`` block: an exception raised as its exit starts would leave the guard
@@ -685,9 +682,9 @@ def _dry_run(
             # Read to the end here, under the guard and before `weights` is cleared: a
             # generator's body runs only now.
             reported = read_names(module.load_weights(weights))  # type: ignore[operator]
-            _leave(guard)
+            leave_mode(guard, left)
         finally:
-            _leave(guard)
+            leave_mode(guard, left)
     except _Stop:
         pass
     except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
@@ -696,13 +693,25 @@ def _dry_run(
         ledger.halt("deferred", f"the loader raised {type(error).__name__}: {error}")
     finally:
         try:
-            _leave(guard)
+            leave_mode(guard, left)
             ledger.open = False
-            _swap.resume(regions)
+            _swap.resume(regions, left_regions)
         finally:
-            _leave(guard)
+            leave_mode(guard, left)
             ledger.open = False
-            _swap.resume(regions)
+            _swap.resume(regions, left_regions)
+    if left:
+        ledger.halt(
+            "unlearnable",
+            f"the loader entered {', '.join(left)} (a dispatch mode) and did not leave it: a "
+            "patch load refuses that",
+        )
+    if left_regions:
+        ledger.halt(
+            "unlearnable",
+            f"the loader opened {', '.join(left_regions)} (a masked region) and did not close "
+            "it: a patch load refuses that",
+        )
     try:
         changed = snapshot.restore()
     finally:
@@ -781,6 +790,7 @@ def _alone(
     return route
 
 
+@without_grad
 def learn(
     module: torch.nn.Module,
     index: ModelIndex,
@@ -788,8 +798,7 @@ def learn(
 ) -> dict[str, Route | tuple[_Status, str]]:
     """Every spec's route, or why it has none, by dry runs of the loader (see `_learn`)."""
     device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
-    with torch.no_grad():
-        return _learn(module, index, specs, device)
+    return _learn(module, index, specs, device)
 
 
 def learn_alone(

@@ -272,6 +272,88 @@ def test_an_interrupt_anywhere_in_a_load_that_learns_routes_by_dry_runs_leaves_n
         assert same_state(full_state(model), after, storages=False) == [], f"line {line}"
 
 
+_SPECS = [("w", (8,), torch.float32), ("e", (8,), torch.float32)]
+
+
+def _warm() -> None:
+    RouteCache().warm(PaddedPair(), _SPECS)
+
+
+def _audit() -> None:
+    patchctx.audit(PaddedPair(), _SPECS)
+
+
+def _diff() -> None:
+    old = {"w": torch.zeros(8), "e": torch.zeros(8)}
+    new = {"w": torch.zeros(8), "e": torch.arange(8.0)}
+    patchctx.diff_state_dicts(old, new)
+
+
+@pytest.mark.parametrize("call", [_warm, _audit, _diff], ids=["warm", "audit", "diff"])
+def test_an_interrupt_anywhere_in_a_call_that_turns_gradient_recording_off_puts_it_back(
+    call: Callable[[], None],
+) -> None:
+    """`RouteCache.warm`, `audit` and `diff_state_dicts` run with gradient recording off: an
+    interrupt at any line, or as any function they call starts (as the ``__exit__`` of a
+    ``with torch.no_grad()`` block would), leaves it on as it was, and nothing else behind."""
+    total, _ = run_with_interrupt_at(None, call, calls=True)
+    assert total > 20
+    for line in range(1, total + 1):
+        run_with_interrupt_at(line, call, calls=True)
+        assert_consistent()
+
+
+@pytest.mark.parametrize("what", ["mode", "region"], ids=["dispatch mode", "masked region"])
+def test_an_interrupt_anywhere_in_a_load_whose_loader_leaves_a_mode_or_region_open(
+    what: str,
+) -> None:
+    """Taking off what the loader left open (its dispatch mode, its masked region) is
+    cleanup too: an interrupt at any line of it, or as any function it calls starts, still
+    leaves the thread clean and the model as before."""
+    from tests.test_guard import LeavesItOpen
+
+    before = full_state(LeavesItOpen(what, False))
+    model = LeavesItOpen(what, False)
+    patch = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([3.0]), torch.tensor([1]))
+
+    def body() -> None:
+        with pytest.raises(patchctx.LoaderContractError):
+            load_checkpoint_weight_patches(model, [patch], routes=RouteCache())
+
+    total, _ = run_with_interrupt_at(None, body, calls=True)
+    assert total > 100
+    for line in range(1, total + 1):
+        model = LeavesItOpen(what, False)
+        run_with_interrupt_at(line, body, calls=True)
+        assert_consistent()
+        assert same_state(full_state(model), before, storages=False) == [], f"line {line}"
+
+
+_GRAD_MODE_MANAGERS = {
+    "no_grad",
+    "enable_grad",
+    "set_grad_enabled",
+    "_set_grad_enabled",
+    "inference_mode",
+}
+
+
+def test_patchctx_sets_gradient_mode_only_through_its_own_helper() -> None:
+    """torch's gradient-mode context managers put the mode back in Python code that a signal
+    can cut short before it runs (their decorator's exit runs in torch's frames, which the
+    interrupts above do not reach): patchctx sets the mode only in `patchctx._grad`."""
+    import ast
+
+    found = []
+    for path in sorted(Path(PACKAGE).rglob("*.py")):
+        if path.name == "_grad.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in _GRAD_MODE_MANAGERS:
+                found.append(f"{path.name}:{node.lineno} {node.attr}")
+    assert found == []
+
+
 class ScalesItsInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()

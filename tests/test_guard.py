@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Iterable
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from patchctx import (
     Auto,
@@ -27,7 +29,9 @@ from patchctx import (
     LoaderContractError,
     NaNMask,
     RouteCache,
+    _swap,
     load_checkpoint_weight_patches,
+    masked_copy,
 )
 from tests.support.zoo import (
     SHAPE,
@@ -446,3 +450,88 @@ def test_an_empty_sparse_patch_changes_nothing_and_reports_the_same_names() -> N
     dense = CheckpointWeightPatch("w", SHAPE, torch.float32, torch.ones(24))
     load_checkpoint_weight_patches(model, [dense])  # indices=None is still dense
     assert bool((model.weight == 1).all())
+
+
+_ORIGINAL_COPY = torch.Tensor.copy_
+
+
+class _Watching(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A dispatch mode that only counts what it sees."""
+
+    seen = 0
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        _Watching.seen += 1
+        return func(*args, **(kwargs or {}))
+
+
+class LeavesItOpen(nn.Module):
+    """A loader that enters a dispatch mode, or opens a masked region, and never leaves it
+    (after or before its copy)."""
+
+    def __init__(self, what: str, first: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.what, self.first = what, first
+
+    def _open(self) -> None:
+        if self.what == "mode":
+            _Watching().__enter__()  # type: ignore[no-untyped-call]
+        else:
+            masked_copy(strategy=NaNMask()).__enter__()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.first:
+            self._open()
+        for _, tensor in weights:
+            self.w.copy_(tensor)
+        if not self.first:
+            self._open()
+        return {"w"}
+
+
+@pytest.mark.parametrize("what", ["mode", "region"], ids=["dispatch mode", "masked region"])
+@pytest.mark.parametrize("first", [False, True], ids=["after its copy", "before its copy"])
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_a_loader_that_leaves_a_mode_or_region_open_is_refused_and_the_thread_left_clean(
+    what: str, first: bool, atomic: bool, dense: bool
+) -> None:
+    """patchctx's guard sits below the loader's dispatch mode: left there, it would see every
+    later operation of the thread; a masked region left open holds the region lock and the
+    ``copy_`` swap for good. The call is refused, naming what was left, its writes rolled
+    back as for any refusal, and the thread is as before (the loader's mode or region taken
+    off too); a dry run of `RouteCache.warm` says so per name and leaves the thread as
+    clean."""
+    model = LeavesItOpen(what, first)
+    values, indices = (
+        (torch.arange(4.0), None) if dense else (torch.tensor([3.0]), torch.tensor([1]))
+    )
+    # (What a refused loader call wrote is rolled back, but for dense writes without atomic.)
+    kept = dense and not atomic
+    named = "_Watching" if what == "mode" else "masked_copy"
+    patch = CheckpointWeightPatch("w", (4,), torch.float32, values, indices)
+    with pytest.raises(LoaderContractError, match=named):
+        load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+    _assert_thread_clean()
+    assert model.w.tolist() == ([0.0, 1.0, 2.0, 3.0] if kept else [0.0] * 4)
+    seen = _Watching.seen
+    assert torch.ones(2).add(1).tolist() == [2.0, 2.0]
+    assert _Watching.seen == seen, "the loader's mode still sees the thread's operations"
+    report = RouteCache().warm(model, [("w", (4,), torch.float32)])
+    assert [row.status for row in report.rows] == ["unlearnable"]
+    assert named in report.rows[0].reason
+    _assert_thread_clean()
+
+
+def _assert_thread_clean() -> None:
+    assert _get_current_dispatch_mode_stack() == []
+    assert _swap.holder() is None, "the region lock is held"
+    assert _swap.active_interceptor() is None, "a region is open on this thread"
+    assert torch.Tensor.copy_ is _ORIGINAL_COPY, "copy_ is still swapped"

@@ -490,6 +490,61 @@ def test_gradient_recording_is_put_back_per_thread() -> None:
     assert errors == []
 
 
+class TurnsRecordingOn(torch.nn.Module):
+    """A loader that turns gradient recording on after each copy and leaves it on; its
+    weights require gradients (an in-place write into one raises while recording)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4))
+        self.b = torch.nn.Parameter(torch.zeros(4))
+        self.fail = fail
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        names = set()
+        for name, tensor in weights:
+            getattr(self, name).copy_(tensor)  # (the second one raises: recording is on)
+            torch.set_grad_enabled(True)
+            names.add(name)
+            if self.fail:
+                raise RuntimeError("the loader fails after its write")
+        return names
+
+
+@pytest.mark.parametrize("recording", [True, False], ids=["grad on", "grad off"])
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+def test_a_loader_that_turns_recording_on_cannot_make_patchctxs_own_writes_fail(
+    recording: bool, atomic: bool
+) -> None:
+    """What a loader does to gradient recording lasts until its call returns: the patches
+    after it are replayed, and a failed call is rolled back, with recording off again (an
+    atomic call's restore into a weight that requires grad raised, and left it written)."""
+    sparse_b = CheckpointWeightPatch(
+        "b", (4,), torch.float32, torch.tensor([7.0]), torch.tensor([2])
+    )
+    dense_a = CheckpointWeightPatch("a", (4,), torch.float32, torch.arange(4.0))
+    # A dense patch through the loader, then a sparse one replayed along a known route.
+    model, routes = TurnsRecordingOn(), RouteCache()
+    load_checkpoint_weight_patches(
+        model, [sparse_b._replace(values=torch.tensor([1.0]))], routes=routes
+    )
+    with torch.set_grad_enabled(recording):
+        load_checkpoint_weight_patches(model, [dense_a, sparse_b], routes=routes, atomic=atomic)
+        assert torch.is_grad_enabled() is recording
+    assert routes.stats.replayed == 1
+    assert model.a.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert model.b.tolist() == [0.0, 0.0, 7.0, 0.0]
+    # Two sparse patches in one loader call that fails: rolled back, atomic or not.
+    failing = TurnsRecordingOn(fail=True)
+    sparse_a = dense_a._replace(values=torch.tensor([5.0]), indices=torch.tensor([1]))
+    with torch.set_grad_enabled(recording):
+        with pytest.raises(RuntimeError, match="the loader fails"):
+            load_checkpoint_weight_patches(failing, [sparse_a, sparse_b], atomic=atomic)
+        assert torch.is_grad_enabled() is recording
+    assert failing.a.tolist() == [0.0] * 4
+    assert failing.b.tolist() == [0.0] * 4
+
+
 @pytest.mark.parametrize("strategy", [NaNMask(), BoolMask(), Auto()])
 @given(data=st.data())
 def test_every_float_strategy_gives_the_same_weights(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from patchctx import _swap
 from patchctx._errors import LoaderContractError
@@ -118,6 +119,7 @@ class _Call:
         self.snapshot = Snapshot(model)
         self.guard = Guard(self.ledger)
         self.regions: tuple[_swap.Region, ...] | None = None
+        self.below = _get_current_dispatch_mode_stack()  # the thread's modes before the guard
         self.left_modes: list[str] = []  # dispatch modes the loader entered and never left
         self.left_regions: list[str] = []  # masked regions the loader opened and never closed
         self.recording = torch.is_grad_enabled()  # (off: the call runs `without_grad`)
@@ -136,7 +138,7 @@ class _Call:
         """
         set_recording(self.recording)
         self.ledger.open = False  # from here on, staged data written anywhere is refused
-        leave_mode(self.guard, self.left_modes)
+        leave_mode(self.guard, self.below, self.left_modes)
         if self.regions is not None:
             _swap.resume(self.regions, self.left_regions)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_map
 
 from patchctx import _swap
@@ -670,6 +670,7 @@ def _dry_run(
         ledger.recorder.expect(name)
     reported: set[str] = set()
     guard = _DryGuard(ledger)
+    below = _get_current_dispatch_mode_stack()  # the thread's modes before the guard
     left: list[str] = []  # dispatch modes the loader entered and never left (`leave_mode`)
     left_regions: list[str] = []  # masked regions it opened and never closed (`resume`)
     regions = _swap.suspend()
@@ -682,9 +683,9 @@ def _dry_run(
             # Read to the end here, under the guard and before `weights` is cleared: a
             # generator's body runs only now.
             reported = read_names(module.load_weights(weights))  # type: ignore[operator]
-            leave_mode(guard, left)
+            leave_mode(guard, below, left)
         finally:
-            leave_mode(guard, left)
+            leave_mode(guard, below, left)
     except _Stop:
         pass
     except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
@@ -693,11 +694,11 @@ def _dry_run(
         ledger.halt("deferred", f"the loader raised {type(error).__name__}: {error}")
     finally:
         try:
-            leave_mode(guard, left)
+            leave_mode(guard, below, left)
             ledger.open = False
             _swap.resume(regions, left_regions)
         finally:
-            leave_mode(guard, left)
+            leave_mode(guard, below, left)
             ledger.open = False
             _swap.resume(regions, left_regions)
     if left:

@@ -303,7 +303,7 @@ def test_an_interrupt_anywhere_in_a_call_that_turns_gradient_recording_off_puts_
         assert_consistent()
 
 
-@pytest.mark.parametrize("what", ["mode", "region"], ids=["dispatch mode", "masked region"])
+@pytest.mark.parametrize("what", ["mode", "infrastructure mode", "region"])
 def test_an_interrupt_anywhere_in_a_load_whose_loader_leaves_a_mode_or_region_open(
     what: str,
 ) -> None:

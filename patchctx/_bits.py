@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from patchctx import _cpu_passes
+
 __all__ = ["bit_view", "indexable", "scatter_flat", "write_at"]
 
 _OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -95,7 +97,8 @@ def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
         raise TypeError(f"write_at: values are {values.dtype}, the destination {dtype}")
     bits, indexed = _WRITE_VIEWS.get(dtype) or _write_views(dtype)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if not deterministic and target.is_cpu and positions.shape[0] <= _FEW:
+    on_host = target.is_cpu and _cpu_passes.HOST
+    if not deterministic and on_host and positions.shape[0] <= _FEW:
         if indexed is None:
             target.put_(positions, values)
         else:
@@ -109,7 +112,7 @@ def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
             flat.view(bits).index_put_((positions,), values.view(bits))
         return
     flat = target.view(-1)
-    if bits is not None and flat.is_cpu:
+    if bits is not None and on_host:
         flat.view(bits).scatter_(0, positions, values.view(bits))
     elif indexed is None:
         flat.index_copy_(0, positions, values)

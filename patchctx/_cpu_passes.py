@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "HOST",
     "HOST_FROM",
     "LISTED_UP_TO",
     "each_increasing_below",
@@ -37,6 +38,12 @@ __all__ = [
     "positions_into",
     "shifted_positions",
 ]
+
+# Whether CPU tensors take the host's ways: these passes, Python lists, flags read one by one,
+# the CPU writes. False sends them the accelerators' ways (torch operations into reused device
+# buffers, flags read together, ``index_copy_``), which run on CPU too: tests set it to run
+# that code where no accelerator is (read as `_cpu_passes.HOST`).
+HOST = True
 
 # From this many elements a torch elementwise operation or reduction on CPU runs on every
 # intra-op thread (torch's grain size) and waits for a busy core: callers pass longer tensors

@@ -540,13 +540,18 @@ def _host_read(flags: torch.Tensor) -> list[bool]:
     return [bool(v) for v in flags.tolist()]
 
 
+def _on_host(device: torch.device) -> bool:
+    """Whether tensors on `device` take the host's ways (`_cpu_passes.HOST`)."""
+    return device.type == "cpu" and _cpu_passes.HOST
+
+
 def _read_flags(flags: list[torch.Tensor | int], device: torch.device) -> list[int]:
     """The one host synchronisation of the common case: read a device's 0-d flags at once.
 
     On CPU each is read where it lies (no synchronisation to save; stacking them costs more),
     and some are host integers already.
     """
-    if device.type == "cpu":
+    if _on_host(device):
         return cast(list[int], [f if isinstance(f, int) else f.item() for f in flags])
     tensors = cast(list[torch.Tensor], flags)  # off CPU, every flag is a device tensor
     return [int(v) for v in torch.stack(tensors).tolist()] if flags else []
@@ -612,11 +617,12 @@ def _all_valid(
         patch = item._patch
         indices = patch.indices
         device = patch.values.device
-        if indices is not None and device.type == "cpu" and item._numel < _FAST_NUMEL_LIMIT:
+        on_host = _on_host(device)
+        if indices is not None and on_host and item._numel < _FAST_NUMEL_LIMIT:
             return {} if _host_valid(item, indices, strategy) else None
         if (
             indices is not None
-            and device.type != "cpu"
+            and not on_host
             and indices.shape[0] <= _BATCHED_UP_TO
             and item._numel < _FAST_NUMEL_LIMIT
         ):
@@ -635,7 +641,7 @@ def _all_valid(
         if item._numel >= _FAST_NUMEL_LIMIT:
             return None
         values = patch.values
-        if values.is_cpu:  # (one device object for all: no new one to make and hash)
+        if values.is_cpu and _cpu_passes.HOST:  # (one device object for all: none to hash)
             device, most = _CPU, _CPU_BATCHED_UP_TO
         else:
             device, most = values.device, _BATCHED_UP_TO
@@ -648,7 +654,8 @@ def _all_valid(
         flags = []  # 0-d tensors (on CPU, some host ints), read in one go
         checks = []  # how to judge each flag on the host
         small = [k for ks in groups.get(device, {}).values() for k in ks]
-        if device.type == "cpu" and len(small) < _CPU_JOINED_FROM:
+        on_host = _on_host(device)
+        if on_host and len(small) < _CPU_JOINED_FROM:
             for k in small:  # one by one (`_CPU_JOINED_FROM`)
                 indices = checked[k]._patch.indices
                 assert indices is not None
@@ -679,7 +686,7 @@ def _all_valid(
         for k in large.get(device, ()):
             indices = checked[k]._patch.indices
             assert indices is not None
-            if device.type == "cpu":
+            if on_host:
                 if not _host_valid(checked[k], indices, strategy):
                     return None
             else:
@@ -771,7 +778,7 @@ def _small_flags(
 
 def _int64(indices: torch.Tensor) -> torch.Tensor:
     """`indices` as a new int64 tensor; long ones on CPU by numpy (see `patchctx._cpu_passes`)."""
-    if indices.device.type != "cpu" or indices.shape[0] <= _cpu_passes.HOST_FROM:
+    if not _on_host(indices.device) or indices.shape[0] <= _cpu_passes.HOST_FROM:
         return indices.long()
     positions = torch.empty(indices.shape, dtype=torch.long)
     positions_into(indices, 0, positions)
@@ -815,7 +822,7 @@ def _batch_flags(
             lasts.append(end - 1)
             limits.append(checked[k]._numel)
     flat = torch.cat(parts)
-    if end and device.type == "cpu":
+    if end and _on_host(device):
         flags.append(int(each_increasing_below(flat, lasts, limits)))
         checks.append(("eq", 1))
     elif end:

@@ -240,7 +240,7 @@ class Segment:
 
     def covered(self, indices: torch.Tensor) -> tuple[int, int]:
         """The slice of sorted `indices` that falls inside the source view's span."""
-        if indices.device.type == "cpu":  # no synchronisation to batch: search where they lie
+        if indices.device.type == "cpu" and _cpu_passes.HOST:  # nothing to batch: search now
             return _host_covered(indices, self._span)
         start, stop = self.search(indices).tolist()
         return int(start), int(stop)
@@ -1052,7 +1052,7 @@ def replay(
         else:
             # The storage up to the segment's last position (`live` checked it is there).
             flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
-        on_cpu = device.type == "cpu"
+        on_cpu = device.type == "cpu" and _cpu_passes.HOST
         size = block_size()
         for begin in range(start, stop, size):
             end = min(stop, begin + size)
@@ -1190,7 +1190,7 @@ def replay_bounds(
             elif isinstance(indices, list):
                 low, high = segment._span
                 slots.append((bisect_left(indices, low), bisect_right(indices, high)))
-            elif host and indices.device.type == "cpu":  # nothing to synchronise: search now
+            elif host and indices.device.type == "cpu" and _cpu_passes.HOST:  # search now
                 slots.append(_host_covered(indices, segment._span))
             else:
                 found = searches.setdefault(indices.device, [])

@@ -54,12 +54,21 @@ from tests.support.models import assert_same_state, packed_tp_model, random_chec
 
 @contextmanager
 def small_blocks(
-    block: int = 7, batched: int = 5, few: int = 2, joined: int = 2, listed: int = 3
+    block: int = 7,
+    batched: int = 5,
+    few: int = 2,
+    joined: int = 2,
+    listed: int = 3,
+    *,
+    host: bool = True,
 ) -> Iterator[None]:
     """Blocks of `block` positions, batches of patches up to `batched` indices (on CPU, from
     `joined` such patches in a call), the CPU ``scatter_`` write from `few` positions on,
-    numpy's CPU passes from `block` // 2, and Python lists for patches of up to `listed`."""
+    numpy's CPU passes from `block` // 2, and Python lists for patches of up to `listed`.
+    Without `host`, CPU tensors go the accelerators' way (`_cpu_passes.HOST`): the code that
+    runs on a GPU, run here."""
     with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(_cpu_passes, "HOST", host)
         patcher.setattr(_cpu_passes, "LISTED_UP_TO", listed)
         patcher.setattr(_blocks, "BLOCK", block)
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
@@ -163,6 +172,8 @@ def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
         assert fast(patches, strategy) == expected
     with small_blocks(joined=2**30):  # on CPU, every patch by itself
         assert fast(patches, strategy, one_by_one=True) == expected
+    with small_blocks(host=False):  # the accelerators' way: batched flags, blocked reductions
+        assert fast(patches, strategy) == expected
     # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each; those
     # of up to `_cpu_passes.LISTED_UP_TO` indices as Python lists: all of them here, while
     # the small blocks above take the others through numpy).
@@ -190,7 +201,8 @@ def test_int32_differences_that_wrap_do_not_pass_for_increasing() -> None:
     # Every difference of this sequence, computed in int32, is positive.
     wraps = torch.tensor([5, 2**31 - 1, -(2**31) + 2, 10], dtype=torch.int32)
     patch = CheckpointWeightPatch("w", (20,), torch.float32, torch.ones(4), wraps)
-    for sizes in ({}, {"block": 2, "batched": 1}):
+    sizes: dict[str, Any]
+    for sizes in ({}, {"block": 2, "batched": 1}, {"host": False}, {"block": 2, "host": False}):
         with small_blocks(**sizes), pytest.raises(InvalidPatchError, match="out of range"):
             validate_patches([patch])
 
@@ -202,6 +214,8 @@ def test_int64_differences_that_wrap_do_not_pass_for_increasing() -> None:
     for batch in ([patch], [patch, other], [other, patch]):
         with pytest.raises(InvalidPatchError, match="out of range"):
             validate_patches(batch)
+        with small_blocks(host=False), pytest.raises(InvalidPatchError, match="out of range"):
+            validate_patches(batch)  # the accelerators' way
 
 
 @st.composite
@@ -282,13 +296,14 @@ def test_a_nan_in_any_block_is_refused(block: int) -> None:
 # ----------------------------------------------------------------------------------- replay
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host", "accelerators' way"])
 @given(data=st.data(), tp=st.sampled_from([(1, 0), (2, 1)]))
 def test_replay_across_many_blocks_equals_the_loader_path(
-    data: st.DataObject, tp: tuple[int, int]
+    data: st.DataObject, tp: tuple[int, int], host: bool
 ) -> None:
     from tests.support.builders import patch_sequences
 
-    with small_blocks(block=5, batched=3, few=1):
+    with small_blocks(block=5, batched=3, few=1, host=host):
         model = packed_tp_model(tp_size=tp[0], tp_rank=tp[1], dtype=torch.bfloat16)
         model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
         reference = copy.deepcopy(model)
@@ -321,11 +336,14 @@ WIDTHS = [
 @pytest.mark.parametrize("dtype", WIDTHS, ids=str)
 @pytest.mark.parametrize("count", [3, _bits._FEW, _bits._FEW + 1, 5000])
 @pytest.mark.parametrize("shape", ["flat", "2-D", "2-D at an offset"])
+@pytest.mark.parametrize("host", [True, False], ids=["host", "accelerators' way"])
 def test_write_at_moves_exact_bits_for_every_dtype(
-    dtype: torch.dtype, count: int, shape: str
+    dtype: torch.dtype, count: int, shape: str, host: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``put_`` for a few positions, ``scatter_``/``index_copy_`` for more: the same bits, into
-    a flat tensor or a contiguous one of any shape (positions in row-major order)."""
+    """``put_`` for a few positions, ``scatter_``/``index_copy_`` for more (the accelerators'
+    ``index_copy_`` for all, through an integer view where torch has no kernel): the same
+    bits, into a flat tensor or a contiguous one of any shape (positions in row-major order)."""
+    monkeypatch.setattr(_cpu_passes, "HOST", host)
     generator = torch.Generator().manual_seed(count)
     raw = torch.randint(0, 256, (16 * 10_000 * 2,), dtype=torch.uint8, generator=generator)
     width = torch.empty((), dtype=dtype).element_size()
@@ -349,8 +367,10 @@ def test_write_at_moves_exact_bits_for_every_dtype(
         _bits.write_at(flat, positions, torch.zeros(count, dtype=other))
 
 
-def test_threads_replaying_at_once_keep_their_own_scratch() -> None:
-    """Each thread's block buffers are its own: concurrent replays never mix positions."""
+@pytest.mark.parametrize("host", [True, False], ids=["host", "accelerators' way"])
+def test_threads_replaying_at_once_keep_their_own_scratch(host: bool) -> None:
+    """Each thread's block buffers are its own (numpy's on the host, torch's the accelerators'
+    way): concurrent replays never mix positions."""
     models = [packed_tp_model(tp_size=2, tp_rank=1, dtype=torch.float32) for _ in range(4)]
     checkpoint = random_checkpoint(models[0].checkpoint_specs())
     for model in models:
@@ -380,7 +400,7 @@ def test_threads_replaying_at_once_keep_their_own_scratch() -> None:
         except BaseException as error:  # reported below
             errors.append(error)
 
-    with small_blocks(block=64, batched=16, few=1):
+    with small_blocks(block=64, batched=16, few=1, host=host):
         workers = [threading.Thread(target=work, args=(t,)) for t in range(len(models))]
         for worker in workers:
             worker.start()
@@ -618,3 +638,54 @@ def test_the_accelerators_batched_search_finds_the_slices_the_host_search_finds(
         (route, indices.tolist(), ordered) for route, indices, ordered in replays
     ]
     assert _routes.replay_bounds(listed) == found
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("atomic", [False, True], ids=["plain", "atomic"])
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_the_accelerators_replay_run_on_cpu_equals_the_loader_path(
+    index_dtype: torch.dtype, atomic: bool, tp_rank: int
+) -> None:
+    """What a GPU runs, run here (`_cpu_passes.HOST` off): validation's batched and blocked
+    flags, read together; replay's positions shifted into a reused device buffer, block by
+    block (int64 indices by one subtraction, int32 ones by a copy and a subtraction); the
+    ``index_copy_`` write; an atomic call's undo of it. Patches of every size around the block
+    and batch sizes, three calls in a row, against the loader path on the host's ways."""
+    model = packed_tp_model(tp_size=2, tp_rank=tp_rank, dtype=torch.bfloat16)
+    model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
+    reference = copy.deepcopy(model)
+    specs = model.checkpoint_specs()
+    generator = torch.Generator().manual_seed(tp_rank)
+    routes = RouteCache()
+    for call in range(3):
+        patches = []
+        for k, (name, spec) in enumerate(specs.items()):
+            numel = math.prod(spec.shape)
+            count = min(numel, [1, 3, 4, 11, 40][(k + call) % 5])
+            chosen = torch.randperm(numel, generator=generator)[:count].sort().values
+            values = torch.randn(count, generator=generator).to(spec.dtype)
+            patches.append(
+                CheckpointWeightPatch(name, spec.shape, spec.dtype, values, chosen.to(index_dtype))
+            )
+        with small_blocks(block=5, batched=3, few=1, host=False):
+            load_checkpoint_weight_patches(model, patches, routes=routes, atomic=atomic)
+        load_checkpoint_weight_patches(reference, patches)
+        assert_same_state(state(model), state(reference))
+    assert routes.stats.replayed == 2 * len(specs)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_the_accelerators_search_settles_spans_beyond_the_index_dtype(
+    index_dtype: torch.dtype,
+) -> None:
+    """`Segment.covered` the accelerators' way agrees with numpy's search where a span starts
+    beyond what the index dtype holds (no index reaches it) or ends at or beyond it (every
+    index from the start is in it), and in between."""
+    top = torch.iinfo(index_dtype).max
+    indices = torch.tensor([0, 5, 2**20, top - 1, top], dtype=index_dtype)
+    for span in [(0, 4), (5, 2**20), (6, top - 1), (top, top), (top + 1, 2 * top), (3, 2 * top)]:
+        segment = object.__new__(_routes.Segment)  # (all `covered` reads of a segment)
+        object.__setattr__(segment, "_span", span)
+        assert segment.covered(indices) == _routes._host_covered(indices, span), span
+        with small_blocks(host=False):
+            assert segment.covered(indices) == _routes._host_covered(indices, span), span

@@ -184,6 +184,7 @@ def nan_bits_known(values: torch.Tensor) -> bool:
     return (
         values.dtype in _NAN_ABOVE
         and values.device.type == "cpu"
+        and HOST
         and values.layout == torch.strided
         and not values.is_neg()
     )

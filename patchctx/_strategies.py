@@ -389,6 +389,7 @@ class IntSentinel:
         if (
             values.numel() > _cpu_passes.HOST_FROM
             and values.device.type == "cpu"
+            and _cpu_passes.HOST
             and not values.is_neg()
         ):
             # One numpy pass on the calling thread (see `patchctx._cpu_passes`).

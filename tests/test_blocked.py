@@ -478,6 +478,10 @@ def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
     for strategy in (NaNMask(), Auto()):
         assert reserved_on_host(strategy, values, dtype) is expected
     assert reserved_on_host(BoolMask(), values, dtype) is False  # BoolMask reserves nothing
+    with small_blocks(host=False):  # the accelerators' reductions (bf16/fp16: of the bits)
+        assert bool(NaNMask().reserved_values(values, dtype)) is expected
+        many = values.repeat(40_001 // count + 1)  # beyond `_INTEGER_NAN_FROM`, whatever count
+        assert bool(NaNMask().reserved_values(many, dtype)) is expected
 
 
 @given(
@@ -499,6 +503,8 @@ def test_the_host_sentinel_check_finds_the_sentinel_among_many_values(
     assert bool(strategy.reserved_values(values, dtype)) is expected
     assert reserved_on_host(strategy, values, dtype) is expected
     assert reserved_on_host(Auto(), values, dtype) is bool(Auto().reserved_values(values, dtype))
+    with small_blocks(host=False):  # the accelerators' reduction
+        assert bool(strategy.reserved_values(values, dtype)) is expected
 
 
 @given(

@@ -21,6 +21,31 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # Checked by mypy, never run (they call functions with wrong arguments on purpose).
 collect_ignore = ["typing"]
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--accelerators-way",
+        action="store_true",
+        help="send CPU tensors the way they go on a GPU (patchctx._cpu_passes.HOST = False): "
+        "the accelerators' code run where none is; tests marked host_only are skipped",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--accelerators-way"):
+        from patchctx import _cpu_passes
+
+        _cpu_passes.HOST = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--accelerators-way"):
+        skip = pytest.mark.skip(reason="checks the host's ways; the suite runs the accelerators'")
+        for item in items:
+            if "host_only" in item.keywords:
+                item.add_marker(skip)
+
+
 _ORIGINAL_COPY = torch.Tensor.copy_
 
 

@@ -556,6 +556,7 @@ def test_the_host_buffers_are_per_thread_and_grow() -> None:
     assert seen and seen[0] != grown.ctypes.data  # another thread, another buffer
 
 
+@pytest.mark.host_only
 def test_a_call_of_many_replays_reads_the_host_once_whatever_their_number() -> None:
     """Validation reads once; on CPU the covered slice of every partly covered segment is
     searched on the host (on an accelerator they are read together, once: see the next test);

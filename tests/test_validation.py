@@ -313,6 +313,7 @@ def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return reads
 
 
+@pytest.mark.host_only
 def test_sorted_indices_need_one_host_read_for_the_whole_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -333,6 +334,7 @@ def test_sorted_indices_need_one_host_read_for_the_whole_call(
     assert sorts == []  # sorted input is validated in O(nnz), without a sort
 
 
+@pytest.mark.host_only
 def test_unsorted_indices_add_one_read_for_the_duplicate_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -519,3 +521,11 @@ def test_an_async_collective_tensor_is_refused_by_name_and_loads_once_waited() -
     reference = packed_tp_model()
     reference.load_weights(checkpoint.items())
     assert_same_state(state(model), state(reference))
+
+
+def test_the_suite_runs_the_way_it_was_asked(request: pytest.FixtureRequest) -> None:
+    """``--accelerators-way`` (the test command's second pass) sends CPU tensors the GPU's way;
+    without it they take the host's. A pass that silently ran the host's ways twice fails."""
+    from patchctx import _cpu_passes
+
+    assert _cpu_passes.HOST is not request.config.getoption("--accelerators-way")

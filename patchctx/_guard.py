@@ -13,15 +13,10 @@ as the loader asked.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    _pop_mode,
-)
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from patchctx._errors import LoaderContractError
@@ -34,7 +29,7 @@ from patchctx._staged import (
 )
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["Guard", "constant_of", "host_reads", "leave_mode"]
+__all__ = ["Guard", "constant_of", "host_reads"]
 
 aten = torch.ops.aten
 
@@ -87,36 +82,6 @@ def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant 
         if isinstance(value, (bool, int, float, complex)):
             return value
     return None
-
-
-def leave_mode(
-    mode: TorchDispatchMode, below: Sequence[TorchDispatchMode], left: list[str]
-) -> None:
-    """Take `mode` off this thread's dispatch modes, with every mode entered since it.
-
-    `below`: the thread's modes when `mode` was entered. A loader that enters a dispatch mode
-    and never leaves it would keep `mode` (a guard of patchctx's) on the thread after the
-    call, under its own, seeing every later operation; an infrastructure mode it leaves
-    (``FakeTensorMode``, say) sits in a slot of its own, below every other. Each mode that is
-    not in `below` is popped, without running its code (its ``__exit__`` is the loader's),
-    and named in `left` for the caller to refuse the call with; `mode`'s own exit puts
-    torch's mode flags back as they were when it was entered. Idempotent: a call cut short by
-    an interrupt is completed by the next.
-    """
-    while True:
-        entered = [
-            entry
-            for entry in _get_current_dispatch_mode_stack()
-            if all(entry is not kept for kept in below)
-        ]
-        if not entered:
-            return
-        top = entered[-1]  # (the user modes above the infrastructure ones, the top last)
-        if top is mode:
-            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        else:
-            left.append(type(top).__name__)
-            _pop_mode(top.__dict__.get("_mode_key"))
 
 
 class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]

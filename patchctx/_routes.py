@@ -208,8 +208,9 @@ class Segment:
         object.__setattr__(
             self, "_shift", self.source.offset - self.target.offset if self._direct else None
         )
-        object.__setattr__(self, "_high", self.target.span()[1])
-        low, layout = self.target.span()[0], self.layout
+        low, high = self.target.span()
+        object.__setattr__(self, "_high", high)
+        layout, target, numel = self.layout, self.target, self.source.numel
         object.__setattr__(
             self,
             "_inside",
@@ -217,10 +218,9 @@ class Segment:
             if self._shift is not None
             and layout.contiguous_run()
             and layout.offset <= low
-            and self._high < layout.offset + layout.numel
+            and high < layout.offset + layout.numel
             else None,
         )
-        layout, target, numel = self.layout, self.target, self.source.numel
         object.__setattr__(
             self,
             "_whole",

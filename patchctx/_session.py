@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from patchctx import _swap
 from patchctx._errors import LoaderContractError
-from patchctx._grad import set_recording
-from patchctx._guard import Guard, leave_mode
+from patchctx._frame import Frame
+from patchctx._guard import Guard
 from patchctx._model import read_names
 from patchctx._recording import Recorder
 from patchctx._routes import Route, Segment
@@ -117,30 +115,19 @@ class _Call:
         self.undo = undo
         self.mark = undo.mark()
         self.snapshot = Snapshot(model)
-        self.guard = Guard(self.ledger)
-        self.regions: tuple[_swap.Region, ...] | None = None
-        self.below = _get_current_dispatch_mode_stack()  # the thread's modes before the guard
-        self.left_modes: list[str] = []  # dispatch modes the loader entered and never left
-        self.left_regions: list[str] = []  # masked regions the loader opened and never closed
-        self.recording = torch.is_grad_enabled()  # (off: the call runs `without_grad`)
+        self.frame = Frame(Guard(self.ledger))
 
     def enter(self) -> None:
         """Suspend this thread's masked regions and push the guard (see `leave`)."""
-        self.regions = _swap.suspend()
-        self.guard.__enter__()  # type: ignore[no-untyped-call]
+        self.frame.enter()
 
     def leave(self) -> None:
         """Undo `enter` and close the ledger; idempotent, every step checked before it runs.
 
-        Gradient recording goes back to what it was before the loader ran: a loader that turns
-        it on and leaves it on would make patchctx's own later writes (the rollback, the undo
-        of an atomic call, route replays) fail on weights that require gradients.
+        What the loader left changed on the thread is put back too (`patchctx._frame`).
         """
-        set_recording(self.recording)
         self.ledger.open = False  # from here on, staged data written anywhere is refused
-        leave_mode(self.guard, self.below, self.left_modes)
-        if self.regions is not None:
-            _swap.resume(self.regions, self.left_regions)
+        self.frame.leave()
 
     def rollback(self) -> None:
         """Put the model back as it was; idempotent, so an interrupted rollback can be redone."""
@@ -200,17 +187,12 @@ def run_loader(
             call.leave()
         finally:
             call.leave()  # every cleanup runs twice, at different lines (module doc)
-        if call.left_modes:
+        left_open = call.frame.left_open()
+        if left_open is not None:
             raise LoaderContractError(
-                f"the loader entered {', '.join(call.left_modes)} (a dispatch mode) and did not "
-                "leave it: it would see every later operation of this thread. patchctx took it "
-                "off the thread and refused the call"
-            )
-        if call.left_regions:
-            raise LoaderContractError(
-                f"the loader opened {', '.join(call.left_regions)} (a masked region) and did "
-                "not close it: it would hold the region lock and the copy_ swap past the call. "
-                "patchctx closed it and refused the call"
+                f"{left_open}: a dispatch mode would see every later operation of this thread, "
+                "a masked region would hold the region lock and the copy_ swap past the call. "
+                "patchctx took it off the thread and refused the call"
             )
         if call.ledger.refusals:
             first = call.ledger.refusals[0]

@@ -356,12 +356,12 @@ def resume(regions: tuple[Region, ...], left: list[str]) -> None:
     """Undo `suspend` (idempotent), closing the regions opened since that are still open.
 
     Code that ran in between (a loader) and opened a region without closing it would keep
-    the lock, and the swap, past the call: each such region is closed and named in `left`,
-    for the caller to refuse the call with.
+    the lock, and the swap, past the call: each such region is closed and described in
+    `left`, for the caller to refuse the call with.
     """
     for region in _stack.get():
         if all(region is not kept for kept in regions):
             if region.open:
-                left.append(repr(region.owner))
+                left.append(f"{region.owner!r} (a masked region it opened)")
             _close(region)  # (again if closed: a close cut short is completed)
     _stack.set(regions)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from patchctx import _swap
@@ -49,8 +49,9 @@ from patchctx._errors import (
     LoaderContractError,
     PatchProblem,
 )
+from patchctx._frame import Frame
 from patchctx._grad import without_grad
-from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of, host_reads, leave_mode
+from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of, host_reads
 from patchctx._model import (
     SupportsLoadWeights,
     as_module,
@@ -669,23 +670,19 @@ def _dry_run(
         )
         ledger.recorder.expect(name)
     reported: set[str] = set()
-    guard = _DryGuard(ledger)
-    below = _get_current_dispatch_mode_stack()  # the thread's modes before the guard
-    left: list[str] = []  # dispatch modes the loader entered and never left (`leave_mode`)
-    left_regions: list[str] = []  # masked regions it opened and never closed (`resume`)
-    regions = _swap.suspend()
+    frame = Frame(_DryGuard(ledger))
     try:
         # Not a ``with`` block: an exception raised as its exit starts would leave the guard
         # on this thread's mode stack, skipping (or refusing) every later write. Every step
         # that undoes something runs twice (see `patchctx._session`).
         try:
-            guard.__enter__()  # type: ignore[no-untyped-call]
+            frame.enter()
             # Read to the end here, under the guard and before `weights` is cleared: a
             # generator's body runs only now.
             reported = read_names(module.load_weights(weights))  # type: ignore[operator]
-            leave_mode(guard, below, left)
+            frame.leave()
         finally:
-            leave_mode(guard, below, left)
+            frame.leave()
     except _Stop:
         pass
     except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
@@ -694,25 +691,14 @@ def _dry_run(
         ledger.halt("deferred", f"the loader raised {type(error).__name__}: {error}")
     finally:
         try:
-            leave_mode(guard, below, left)
+            frame.leave()
             ledger.open = False
-            _swap.resume(regions, left_regions)
         finally:
-            leave_mode(guard, below, left)
+            frame.leave()
             ledger.open = False
-            _swap.resume(regions, left_regions)
-    if left:
-        ledger.halt(
-            "unlearnable",
-            f"the loader entered {', '.join(left)} (a dispatch mode) and did not leave it: a "
-            "patch load refuses that",
-        )
-    if left_regions:
-        ledger.halt(
-            "unlearnable",
-            f"the loader opened {', '.join(left_regions)} (a masked region) and did not close "
-            "it: a patch load refuses that",
-        )
+    left_open = frame.left_open()
+    if left_open is not None:
+        ledger.halt("unlearnable", f"{left_open}: a patch load refuses that")
     try:
         changed = snapshot.restore()
     finally:

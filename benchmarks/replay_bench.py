@@ -68,6 +68,7 @@ from benchmarks.patch_bench import (
 from patchctx import (
     CheckpointWeightPatch,
     RouteCache,
+    _kernel,
     load_checkpoint_weight_patches,
     validate_patches,
 )
@@ -107,6 +108,31 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str
                 calls[name]()
                 times[name].append(time.perf_counter() - start)
     return times
+
+
+def _reference(call: Callable[[], object]) -> Callable[[], object]:
+    """`call` with the host's passes in Python, numpy and torch: patchctx's C kernel unused."""
+
+    def run() -> object:
+        _kernel.USE = False
+        try:
+            return call()
+        finally:
+            _kernel.USE = True
+
+    return run
+
+
+# The name of a method run without the C kernel, beside the one with it (when it is built).
+WITHOUT = "{} (no kernel)"
+
+
+def _with_reference(calls: dict[str, Callable[[], object]], *names: str) -> None:
+    """Add, after each of `names`, the same call without the C kernel (when it is built)."""
+    if not _kernel.BUILT:
+        return
+    for name in names:
+        calls[WITHOUT.format(name)] = _reference(calls[name])
 
 
 def _index_copies(plan: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -161,25 +187,32 @@ def sweep(args: argparse.Namespace) -> list[Row]:
                         load_checkpoint_weight_patches, models["replay"], ones, routes=routes
                     ),
                 }
+                _with_reference(calls, "replay", "replay, one element each")
                 times = interleaved(calls, args.rounds)
                 nnz = sum(p.values.numel() for p in patches)
                 numel = sum(math.prod(s) for s in base.shapes.values())
                 case = f"h{hidden} {dtype_name} {nnz / numel:.2%}"
                 for method, seconds in times.items():
-                    note = _goal(times, len(patches)) if method == "replay" else ""
+                    note = (
+                        _goal(times, len(patches), method)
+                        if method in ("replay", WITHOUT.format("replay"))
+                        else ""
+                    )
                     rows.append(Row("sweep", case, method, *_us(seconds), note))
     return rows
 
 
-def _goal(times: dict[str, list[float]], patches: int) -> str:
-    """The replay row against the issue's goal: 1.2x the bare ``index_copy_`` plus fixed costs.
+def _goal(times: dict[str, list[float]], patches: int, method: str = "replay") -> str:
+    """A replay row against the issue's goal: 1.2x the bare ``index_copy_`` plus fixed costs.
 
     Two readings of the fixed cost: the goal's budget (10 µs a patch and 50 µs a call), and
-    the call's own, measured beside it (one element per tensor).
+    the call's own, measured beside it (one element per tensor, the same way: with or
+    without the C kernel).
     """
     low = min(times["index_copy_"])
-    replay = min(times["replay"])
-    fixed = min(times["replay, one element each"])
+    replay = min(times[method])
+    ones = "replay, one element each"
+    fixed = min(times[ones if method == "replay" else WITHOUT.format(ones)])
     budget = 1.2 * low + 10e-6 * patches + 50e-6
     return (
         f"{replay / low:.2f}x index_copy_; {(replay - fixed) / low:.2f}x beyond its own fixed "
@@ -234,6 +267,7 @@ def fixed_costs(args: argparse.Namespace) -> list[Row]:
             "bare index write, per tensor": partial(_scatters, plan),
             "call of one patch": partial(_one_by_one, models["one"], one, routes["one"]),
         }
+        _with_reference(calls, "replay, per tensor", "call of one patch")
         if theirs is not None:
             calls["vLLM's function, call of one patch"] = partial(
                 _theirs_one_by_one, theirs, models["vllm"], one
@@ -304,16 +338,19 @@ def warm(args: argparse.Namespace) -> list[Row]:
     rows = []
     with collector_off():
         for case, call, number, per in cases:
-            call()
-            seconds = []
+            method = "replay" if "alone" not in case else "validation"
+            ways = {method: call}
+            _with_reference(ways, method)
+            seconds: dict[str, list[float]] = {way: [] for way in ways}
+            for run in ways.values():
+                run()
             for _ in range(max(args.rounds, 5)):
-                start = time.perf_counter()
-                for _ in range(number):
-                    call()
-                seconds.append((time.perf_counter() - start) / number / per)
-            rows.append(
-                Row("warm", case, "replay" if "alone" not in case else "validation", *_us(seconds))
-            )
+                for way, run in ways.items():  # alternated, repeat by repeat
+                    start = time.perf_counter()
+                    for _ in range(number):
+                        run()
+                    seconds[way].append((time.perf_counter() - start) / number / per)
+            rows += [Row("warm", case, way, *_us(found)) for way, found in seconds.items()]
     return rows
 
 
@@ -450,10 +487,10 @@ def table(rows: list[Row]) -> str:
         if not chosen:
             continue
         scale = 1.0 if kind in ("fixed", "warm", "cold") else 1e-3
-        lines += ["", title, f"{'case':>38}  {'method':<26}{'min':>10}{'median':>10}  note"]
+        lines += ["", title, f"{'case':>38}  {'method':<38}{'min':>10}{'median':>10}  note"]
         for row in chosen:
             lines.append(
-                f"{row.case:>38}  {row.method:<26}{row.min_us * scale:>10.2f}"
+                f"{row.case:>38}  {row.method:<38}{row.min_us * scale:>10.2f}"
                 f"{row.median_us * scale:>10.2f}  {row.note}"
             )
     return "\n".join(lines)
@@ -505,9 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     for kind, run in runs:
         if kind in args.tables:
             rows += run(args)
+    kernel = (
+        "patchctx's C kernel built (rows marked 'no kernel' run without it)"
+        if _kernel.BUILT
+        else "patchctx's C kernel not built: the host's passes are Python's, numpy's and torch's"
+    )
     header = (
         f"replay benchmark: torch {torch.__version__}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, {args.rounds} rounds, min and median"
+        f"{os.cpu_count()} CPUs, {args.rounds} rounds, min and median; {kernel}"
     )
     print(header + "\n" + table(rows))
     if args.json:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
-from patchctx import _cpu_passes
+from patchctx import _cpu_passes, _kernel
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
@@ -22,6 +22,7 @@ from patchctx._strategies import (
     IntSentinel,
     NaNMask,
     as_strategy,
+    nan_kind,
     reserved_on_host,
 )
 
@@ -655,8 +656,8 @@ def _all_valid(
         checks = []  # how to judge each flag on the host
         small = [k for ks in groups.get(device, {}).values() for k in ks]
         on_host = _on_host(device)
-        if on_host and len(small) < _CPU_JOINED_FROM:
-            for k in small:  # one by one (`_CPU_JOINED_FROM`)
+        if on_host and (len(small) < _CPU_JOINED_FROM or _kernel.active()):
+            for k in small:  # one by one (`_CPU_JOINED_FROM`; the C kernel's calls cost less)
                 indices = checked[k]._patch.indices
                 assert indices is not None
                 if not _host_valid(checked[k], indices, strategy):
@@ -691,7 +692,7 @@ def _all_valid(
                     return None
             else:
                 _blocked_flags(checked[k], indices.to(device), device, strategy, flags, checks)
-        if not _judged(_read_flags(flags, device), checks):
+        if flags and not _judged(_read_flags(flags, device), checks):
             return None
     return positions
 
@@ -707,6 +708,10 @@ def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrateg
         indices = indices.cpu()
     patch = item._patch
     values, dtype, numel = patch.values, patch.dtype, item._numel
+    kind = nan_kind(strategy, values, dtype)
+    verdict = _kernel.check(indices, numel, values, kind)
+    if verdict is not None:  # the C kernel: one loop over the indices (and values), no temporary
+        return verdict and (kind != 0 or not reserved_on_host(strategy, values, dtype))
     count = indices.shape[0]
     if count <= _cpu_passes.LISTED_UP_TO:
         # A few indices: checked as a Python list, kept for replay (`CheckedPatch._listed`).

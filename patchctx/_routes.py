@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 
-from patchctx import _cpu_passes
+from patchctx import _cpu_passes, _kernel
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, scratch
 from patchctx._cpu_passes import shifted_positions
@@ -988,6 +988,13 @@ def replay(
     # values or indices lie in storage the route writes is read from a copy of its own.
     # Validation's positions are the indices themselves or a tensor of its own, which replay
     # then reads instead of the indices.
+    if (
+        route._whole
+        and undo is None
+        and route.dtype is targets[0].dtype
+        and _kernel.scatter(targets[0], indices, values, 0, indices.shape[0], 0)
+    ):  # the common case by the C kernel: the indices as they are, no positions to make
+        return
     spans = route._spans
     if positions is None or positions is indices:
         apart = _apart(indices, spans)
@@ -1052,6 +1059,13 @@ def replay(
         else:
             # The storage up to the segment's last position (`live` checked it is there).
             flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
+        if (
+            undo is None
+            and device_values.dtype is route.dtype
+            and route.dtype is segment.dtype
+            and _kernel.scatter(flat, device_indices, device_values, start, stop, shift)
+        ):  # the C kernel: all of it in one loop, no positions or block buffer
+            continue
         on_cpu = device.type == "cpu" and _cpu_passes.HOST
         size = block_size()
         for begin in range(start, stop, size):

@@ -16,6 +16,7 @@ import pytest
 from benchmarks import charts
 from benchmarks.patch_bench import METHODS, Row, _without_output, main, table
 from benchmarks.wire_bench import METHODS as WIRE_METHODS
+from patchctx import _kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,10 +159,18 @@ def test_replay_bench_quick_prints_its_five_tables_and_json(tmp_path: Path) -> N
     tables = {row["table"] for row in report["rows"]}
     assert tables == {"sweep", "fixed", "warm", "cold", "contention"}
     methods = {row["method"] for row in report["rows"] if row["table"] == "sweep"}
-    assert methods == {"replay", "index_copy_", "scatter_", "dense", "replay, one element each"}
+    replays = {"replay", "replay, one element each"}
+    if _kernel.BUILT:  # each replay row again without the C kernel, and the header says so
+        replays |= {f"{method} (no kernel)" for method in replays}
+        assert "C kernel built" in report["header"]
+        warm = {row["method"] for row in report["rows"] if row["table"] == "warm"}
+        assert warm == {"replay", "replay (no kernel)", "validation", "validation (no kernel)"}
+    else:
+        assert "C kernel not built" in report["header"]
+    assert methods == {"index_copy_", "scatter_", "dense"} | replays
     assert all(row["min_us"] > 0 and row["median_us"] >= row["min_us"] for row in report["rows"])
     for row in report["rows"]:
-        if row["table"] == "sweep" and row["method"] == "replay":
+        if row["table"] == "sweep" and row["method"] in ("replay", "replay (no kernel)"):
             assert re.fullmatch(
                 r"[\d.]+x index_copy_; -?[\d.]+x beyond its own fixed cost; "
                 r"[\d.]+x the goal's budget",

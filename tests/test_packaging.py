@@ -120,3 +120,34 @@ def test_the_sdist_declares_what_the_tests_import() -> None:
     include = set(PYPROJECT["tool"]["hatch"]["build"]["targets"]["sdist"]["include"])
     assert {"benchmarks", "examples", "tests", "docs", "conftest.py", "dev", "LICENSE"} <= include
     assert Path(ROOT / "examples" / "demo.py").is_file()
+
+
+def test_the_sdist_carries_the_kernels_source_and_build_hook_but_no_compiled_module(
+    sdist: tarfile.TarFile,
+) -> None:
+    members = _members(sdist)
+    assert {"patchctx/_ckernel.c", "patchctx/_ckernel.pyi", "hatch_build.py"} <= members
+    assert not [m for m in members if m.endswith((".so", ".pyd"))]
+
+
+def test_the_wheel_carries_the_kernel_compiled_for_this_platform(
+    tmp_path: Path,
+) -> None:
+    """The build hook compiles `patchctx/_ckernel.c` into the wheel, tagged for this Python
+    and platform (where a C compiler works: required where the test command found one)."""
+    import os
+    import zipfile
+
+    from patchctx import _kernel
+
+    hatchling_build = pytest.importorskip("hatchling.build")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(ROOT)
+        name = hatchling_build.build_wheel(str(tmp_path))
+    members = zipfile.ZipFile(tmp_path / name).namelist()
+    compiled = [m for m in members if m.endswith((".so", ".pyd"))]
+    if not compiled and not _kernel.BUILT and os.environ.get("PATCHCTX_REQUIRE_KERNEL") != "1":
+        assert name.endswith("-py3-none-any.whl")  # pure Python, and said so
+        pytest.skip("no C compiler: the wheel is built without the kernel")
+    assert len(compiled) == 1 and compiled[0].startswith("patchctx/_ckernel")
+    assert not name.endswith("-none-any.whl"), name  # tagged for this platform

@@ -1,0 +1,314 @@
+/*
+ * patchctx._ckernel: the host passes of a sparse patch (order and range, NaN, the write) as
+ * single loops in C, for CPU tensors. patchctx/_kernel.py is the only caller: it checks that
+ * every tensor is a plain strided CPU tensor, passes addresses, element counts and strides,
+ * and keeps the tensors alive during the call. Each function here is a plain loop over memory
+ * the caller vouches for; the write checks every position against the destination's size
+ * itself, so that no caller's mistake (or another thread changing the indices meanwhile) can
+ * make it write outside the destination.
+ *
+ * Loads and stores go through memcpy (no alignment or aliasing assumptions); compilers turn
+ * them into plain moves. Long loops run without the GIL, as torch's own kernels do.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* From this many elements a loop releases the GIL (below it, the release costs more). */
+#define RELEASE_FROM 16384
+
+static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                     const char *name, long long *out) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/*
+ * The loops below read typed elements when the address is aligned to their size (torch's
+ * tensors always are, but for a view made from a byte buffer at an odd offset), and through
+ * memcpy otherwise. They have no early exit and no branch inside, so that the compiler
+ * vectorises them: a failure (the rare case) costs the same pass as a success.
+ */
+#define ALIGNED(address, size) (((uintptr_t)(address) & ((size) - 1)) == 0)
+
+/* Whether `count` unsigned integers of type T at `at` are strictly increasing, the last at
+ * most `highest`. */
+#define INCREASING(name, T)                                                                 \
+    static int name(const char *at, Py_ssize_t count, uint64_t highest) {                     \
+        if (count == 0) {                                                                   \
+            return 1;                                                                       \
+        }                                                                                   \
+        int bad = 0;                                                                        \
+        T last;                                                                             \
+        if (ALIGNED(at, sizeof(T))) {                                                       \
+            const T *p = (const T *)(const void *)at;                                       \
+            for (Py_ssize_t i = 1; i < count; i++) {                                        \
+                bad |= p[i] <= p[i - 1];                                                    \
+            }                                                                               \
+            last = p[count - 1];                                                            \
+        } else {                                                                            \
+            T previous;                                                                     \
+            memcpy(&previous, at, sizeof(T));                                               \
+            for (Py_ssize_t i = 1; i < count; i++) {                                        \
+                T v;                                                                        \
+                memcpy(&v, at + i * (Py_ssize_t)sizeof(T), sizeof(T));                      \
+                bad |= v <= previous;                                                       \
+                previous = v;                                                               \
+            }                                                                               \
+            last = previous;                                                                \
+        }                                                                                   \
+        return !bad && (uint64_t)last <= highest;                                              \
+    }
+
+INCREASING(increasing32, uint32_t)
+INCREASING(increasing64, uint64_t)
+
+/* Whether any of `count` IEEE floats (as unsigned integers of type T) at `at` is a NaN: its
+ * bits without the sign above those of infinity. */
+#define ANY_NAN(name, T, MAGNITUDE)                                                         \
+    static int name(const char *at, Py_ssize_t count, T infinity) {                         \
+        int found = 0;                                                                      \
+        if (ALIGNED(at, sizeof(T))) {                                                       \
+            const T *p = (const T *)(const void *)at;                                       \
+            for (Py_ssize_t i = 0; i < count; i++) {                                        \
+                found |= (T)(p[i] & (MAGNITUDE)) > infinity;                                \
+            }                                                                               \
+        } else {                                                                            \
+            for (Py_ssize_t i = 0; i < count; i++) {                                        \
+                T v;                                                                        \
+                memcpy(&v, at + i * (Py_ssize_t)sizeof(T), sizeof(T));                      \
+                found |= (T)(v & (MAGNITUDE)) > infinity;                                   \
+            }                                                                               \
+        }                                                                                   \
+        return found;                                                                       \
+    }
+
+ANY_NAN(any_nan16, uint16_t, 0x7FFFu)
+ANY_NAN(any_nan32, uint32_t, 0x7FFFFFFFu)
+ANY_NAN(any_nan64, uint64_t, 0x7FFFFFFFFFFFFFFFull)
+
+/* Whether `count` IEEE floats of `kind` (2 bfloat16, 3 float16, 4 float32, 8 float64) at `at`
+ * hold a NaN; -1 for another kind. */
+static int any_nan(const char *at, Py_ssize_t count, int kind) {
+    switch (kind) {
+    case 2:
+        return any_nan16(at, count, 0x7F80u);
+    case 3:
+        return any_nan16(at, count, 0x7C00u);
+    case 4:
+        return any_nan32(at, count, 0x7F800000u);
+    case 8:
+        return any_nan64(at, count, 0x7FF0000000000000ull);
+    default:
+        return -1;
+    }
+}
+
+/*
+ * check(indices, count, width, highest, values, kind) -> bool
+ *
+ * A sparse patch's common case in one call: its `count` contiguous indices (integers of
+ * `width` bytes, 4 or 8) strictly increasing and at most `highest`, read as unsigned (a
+ * negative one reads as one above every index of its width that can be in range: the caller
+ * caps `highest` at 2**(8 * width - 1) - 1), and, unless `kind` is 0, none of its `count` contiguous values a NaN
+ * of any sign or payload. `kind`: 2 bfloat16, 3 float16, 4 float32, 8 float64.
+ */
+static PyObject *check(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[6];
+    if (read_args(args, nargs, 6, "check", a) < 0) {
+        return NULL;
+    }
+    const char *indices = (const char *)(uintptr_t)a[0];
+    Py_ssize_t count = (Py_ssize_t)a[1];
+    int width = (int)a[2];
+    uint64_t highest = (uint64_t)a[3];
+    const char *values = (const char *)(uintptr_t)a[4];
+    int kind = (int)a[5];
+    if ((width != 4 && width != 8) || count < 0 ||
+        !(kind == 0 || kind == 2 || kind == 3 || kind == 4 || kind == 8)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "check: width must be 4 or 8, count >= 0, kind 0, 2, 3, 4 or 8");
+        return NULL;
+    }
+    PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    int ok = width == 4 ? increasing32(indices, count, highest)
+                        : increasing64(indices, count, highest);
+    if (ok && kind) {
+        ok = !any_nan(values, count, kind);
+    }
+    if (saved) {
+        PyEval_RestoreThread(saved);
+    }
+    return PyBool_FromLong(ok);
+}
+
+/*
+ * has_nan(values, count, kind) -> bool
+ *
+ * Whether the `count` contiguous IEEE floats of `kind` (as for `check`) at `values` hold a
+ * NaN of any sign or payload.
+ */
+static PyObject *has_nan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[3];
+    if (read_args(args, nargs, 3, "has_nan", a) < 0) {
+        return NULL;
+    }
+    const char *values = (const char *)(uintptr_t)a[0];
+    Py_ssize_t count = (Py_ssize_t)a[1];
+    int kind = (int)a[2];
+    if (count < 0 || !(kind == 2 || kind == 3 || kind == 4 || kind == 8)) {
+        PyErr_SetString(PyExc_ValueError, "has_nan: count >= 0, kind 2, 3, 4 or 8");
+        return NULL;
+    }
+    PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    int found = any_nan(values, count, kind);
+    if (saved) {
+        PyEval_RestoreThread(saved);
+    }
+    return PyBool_FromLong(found);
+}
+
+/* ``target[indices[i] - shift] = values[i]`` for element type T and index type I, each
+ * position checked against `limit` (one not written is counted in `missed`). */
+#define SCATTER(name, T, I)                                                                 \
+    static long long name(char *target, uint64_t limit, const char *indices,                \
+                          Py_ssize_t count, int64_t shift, const char *values) {            \
+        long long missed = 0;                                                               \
+        for (Py_ssize_t i = 0; i < count; i++) {                                            \
+            I index;                                                                        \
+            memcpy(&index, indices + i * (Py_ssize_t)sizeof(I), sizeof(I));                 \
+            int64_t position = (int64_t)index - shift;                                      \
+            if ((uint64_t)position >= limit) {                                              \
+                missed++;                                                                   \
+                continue;                                                                   \
+            }                                                                               \
+            T v;                                                                            \
+            memcpy(&v, values + i * (Py_ssize_t)sizeof(T), sizeof(T));                      \
+            memcpy(target + position * (int64_t)sizeof(T), &v, sizeof(T));                  \
+        }                                                                                   \
+        return missed;                                                                      \
+    }
+
+SCATTER(scatter8_32, uint8_t, int32_t)
+SCATTER(scatter16_32, uint16_t, int32_t)
+SCATTER(scatter32_32, uint32_t, int32_t)
+SCATTER(scatter64_32, uint64_t, int32_t)
+SCATTER(scatter8_64, uint8_t, int64_t)
+SCATTER(scatter16_64, uint16_t, int64_t)
+SCATTER(scatter32_64, uint32_t, int64_t)
+SCATTER(scatter64_64, uint64_t, int64_t)
+
+/* Whether the byte ranges [a, a + an) and [b, b + bn) meet (both non-empty). */
+static int meet(uintptr_t a, uint64_t an, uintptr_t b, uint64_t bn) {
+    return an && bn && a < b + bn && b < a + an;
+}
+
+/*
+ * scatter(target, limit, size, indices, width, count, shift, values) -> int
+ *
+ * ``target[indices[i] - shift] = values[i]`` for each of `count` entries: `target` holds
+ * `limit` contiguous elements of `size` bytes (1, 2, 4 or 8), the indices are `count`
+ * contiguous signed integers of `width` bytes (4 or 8), the values `count` contiguous elements
+ * of `size` bytes. Bytes are moved as they are (the caller has the values in the destination's
+ * dtype). Returns -1, having written nothing, when the indices or values lie in the target's
+ * bytes (a write would change what later entries read: the caller copies them first).
+ * Otherwise a position outside ``[0, limit)`` is not written, and the count of those is
+ * returned (0: all written), so the caller can refuse a call whose checks did not hold.
+ */
+static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[8];
+    if (read_args(args, nargs, 8, "scatter", a) < 0) {
+        return NULL;
+    }
+    char *target = (char *)(uintptr_t)a[0];
+    uint64_t limit = (uint64_t)a[1];
+    int size = (int)a[2];
+    const char *indices = (const char *)(uintptr_t)a[3];
+    int width = (int)a[4];
+    Py_ssize_t count = (Py_ssize_t)a[5];
+    int64_t shift = (int64_t)a[6];
+    const char *values = (const char *)(uintptr_t)a[7];
+    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
+        count < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "scatter: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0");
+        return NULL;
+    }
+    uint64_t span = limit * (uint64_t)size;
+    if (meet((uintptr_t)target, span, (uintptr_t)indices, (uint64_t)count * width) ||
+        meet((uintptr_t)target, span, (uintptr_t)values, (uint64_t)count * size)) {
+        return PyLong_FromLong(-1);
+    }
+    long long missed;
+    PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    switch (size * 10 + width) {
+    case 14:
+        missed = scatter8_32(target, limit, indices, count, shift, values);
+        break;
+    case 24:
+        missed = scatter16_32(target, limit, indices, count, shift, values);
+        break;
+    case 44:
+        missed = scatter32_32(target, limit, indices, count, shift, values);
+        break;
+    case 84:
+        missed = scatter64_32(target, limit, indices, count, shift, values);
+        break;
+    case 18:
+        missed = scatter8_64(target, limit, indices, count, shift, values);
+        break;
+    case 28:
+        missed = scatter16_64(target, limit, indices, count, shift, values);
+        break;
+    case 48:
+        missed = scatter32_64(target, limit, indices, count, shift, values);
+        break;
+    default:
+        missed = scatter64_64(target, limit, indices, count, shift, values);
+        break;
+    }
+    if (saved) {
+        PyEval_RestoreThread(saved);
+    }
+    return PyLong_FromLongLong(missed);
+}
+
+static PyMethodDef methods[] = {
+    {"check", (PyCFunction)(void (*)(void))check, METH_FASTCALL,
+     "check(indices, count, width, highest, values, kind) -> bool"},
+    {"has_nan", (PyCFunction)(void (*)(void))has_nan, METH_FASTCALL,
+     "has_nan(values, count, kind) -> bool"},
+    {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
+     "scatter(target, limit, size, indices, width, count, shift, values) -> int"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_ckernel",
+    "The host passes of a sparse patch in C (see patchctx/_kernel.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ckernel(void) {
+    PyObject *made = PyModule_Create(&module);
+    if (made == NULL) {
+        return NULL;
+    }
+#ifdef PATCHCTX_SOURCE
+    if (PyModule_AddStringConstant(made, "SOURCE", PATCHCTX_SOURCE) < 0) {
+        Py_DECREF(made);
+        return NULL;
+    }
+#endif
+    return made;
+}

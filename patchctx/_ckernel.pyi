@@ -1,0 +1,18 @@
+# The compiled kernel (patchctx/_ckernel.c), built by hatch_build.py where a C compiler works.
+SOURCE: str
+
+def check(
+    indices: int, count: int, width: int, highest: int, values: int, kind: int, /
+) -> bool: ...
+def has_nan(values: int, count: int, kind: int, /) -> bool: ...
+def scatter(
+    target: int,
+    limit: int,
+    size: int,
+    indices: int,
+    width: int,
+    count: int,
+    shift: int,
+    values: int,
+    /,
+) -> int: ...

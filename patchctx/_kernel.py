@@ -1,0 +1,189 @@
+"""The C kernel's passes over CPU tensors: one call where numpy and torch take several.
+
+A sparse patch's host work is a handful of loops over its indices and values: order and range,
+NaN, the write. numpy and torch each make them in a few operations of 0.3 to 1.5 µs of fixed
+cost apiece, plus a temporary or an int64 copy of the indices, and a short patch spends most of
+its time there. `patchctx/_ckernel.c` makes each one loop, called in about 0.3 µs, reading the
+indices as they come (int32 or int64) and writing positions it computes itself.
+
+The module is optional (`hatch_build.py` compiles it where a C compiler works): each function
+here returns `None` (or False for `scatter`) where it does not apply, and the caller goes on
+the Python, numpy and torch way, which stays the reference the tests hold the kernel to. It
+applies to plain strided CPU tensors only (no tensor subclass with a dispatch of its own, no
+lazy negation or conjugation, which raw bytes would not see), with the host's ways on
+(`_cpu_passes.HOST`), and writes only when no dispatch mode is active: torch operations would
+show a write to such a mode; the kernel's bytes would not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from patchctx import _cpu_passes
+
+__all__ = ["BUILT", "NAN_KIND", "USE", "active", "check", "has_nan", "scatter"]
+
+
+def _load() -> ModuleType | None:
+    """The compiled module, if there is one built from the source next to this file."""
+    try:
+        from patchctx import _ckernel
+    except ImportError:
+        return None
+    source = Path(__file__).with_name("_ckernel.c")
+    if source.is_file():  # a source tree: not a module left from an earlier version of it
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()
+        if getattr(_ckernel, "SOURCE", None) != digest:
+            return None
+    return _ckernel
+
+
+_module = _load()
+
+# Whether a compiled kernel of this source was found.
+BUILT = _module is not None
+# Whether patchctx uses it (read as `_kernel.USE`: tests set it False to run the reference
+# passes, and compare the two).
+USE = BUILT
+
+
+def active() -> bool:
+    """Whether CPU tensors take the kernel's passes where they apply (built, used, host)."""
+    return _module is not None and USE and _cpu_passes.HOST
+
+
+_WIDTH = {torch.int32: 4, torch.int64: 8}
+# The kernel's code for each IEEE float dtype whose NaN it finds by the bits (0: none).
+NAN_KIND = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4, torch.float64: 8}
+_PLAIN = torch.Tensor.__torch_dispatch__
+# Per tensor class: whether its data are its bytes (no dispatch of its own).
+_PLAIN_CLASS: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
+
+
+def _plain_class(kind: type) -> bool:
+    """Whether tensors of class `kind` hold their values as their bytes (`_PLAIN_CLASS`)."""
+    plain = _PLAIN_CLASS.get(kind)
+    if plain is None:
+        plain = _PLAIN_CLASS[kind] = getattr(kind, "__torch_dispatch__", None) is _PLAIN
+    return plain
+
+
+def check(indices: torch.Tensor, bound: int, values: torch.Tensor, kind: int) -> bool | None:
+    """A sparse patch's common case: indices strictly increasing in ``[0, bound)``, and no NaN.
+
+    `indices` and `values` are a checked patch's (`patchctx._patch.CheckedPatch`: 1-D,
+    strided, of a plain class, no lazy negation or conjugation), on CPU. `kind`: the values'
+    `NAN_KIND` to find a NaN among them, or 0 for no check of the values. The order and range
+    as `_cpu_passes.increasing_below` decides them (read as unsigned: a negative index is
+    above every bound). `None` where the kernel does not apply.
+    """
+    width = _WIDTH.get(indices.dtype)
+    if _module is None or not USE or not _cpu_passes.HOST or width is None:
+        return None
+    if not indices.is_contiguous() or (kind and not values.is_contiguous()):
+        return None  # (rare: a strided view; the reference passes take it)
+    count = indices.shape[0]
+    if bound <= 0 and count:
+        return False  # (no index is in range)
+    return bool(
+        _module.check(
+            indices.data_ptr(),
+            count,
+            width,
+            min(bound, 1 << (8 * width - 1)) - 1,  # the highest index allowed
+            values.data_ptr() if kind else 0,
+            kind,
+        )
+    )
+
+
+def has_nan(values: torch.Tensor) -> bool | None:
+    """Whether 1-D IEEE float CPU `values` hold a NaN of any sign or payload, by their bits.
+
+    `None` where the kernel does not apply (another dtype, a tensor whose bytes are not its
+    values, not contiguous).
+    """
+    kind = NAN_KIND.get(values.dtype)
+    if _module is None or not USE or not _cpu_passes.HOST or kind is None:
+        return None
+    if (
+        values.dim() != 1
+        or not values.is_cpu
+        or not values.is_contiguous()
+        or values.layout is not torch.strided
+        or not _plain_class(type(values))
+        or values.is_neg()
+        or values.is_conj()
+    ):
+        return None
+    return bool(_module.has_nan(values.data_ptr(), values.shape[0], kind))
+
+
+def scatter(
+    target: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    begin: int,
+    end: int,
+    shift: int,
+) -> bool:
+    """``target.view(-1)[indices[i] - shift] = values[i]`` for ``i`` in ``[begin, end)``.
+
+    `target` is a destination replay checked live; `indices` and `values` a checked patch's
+    (see `check`) or validation's int64 positions, validated: in range once shifted. Bumps
+    `target`'s version counter as torch's writes do. False, having written nothing, where the
+    kernel does not apply: another device or dtype, a tensor that is not contiguous, a target
+    of a class with a dispatch of its own, lazily negated or conjugated, or an inference
+    tensor; an active dispatch mode (torch's writes would show the write to it); indices or
+    values in the target's own bytes (the caller reads them from a copy, `_apart`).
+
+    Raises:
+        RuntimeError: Some position lay outside `target` (the caller's validation did not
+            hold: the indices changed after it, say). No byte outside `target` was written;
+            the positions inside it were.
+    """
+    width = _WIDTH.get(indices.dtype)
+    dtype = target.dtype
+    if (
+        width is None
+        or _module is None
+        or not USE
+        or not _cpu_passes.HOST
+        or values.dtype is not dtype
+        or not (target.is_cpu and indices.is_cpu and values.is_cpu)
+        or not (target.is_contiguous() and indices.is_contiguous() and values.is_contiguous())
+        or not (type(target) in _PLAIN_CLASS or _plain_class(type(target)))
+        or target.is_inference()
+        or target.is_neg()
+        or target.is_conj()
+        or torch._C._len_torch_dispatch_stack()
+        or (size := dtype.itemsize) > 8
+    ):
+        return False
+    count = end - begin
+    if count <= 0:
+        return True
+    missed: int = _module.scatter(
+        target.data_ptr(),
+        target.numel(),
+        size,
+        indices.data_ptr() + begin * width,
+        width,
+        count,
+        shift,
+        values.data_ptr() + begin * size,
+    )
+    if missed < 0:  # indices or values in the target's bytes: nothing written
+        return False
+    torch._C._increment_version((target,))
+    if missed:
+        raise RuntimeError(
+            f"patchctx: {missed} of {count} positions lay outside the destination of "
+            f"{target.numel()} elements and were not written; the patch's indices changed "
+            "after validation"
+        )
+    return True

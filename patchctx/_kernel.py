@@ -57,6 +57,9 @@ def active() -> bool:
 
 
 _WIDTH = {torch.int32: 4, torch.int64: 8}
+# Per index width, the first value read as unsigned that no valid index reaches: a negative
+# one reads as this or above.
+_BEYOND = {4: 1 << 31, 8: 1 << 63}
 # The kernel's code for each IEEE float dtype whose NaN it finds by the bits (0: none).
 NAN_KIND = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4, torch.float64: 8}
 _PLAIN = torch.Tensor.__torch_dispatch__
@@ -86,15 +89,15 @@ def check(indices: torch.Tensor, bound: int, values: torch.Tensor, kind: int) ->
         return None
     if not indices.is_contiguous() or (kind and not values.is_contiguous()):
         return None  # (rare: a strided view; the reference passes take it)
-    count = indices.shape[0]
-    if bound <= 0 and count:
-        return False  # (no index is in range)
+    count = indices.numel()  # (1-D: a little cheaper than reading the shape)
+    if bound <= 0:
+        return not count  # (no index is in range)
     return bool(
         _module.check(
             indices.data_ptr(),
             count,
             width,
-            min(bound, 1 << (8 * width - 1)) - 1,  # the highest index allowed
+            min(bound, _BEYOND[width]) - 1,  # the highest index allowed
             values.data_ptr() if kind else 0,
             kind,
         )

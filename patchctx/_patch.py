@@ -613,6 +613,17 @@ def _all_valid(
     buffer) and the strategy's reserved-value reduction (`_blocked_flags`). No temporary
     exceeds a block.
     """
+    if _kernel.active():  # on CPU, every sparse patch by one call of the C kernel
+        for item in checked:
+            indices = item._patch.indices
+            if indices is None:
+                continue
+            if item._numel >= _FAST_NUMEL_LIMIT or not item._patch.values.is_cpu:
+                break  # (another device, or a numel beyond int64 arithmetic: below)
+            if not _host_valid(item, indices, strategy):
+                return None
+        else:
+            return {}
     if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]
         patch = item._patch

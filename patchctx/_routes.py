@@ -992,7 +992,7 @@ def replay(
         route._whole
         and undo is None
         and route.dtype is targets[0].dtype
-        and _kernel.scatter(targets[0], indices, values, 0, indices.shape[0], 0)
+        and _kernel.scatter(targets[0], indices, values, 0, indices.numel(), 0)
     ):  # the common case by the C kernel: the indices as they are, no positions to make
         return
     spans = route._spans

@@ -1,6 +1,6 @@
 """Steady-state replay against its lower bounds, its fixed costs, and its behaviour under load.
 
-Five tables, each measured side by side in one process, methods interleaved (the order
+Six tables, each measured side by side in one process, methods interleaved (the order
 rotates from round to round), min and median of the rounds:
 
 1. **Density sweep** (one torch thread): one packed-QKV tensor-parallel slice and its MLP
@@ -17,17 +17,21 @@ rotates from round to round), min and median of the rounds:
    and the other writes left them: a call's fixed cost measured this way is several times
    its cost in a loop of calls (`fixed costs`), as each distinct operation's code and data
    are fetched from memory again.
-2. **Fixed costs** (one thread): N tensors of 256x256 bf16 at 0.1 %: replay per tensor in
+2. **Row-parallel** (one thread): a row-parallel weight at rank 0 of 2 (``o_proj``: the
+   checkpoint's columns narrowed), whose replay decomposes each index by the strided view,
+   with and without the C kernel, against the bare ``index_copy_`` of this rank's positions
+   and a dense reload.
+3. **Fixed costs** (one thread): N tensors of 256x256 bf16 at 0.1 %: replay per tensor in
    one call of N patches, a call of one patch, a dense reload per tensor, the bare write per
    tensor; with vLLM's own function beside them when vLLM is importable.
-3. **Warm** (one thread): calls in a loop of calls, as ``timeit`` times them (the caches as
+4. **Warm** (one thread): calls in a loop of calls, as ``timeit`` times them (the caches as
    the previous call left them): the packed layer at hidden 1024 bf16 with one element per
    tensor and at 1 %, validation alone of the latter, and the N small tensors per tensor.
-4. **Cold** (one thread): the first call of an operation right after a 128 MiB copy, against
+5. **Cold** (one thread): the first call of an operation right after a 128 MiB copy, against
    its second call: a few tiny torch and numpy operations, a replay call of four one-element
    patches, its validation alone, and its bare writes. Why the sweep's calls cost more than
    the warm table's.
-5. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
+6. **Contention** (two threads): hidden 4096 at 10 %, quiet and with a competing busy
    process started by the script (``--spinners``), replay and the bare write, and the ratio
    loaded / quiet.
 
@@ -78,7 +82,7 @@ from patchctx._model import model_tensors
 
 @dataclass
 class Row:
-    table: str  # "sweep", "fixed", "warm", "cold", "contention"
+    table: str  # "sweep", "row", "fixed", "warm", "cold", "contention"
     case: str  # what the row measures (hidden/dtype/density, or the fixed-cost case)
     method: str
     min_us: float
@@ -218,6 +222,65 @@ def _goal(times: dict[str, list[float]], patches: int, method: str = "replay") -
         f"{replay / low:.2f}x index_copy_; {(replay - fixed) / low:.2f}x beyond its own fixed "
         f"cost; {replay / budget:.2f}x the goal's budget"
     )
+
+
+# ---------------------------------------------------------------------------- row-parallel
+
+
+class RowParallel(nn.Module):
+    """A row-parallel weight at rank 0 of 2 (``o_proj``, ``down_proj``): its input columns.
+
+    The checkpoint's [hidden, hidden] weight narrowed along dimension 1 to this rank's
+    half: every row of the view is a separate run of the staged tensor, so replay decomposes
+    each index into a row and a column (`patchctx._routes.Segment`'s strided case), and the
+    other rank's half of every row is skipped.
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.weight = nn.Parameter(
+            torch.zeros(hidden, hidden // 2, dtype=dtype), requires_grad=False
+        )
+        self.shapes = {"o_proj.weight": (hidden, hidden)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.weight.copy_(tensor.narrow(1, 0, self.hidden // 2))
+        return {"o_proj.weight"}
+
+
+def row_parallel(args: argparse.Namespace) -> list[Row]:
+    """Replay through a strided view (a row-parallel slice), with and without the C kernel,
+    against the bare ``index_copy_`` of this rank's positions and a dense reload."""
+    hidden = args.row_hidden
+    progress(f"row-parallel: hidden {hidden} bf16, rank 0 of 2")
+    generator = torch.Generator().manual_seed(5)
+    models = {m: RowParallel(hidden, torch.bfloat16) for m in ("replay", "bare", "dense")}
+    routes = RouteCache()
+    shapes = models["replay"].shapes
+    first = random_patches(shapes, torch.bfloat16, 0.001, generator, "cpu")
+    load_checkpoint_weight_patches(models["replay"], first, routes=routes)
+    checkpoint = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    rows = []
+    for density in args.row_densities:
+        patches = random_patches(shapes, torch.bfloat16, density, generator, "cpu")
+        plan = _lower_bound_plan(routes, patches, model_tensors(models["bare"]))
+        calls: dict[str, Callable[[], object]] = {
+            "replay": partial(
+                load_checkpoint_weight_patches, models["replay"], patches, routes=routes
+            ),
+            "index_copy_": partial(_index_copies, plan),
+            "dense": partial(_dense, models["dense"], checkpoint),
+        }
+        _with_reference(calls, "replay")
+        times = interleaved(calls, args.rounds)
+        case = f"h{hidden} bf16 {density:.2%}"
+        low = min(times["index_copy_"])
+        for method, seconds in times.items():
+            note = f"{min(seconds) / low:.2f}x index_copy_" if "replay" in method else ""
+            rows.append(Row("row", case, method, *_us(seconds), note))
+    return rows
 
 
 # ----------------------------------------------------------------------------- fixed costs
@@ -476,6 +539,7 @@ def _us(seconds: list[float]) -> tuple[float, float]:
 def table(rows: list[Row]) -> str:
     titles = {
         "sweep": "density sweep, 1 thread: one call applying a patch to each of 4 tensors (ms)",
+        "row": "row-parallel slice (a strided view), 1 thread: one call of one patch (ms)",
         "fixed": "fixed costs, 1 thread (µs)",
         "contention": "contention, 2 threads: one call at 10 % (ms)",
         "warm": "calls in a loop of calls, 1 thread: per call or per tensor (µs)",
@@ -514,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.0001, 0.001, 0.01, 0.03, 0.1, 0.3, 0.5],
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--row-hidden", type=int, default=4096)
+    parser.add_argument("--row-densities", type=_floats, default=[0.001, 0.01, 0.1])
     parser.add_argument("--many", type=int, default=200)
     parser.add_argument("--contention-hidden", type=int, default=4096)
     parser.add_argument(
@@ -522,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tables",
         type=lambda t: t.split(","),
-        default=["sweep", "fixed", "warm", "cold", "contention"],
+        default=["sweep", "row", "fixed", "warm", "cold", "contention"],
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
@@ -530,10 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.dtypes, args.densities = [256], ["bf16"], [0.01, 0.3]
         args.rounds, args.many, args.contention_hidden = 2, 20, 256
+        args.row_hidden, args.row_densities = 256, [0.01]
     torch.set_num_threads(1)
     rows: list[Row] = []
     runs = (
         ("sweep", sweep),
+        ("row", row_parallel),
         ("fixed", fixed_costs),
         ("warm", warm),
         ("cold", cold),

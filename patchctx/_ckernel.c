@@ -283,6 +283,214 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLongLong(missed);
 }
 
+/* The most dimensions `scatter_strided` decomposes an index into. */
+#define MAX_DIMS 16
+
+/* A strided view for `scatter_strided`: per dimension of size > 1, by decreasing stride. */
+struct plan {
+    int dims;
+    int64_t offset, base;
+    uint64_t limit;
+    int64_t strides[MAX_DIMS], sizes[MAX_DIMS], target_strides[MAX_DIMS];
+};
+
+/* `scatter_strided`'s loop for element type T and index type I. The outer coordinate of the
+ * previous index is kept while the next ones fall in the same outer slice (sorted indices,
+ * dense enough): a division saved per index. An inner stride of 1 needs no division. With no
+ * dimension (a one-element view), only the index at `offset` itself is the view's. */
+#define STRIDED(name, T, I)                                                                 \
+    static long long name(const struct plan *view, char *target, const char *indices,       \
+                          Py_ssize_t count, const char *values) {                           \
+        /* The plan in locals: writes through `target` (a char pointer) could otherwise be   \
+         * taken to change it, and every field would be read again per index. */            \
+        const int dims = view->dims;                                                        \
+        const int64_t offset = view->offset, base = view->base;                             \
+        const uint64_t limit = view->limit;                                                 \
+        int64_t strides[MAX_DIMS], sizes[MAX_DIMS], target_strides[MAX_DIMS];               \
+        for (int d = 0; d < dims; d++) {                                                    \
+            strides[d] = view->strides[d];                                                  \
+            sizes[d] = view->sizes[d];                                                      \
+            target_strides[d] = view->target_strides[d];                                    \
+        }                                                                                   \
+        long long missed = 0;                                                               \
+        int64_t outer = 0, outer_low = 0, outer_high = 0;                                   \
+        for (Py_ssize_t i = 0; i < count; i++) {                                            \
+            I index;                                                                        \
+            memcpy(&index, indices + i * (Py_ssize_t)sizeof(I), sizeof(I));                 \
+            if ((int64_t)index < offset) {                                                  \
+                continue;                                                                   \
+            }                                                                               \
+            int64_t rest = (int64_t)index - offset;                                         \
+            if (rest < outer_low || rest >= outer_high) {                                   \
+                outer = dims ? rest / strides[0] : 0;                                       \
+                outer_low = dims ? outer * strides[0] : 0;                                  \
+                outer_high = dims ? outer_low + strides[0] : 1;                             \
+            }                                                                               \
+            if (dims && outer >= sizes[0]) {                                                \
+                continue; /* beyond the view */                                             \
+            }                                                                               \
+            rest -= outer_low;                                                              \
+            int64_t position = base + (dims ? outer * target_strides[0] : 0);               \
+            int inside = 1;                                                                 \
+            for (int d = 1; d < dims; d++) {                                                \
+                int64_t coordinate;                                                         \
+                if (strides[d] == 1) {                                                      \
+                    coordinate = rest;                                                      \
+                    rest = 0;                                                               \
+                } else {                                                                    \
+                    coordinate = rest / strides[d];                                         \
+                    rest -= coordinate * strides[d];                                        \
+                }                                                                           \
+                if (coordinate >= sizes[d]) {                                               \
+                    inside = 0;                                                             \
+                    break;                                                                  \
+                }                                                                           \
+                position += coordinate * target_strides[d];                                 \
+            }                                                                               \
+            if (!inside || rest != 0) {                                                     \
+                continue; /* another view's element */                                      \
+            }                                                                               \
+            if ((uint64_t)position >= limit) {                                              \
+                missed++;                                                                   \
+                continue;                                                                   \
+            }                                                                               \
+            T v;                                                                            \
+            memcpy(&v, values + i * (Py_ssize_t)sizeof(T), sizeof(T));                      \
+            memcpy(target + position * (int64_t)sizeof(T), &v, sizeof(T));                  \
+        }                                                                                   \
+        return missed;                                                                      \
+    }
+
+STRIDED(strided8_32, uint8_t, int32_t)
+STRIDED(strided16_32, uint16_t, int32_t)
+STRIDED(strided32_32, uint32_t, int32_t)
+STRIDED(strided64_32, uint64_t, int32_t)
+STRIDED(strided8_64, uint8_t, int64_t)
+STRIDED(strided16_64, uint16_t, int64_t)
+STRIDED(strided32_64, uint32_t, int64_t)
+STRIDED(strided64_64, uint64_t, int64_t)
+
+/*
+ * scatter_strided(target, limit, size, indices, width, count, offset, base, plan, values)
+ *     -> int
+ *
+ * `scatter` through a strided view: the view of the (contiguous, checkpoint-shaped) staged
+ * tensor that starts at element `offset` and whose dimensions are `plan`, a tuple of
+ * (stride, size, target stride) triples by decreasing stride, was copied into the view of the
+ * target storage that starts at element `base` with those target strides. Each index,
+ * less `offset`, decomposes greedily by the strides into one coordinate per dimension; an
+ * index outside the view (a coordinate beyond its size, a remainder left: an element of
+ * another rank's slice, say) is not this view's and is skipped; the others are written at
+ * ``base + sum(coordinate * target stride)``. Strides are positive and each exceeds what the
+ * smaller ones reach (the caller's view is injective), so the decomposition is exact.
+ * Returns -1, having written nothing, when the indices or values lie in the target's bytes,
+ * else the count of positions outside ``[0, limit)`` (not written).
+ */
+static PyObject *scatter_strided(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "scatter_strided() takes 10 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long long a[8];
+    for (int i = 0; i < 8; i++) {
+        a[i] = PyLong_AsLongLong(args[i]);
+        if (a[i] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    long long last = PyLong_AsLongLong(args[9]);
+    if (last == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *plan = args[8];
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) > MAX_DIMS) {
+        PyErr_SetString(PyExc_ValueError, "scatter_strided: plan must be a tuple of triples");
+        return NULL;
+    }
+    int dims = (int)PyTuple_GET_SIZE(plan);
+    int64_t strides[MAX_DIMS], sizes[MAX_DIMS], target_strides[MAX_DIMS];
+    for (int d = 0; d < dims; d++) {
+        PyObject *triple = PyTuple_GET_ITEM(plan, d);
+        if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
+            PyErr_SetString(PyExc_ValueError, "scatter_strided: plan must be a tuple of triples");
+            return NULL;
+        }
+        strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 0));
+        sizes[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 1));
+        target_strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 2));
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        if (strides[d] <= 0 || sizes[d] <= 0) {
+            PyErr_SetString(PyExc_ValueError, "scatter_strided: strides and sizes must be > 0");
+            return NULL;
+        }
+    }
+    char *target = (char *)(uintptr_t)a[0];
+    uint64_t limit = (uint64_t)a[1];
+    int size = (int)a[2];
+    const char *indices = (const char *)(uintptr_t)a[3];
+    int width = (int)a[4];
+    Py_ssize_t count = (Py_ssize_t)a[5];
+    int64_t offset = (int64_t)a[6];
+    int64_t base = (int64_t)a[7];
+    const char *values = (const char *)(uintptr_t)last;
+    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
+        count < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "scatter_strided: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0");
+        return NULL;
+    }
+    uint64_t span = limit * (uint64_t)size;
+    if (meet((uintptr_t)target, span, (uintptr_t)indices, (uint64_t)count * width) ||
+        meet((uintptr_t)target, span, (uintptr_t)values, (uint64_t)count * size)) {
+        return PyLong_FromLong(-1);
+    }
+    struct plan view;
+    memset(&view, 0, sizeof view);
+    view.dims = dims;
+    view.offset = offset;
+    view.base = base;
+    view.limit = limit;
+    for (int d = 0; d < dims; d++) {
+        view.strides[d] = strides[d];
+        view.sizes[d] = sizes[d];
+        view.target_strides[d] = target_strides[d];
+    }
+    long long missed;
+    PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    switch (size * 10 + width) {
+    case 14:
+        missed = strided8_32(&view, target, indices, count, values);
+        break;
+    case 24:
+        missed = strided16_32(&view, target, indices, count, values);
+        break;
+    case 44:
+        missed = strided32_32(&view, target, indices, count, values);
+        break;
+    case 84:
+        missed = strided64_32(&view, target, indices, count, values);
+        break;
+    case 18:
+        missed = strided8_64(&view, target, indices, count, values);
+        break;
+    case 28:
+        missed = strided16_64(&view, target, indices, count, values);
+        break;
+    case 48:
+        missed = strided32_64(&view, target, indices, count, values);
+        break;
+    default:
+        missed = strided64_64(&view, target, indices, count, values);
+        break;
+    }
+    if (saved) {
+        PyEval_RestoreThread(saved);
+    }
+    return PyLong_FromLongLong(missed);
+}
+
 static PyMethodDef methods[] = {
     {"check", (PyCFunction)(void (*)(void))check, METH_FASTCALL,
      "check(indices, count, width, highest, values, kind) -> bool"},
@@ -290,6 +498,9 @@ static PyMethodDef methods[] = {
      "has_nan(values, count, kind) -> bool"},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
      "scatter(target, limit, size, indices, width, count, shift, values) -> int"},
+    {"scatter_strided", (PyCFunction)(void (*)(void))scatter_strided, METH_FASTCALL,
+     "scatter_strided(target, limit, size, indices, width, count, offset, base, plan, values) "
+     "-> int"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,3 +16,16 @@ def scatter(
     values: int,
     /,
 ) -> int: ...
+def scatter_strided(
+    target: int,
+    limit: int,
+    size: int,
+    indices: int,
+    width: int,
+    count: int,
+    offset: int,
+    base: int,
+    plan: tuple[tuple[int, int, int], ...],
+    values: int,
+    /,
+) -> int: ...

@@ -25,7 +25,16 @@ import torch
 
 from patchctx import _cpu_passes
 
-__all__ = ["BUILT", "NAN_KIND", "USE", "active", "check", "has_nan", "scatter"]
+__all__ = [
+    "BUILT",
+    "NAN_KIND",
+    "USE",
+    "active",
+    "check",
+    "has_nan",
+    "scatter",
+    "scatter_strided",
+]
 
 
 def _load() -> ModuleType | None:
@@ -126,6 +135,45 @@ def has_nan(values: torch.Tensor) -> bool | None:
     return bool(_module.has_nan(values.data_ptr(), values.shape[0], kind))
 
 
+def _width_to_write(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> int:
+    """The index width the kernel writes `values` into `target` with.
+
+    0 where it does not apply (see `scatter`).
+    """
+    width = _WIDTH.get(indices.dtype)
+    if (
+        width is None
+        or _module is None
+        or not USE
+        or not _cpu_passes.HOST
+        or values.dtype is not target.dtype
+        or not (target.is_cpu and indices.is_cpu and values.is_cpu)
+        or not (target.is_contiguous() and indices.is_contiguous() and values.is_contiguous())
+        or not (type(target) in _PLAIN_CLASS or _plain_class(type(target)))
+        or target.is_inference()
+        or target.is_neg()
+        or target.is_conj()
+        or torch._C._len_torch_dispatch_stack()
+        or target.dtype.itemsize > 8
+    ):
+        return 0
+    return width
+
+
+def _written(target: torch.Tensor, missed: int, count: int) -> bool:
+    """After a kernel write: False when it wrote nothing (-1), else bump the version."""
+    if missed < 0:  # indices or values in the target's bytes: nothing written
+        return False
+    torch._C._increment_version((target,))
+    if missed:
+        raise RuntimeError(
+            f"patchctx: {missed} of {count} positions lay outside the destination of "
+            f"{target.numel()} elements and were not written; the patch's indices changed "
+            "after validation"
+        )
+    return True
+
+
 def scatter(
     target: torch.Tensor,
     indices: torch.Tensor,
@@ -149,28 +197,14 @@ def scatter(
             hold: the indices changed after it, say). No byte outside `target` was written;
             the positions inside it were.
     """
-    width = _WIDTH.get(indices.dtype)
-    dtype = target.dtype
-    if (
-        width is None
-        or _module is None
-        or not USE
-        or not _cpu_passes.HOST
-        or values.dtype is not dtype
-        or not (target.is_cpu and indices.is_cpu and values.is_cpu)
-        or not (target.is_contiguous() and indices.is_contiguous() and values.is_contiguous())
-        or not (type(target) in _PLAIN_CLASS or _plain_class(type(target)))
-        or target.is_inference()
-        or target.is_neg()
-        or target.is_conj()
-        or torch._C._len_torch_dispatch_stack()
-        or (size := dtype.itemsize) > 8
-    ):
+    width = _width_to_write(target, indices, values)
+    if not width:
         return False
     count = end - begin
     if count <= 0:
         return True
-    missed: int = _module.scatter(
+    size = target.dtype.itemsize
+    missed: int = _module.scatter(  # type: ignore[union-attr]
         target.data_ptr(),
         target.numel(),
         size,
@@ -180,13 +214,44 @@ def scatter(
         shift,
         values.data_ptr() + begin * size,
     )
-    if missed < 0:  # indices or values in the target's bytes: nothing written
+    return _written(target, missed, count)
+
+
+def scatter_strided(
+    flat: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    begin: int,
+    end: int,
+    view: tuple[int, int, tuple[tuple[int, int, int], ...]],
+) -> bool:
+    """`scatter` through a strided view of the staged tensor copied into one of `flat`.
+
+    `view`: the source view's offset in the staged tensor, the target view's offset in
+    `flat` (a contiguous 1-D tensor over the target's storage), and per dimension of size > 1,
+    by decreasing source stride, the source stride, the size and the target stride (an
+    injective view: `patchctx._routes.Segment`'s plan). Each index ``i`` in ``[begin, end)``
+    whose element lies in the source view is written at its element of the target view;
+    the others (another rank's, say) are skipped. As `scatter` otherwise.
+    """
+    width = _width_to_write(flat, indices, values)
+    if not width:
         return False
-    torch._C._increment_version((target,))
-    if missed:
-        raise RuntimeError(
-            f"patchctx: {missed} of {count} positions lay outside the destination of "
-            f"{target.numel()} elements and were not written; the patch's indices changed "
-            "after validation"
-        )
-    return True
+    count = end - begin
+    if count <= 0:
+        return True
+    size = flat.dtype.itemsize
+    offset, base, plan = view
+    missed: int = _module.scatter_strided(  # type: ignore[union-attr]
+        flat.data_ptr(),
+        flat.numel(),
+        size,
+        indices.data_ptr() + begin * width,
+        width,
+        count,
+        offset,
+        base,
+        plan,
+        values.data_ptr() + begin * size,
+    )
+    return _written(flat, missed, count)

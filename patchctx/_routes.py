@@ -1034,6 +1034,19 @@ def replay(
                 on_device[device] = (source.to(device), values.to(device))
             device_indices, device_values = on_device[device]
         count = device_indices.shape[0]
+        if (
+            sorted_unique
+            and not segment._direct
+            and undo is None
+            and device_values.dtype is route.dtype
+            and route.dtype is segment.dtype
+        ):
+            start, stop = covered if covered is not None else segment.covered(device_indices)
+            view = (segment.source.offset, segment.target.offset, segment._plan)
+            if _kernel.scatter_strided(
+                storage_flat(target), device_indices, device_values, start, stop, view
+            ):  # the C kernel: one loop decomposing each index, no masks or positions
+                continue
         if not (sorted_unique and segment._direct):
             flat = storage_flat(target)
             found, picked = segment.positions(

@@ -150,14 +150,14 @@ def test_versus_runs_a_revision_against_this_one_in_one_process(tmp_path: Path) 
     assert "replay, per tensor" in many.stdout and "dense reload, per tensor" in many.stdout
 
 
-def test_replay_bench_quick_prints_its_five_tables_and_json(tmp_path: Path) -> None:
+def test_replay_bench_quick_prints_its_six_tables_and_json(tmp_path: Path) -> None:
     from benchmarks import replay_bench
 
     out = tmp_path / "replay.json"
     assert replay_bench.main(["--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     tables = {row["table"] for row in report["rows"]}
-    assert tables == {"sweep", "fixed", "warm", "cold", "contention"}
+    assert tables == {"sweep", "row", "fixed", "warm", "cold", "contention"}
     methods = {row["method"] for row in report["rows"] if row["table"] == "sweep"}
     replays = {"replay", "replay, one element each"}
     if _kernel.BUILT:  # each replay row again without the C kernel, and the header says so

@@ -28,6 +28,7 @@ from patchctx import (
     RouteCache,
     _cpu_passes,
     _kernel,
+    _routes,
     load_checkpoint_weight_patches,
 )
 from patchctx._bits import bit_view, write_at
@@ -375,9 +376,10 @@ def test_replay_by_the_kernel_equals_the_loader_path_and_uses_it(
     index_dtype: torch.dtype, atomic: bool, tp_rank: int
 ) -> None:
     """A packed tensor-parallel layer (Q/K/V slices packed into one weight, a row-parallel
-    and a whole weight), three calls of patches from one index to a third of each tensor: the
-    kernel validates every patch, and writes those replayed without an undo log (whole
-    tensors and packed slices alike), bit for bit as the loader path writes them."""
+    slice, a transposed weight, a whole weight), three calls of patches from one index to a
+    third of each tensor: the kernel validates every patch, and writes those replayed without
+    an undo log (whole tensors, packed slices and strided views alike), bit for bit as the
+    loader path writes them."""
     model = packed_tp_model(tp_size=2, tp_rank=tp_rank, dtype=torch.bfloat16)
     model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
     reference = copy.deepcopy(model)
@@ -407,6 +409,9 @@ def test_replay_by_the_kernel_equals_the_loader_path_and_uses_it(
     # every write of an atomic call (which keeps an undo log of the positions it writes).
     written = counting.calls.get("scatter", 0)
     assert written == 0 if atomic else written >= 6
+    # ... and through a strided view (the row-parallel slice, the transposed weight).
+    strided = counting.calls.get("scatter_strided", 0)
+    assert strided == 0 if atomic else strided >= 4
 
 
 class Whole(torch.nn.Module):
@@ -449,3 +454,72 @@ def test_a_whole_weight_is_written_by_one_call_of_the_kernel_per_patch() -> None
             assert weight.count_nonzero() == (3 if call + k else 0)
     assert routes.stats.replayed == 5
     assert counting.calls == {"check": 10, "scatter": 5}
+
+
+@st.composite
+def strided_views(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """A view of a checkpoint-shaped tensor of element numbers, and a target view of the same
+    sizes into a storage of its own: what a loader narrows, transposes, steps and copies."""
+    dims = draw(st.integers(1, 3))
+    shape = [draw(st.integers(1, 7)) for _ in range(dims)]
+    source = torch.arange(math.prod(shape)).reshape(shape)
+    for d in range(dims):  # narrow, then maybe step along, each dimension
+        start = draw(st.integers(0, shape[d] - 1))
+        length = draw(st.integers(1, shape[d] - start))
+        source = source.narrow(d, start, length)
+        step = draw(st.integers(1, 3))
+        source = source[(slice(None),) * d + (slice(None, None, step),)]
+    order = draw(st.permutations(range(dims)))
+    source = source.permute(*order)
+    # The target: the same sizes, contiguous or a strided window into a larger storage.
+    if draw(st.booleans()):
+        target = torch.zeros(source.shape, dtype=torch.long)
+    else:
+        outer = torch.zeros([s + 2 for s in source.shape], dtype=torch.long)
+        target = outer[tuple(slice(1, 1 + s) for s in source.shape)]
+    return source, target
+
+
+@given(
+    views=strided_views(),
+    dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.int64]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    data=st.data(),
+)
+def test_the_strided_write_is_the_view_copy(
+    views: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype,
+    index_dtype: torch.dtype,
+    data: st.DataObject,
+) -> None:
+    """Property: for sorted indices of the whole checkpoint tensor, each index the source
+    view holds lands where the view's copy puts that element, the others (another rank's)
+    nowhere, as the loader's ``copy_`` of the staged tensor would."""
+    source, target = views
+    numel = source.untyped_storage().nbytes() // source.element_size()
+    chosen = sorted(data.draw(st.sets(st.integers(0, numel - 1), max_size=numel)))
+    begin = data.draw(st.integers(0, len(chosen)))
+    end = data.draw(st.integers(begin, len(chosen)))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    top = 2 if dtype == torch.bool else 256
+    raw = torch.randint(0, top, (len(chosen) * dtype.itemsize,), generator=generator)
+    values = raw.to(torch.uint8).view(dtype)
+    indices = torch.tensor(chosen, dtype=index_dtype)
+    # Where each checkpoint element goes: the staged tensor's element numbers copied through
+    # the two views, as the loader copies them.
+    storage = target.untyped_storage().nbytes() // target.element_size()
+    flat = torch.zeros(storage, dtype=dtype)
+    landing = torch.full((storage,), -1, dtype=torch.long)
+    torch.as_strided(landing, target.shape, target.stride(), target.storage_offset()).copy_(source)
+    expected = flat.clone()
+    for k in range(begin, end):
+        where = (landing == chosen[k]).nonzero()
+        if where.numel():
+            expected.view(torch.uint8 if dtype.itemsize == 1 else dtype)[where[0, 0]] = values[k]
+    geometry = _routes.Geometry.of(source)
+    there = _routes.Geometry.of(target)
+    plan = tuple((geometry.stride[d], geometry.size[d], there.stride[d]) for d in geometry.dims())
+    assert _kernel.scatter_strided(
+        flat, indices, values, begin, end, (geometry.offset, there.offset, plan)
+    )
+    assert torch.equal(bit_view(flat), bit_view(expected))

@@ -148,6 +148,8 @@ def _width_to_write(target: torch.Tensor, indices: torch.Tensor, values: torch.T
         or not _cpu_passes.HOST
         or values.dtype is not target.dtype
         or not (target.is_cpu and indices.is_cpu and values.is_cpu)
+        or target.layout is not torch.strided
+        or target.is_quantized
         or not (target.is_contiguous() and indices.is_contiguous() and values.is_contiguous())
         or not (type(target) in _PLAIN_CLASS or _plain_class(type(target)))
         or target.is_inference()
@@ -188,9 +190,10 @@ def scatter(
     (see `check`) or validation's int64 positions, validated: in range once shifted. Bumps
     `target`'s version counter as torch's writes do. False, having written nothing, where the
     kernel does not apply: another device or dtype, a tensor that is not contiguous, a target
-    of a class with a dispatch of its own, lazily negated or conjugated, or an inference
-    tensor; an active dispatch mode (torch's writes would show the write to it); indices or
-    values in the target's own bytes (the caller reads them from a copy, `_apart`).
+    of another layout, quantized, of a class with a dispatch of its own, lazily negated or
+    conjugated, or an inference tensor; an active dispatch mode (torch's writes would show
+    the write to it); indices or values in the target's own bytes (the caller reads them
+    from a copy, `_apart`).
 
     Raises:
         RuntimeError: Some position lay outside `target` (the caller's validation did not

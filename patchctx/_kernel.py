@@ -11,8 +11,8 @@ here returns `None` (or False for `scatter`) where it does not apply, and the ca
 the Python, numpy and torch way, which stays the reference the tests hold the kernel to. It
 applies to plain strided CPU tensors only (no tensor subclass with a dispatch of its own, no
 lazy negation or conjugation, which raw bytes would not see), with the host's ways on
-(`_cpu_passes.HOST`), and writes only when no dispatch mode is active: torch operations would
-show a write to such a mode; the kernel's bytes would not.
+(`_cpu_passes.HOST`), and writes only when no dispatch or function mode is active: torch
+operations would show a write to such a mode; the kernel's bytes would not.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def _width_to_write(target: torch.Tensor, indices: torch.Tensor, values: torch.T
         or target.is_neg()
         or target.is_conj()
         or torch._C._len_torch_dispatch_stack()
+        or torch._C._len_torch_function_stack()
         or target.dtype.itemsize > 8
     ):
         return 0
@@ -191,9 +192,9 @@ def scatter(
     `target`'s version counter as torch's writes do. False, having written nothing, where the
     kernel does not apply: another device or dtype, a tensor that is not contiguous, a target
     of another layout, quantized, of a class with a dispatch of its own, lazily negated or
-    conjugated, or an inference tensor; an active dispatch mode (torch's writes would show
-    the write to it); indices or values in the target's own bytes (the caller reads them
-    from a copy, `_apart`).
+    conjugated, or an inference tensor; an active dispatch or function mode (torch's writes
+    would show the write to it; ``torch.set_default_device`` is one); indices or values in
+    the target's own bytes (the caller reads them from a copy, `_apart`).
 
     Raises:
         RuntimeError: Some position lay outside `target` (the caller's validation did not

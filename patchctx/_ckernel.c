@@ -1,8 +1,8 @@
 /*
  * patchctx._ckernel: the host passes of a sparse patch (order and range, NaN, the write) as
  * single loops in C, for CPU tensors. patchctx/_kernel.py is the only caller: it checks that
- * every tensor is a plain strided CPU tensor, passes addresses, element counts and strides,
- * and keeps the tensors alive during the call. Each function here is a plain loop over memory
+ * every tensor is a plain contiguous CPU tensor, passes addresses and element counts, and
+ * keeps the tensors alive during the call. Each function here is a plain loop over memory
  * the caller vouches for; the write checks every position against the destination's size
  * itself, so that no caller's mistake (or another thread changing the indices meanwhile) can
  * make it write outside the destination.
@@ -208,6 +208,36 @@ SCATTER(scatter16_64, uint16_t, int64_t)
 SCATTER(scatter32_64, uint32_t, int64_t)
 SCATTER(scatter64_64, uint64_t, int64_t)
 
+/* ``out[i] = target[indices[i] - shift]`` for element type T and index type I, each position
+ * checked against `limit` (one not read is counted in `missed`, its `out` left as it was). */
+#define GATHER(name, T, I)                                                                  \
+    static long long name(const char *target, uint64_t limit, const char *indices,          \
+                          Py_ssize_t count, int64_t shift, char *out) {                     \
+        long long missed = 0;                                                               \
+        for (Py_ssize_t i = 0; i < count; i++) {                                            \
+            I index;                                                                        \
+            memcpy(&index, indices + i * (Py_ssize_t)sizeof(I), sizeof(I));                 \
+            int64_t position = (int64_t)index - shift;                                      \
+            if ((uint64_t)position >= limit) {                                              \
+                missed++;                                                                   \
+                continue;                                                                   \
+            }                                                                               \
+            T v;                                                                            \
+            memcpy(&v, target + position * (int64_t)sizeof(T), sizeof(T));                  \
+            memcpy(out + i * (Py_ssize_t)sizeof(T), &v, sizeof(T));                         \
+        }                                                                                   \
+        return missed;                                                                      \
+    }
+
+GATHER(gather8_32, uint8_t, int32_t)
+GATHER(gather16_32, uint16_t, int32_t)
+GATHER(gather32_32, uint32_t, int32_t)
+GATHER(gather64_32, uint64_t, int32_t)
+GATHER(gather8_64, uint8_t, int64_t)
+GATHER(gather16_64, uint16_t, int64_t)
+GATHER(gather32_64, uint32_t, int64_t)
+GATHER(gather64_64, uint64_t, int64_t)
+
 /* Whether the byte ranges [a, a + an) and [b, b + bn) meet (both non-empty). */
 static int meet(uintptr_t a, uint64_t an, uintptr_t b, uint64_t bn) {
     return an && bn && a < b + bn && b < a + an;
@@ -275,6 +305,67 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         break;
     default:
         missed = scatter64_64(target, limit, indices, count, shift, values);
+        break;
+    }
+    if (saved) {
+        PyEval_RestoreThread(saved);
+    }
+    return PyLong_FromLongLong(missed);
+}
+
+/*
+ * gather(target, limit, size, indices, width, count, shift, out) -> int
+ *
+ * ``out[i] = target[indices[i] - shift]`` for each of `count` entries, with the arguments of
+ * `scatter` (`out`: `count` contiguous elements of `size` bytes): the old values an atomic
+ * call keeps before `scatter` writes the new ones. Returns the count of positions outside
+ * ``[0, limit)`` (not read).
+ */
+static PyObject *gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[8];
+    if (read_args(args, nargs, 8, "gather", a) < 0) {
+        return NULL;
+    }
+    const char *target = (const char *)(uintptr_t)a[0];
+    uint64_t limit = (uint64_t)a[1];
+    int size = (int)a[2];
+    const char *indices = (const char *)(uintptr_t)a[3];
+    int width = (int)a[4];
+    Py_ssize_t count = (Py_ssize_t)a[5];
+    int64_t shift = (int64_t)a[6];
+    char *out = (char *)(uintptr_t)a[7];
+    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
+        count < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "gather: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0");
+        return NULL;
+    }
+    long long missed;
+    PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    switch (size * 10 + width) {
+    case 14:
+        missed = gather8_32(target, limit, indices, count, shift, out);
+        break;
+    case 24:
+        missed = gather16_32(target, limit, indices, count, shift, out);
+        break;
+    case 44:
+        missed = gather32_32(target, limit, indices, count, shift, out);
+        break;
+    case 84:
+        missed = gather64_32(target, limit, indices, count, shift, out);
+        break;
+    case 18:
+        missed = gather8_64(target, limit, indices, count, shift, out);
+        break;
+    case 28:
+        missed = gather16_64(target, limit, indices, count, shift, out);
+        break;
+    case 48:
+        missed = gather32_64(target, limit, indices, count, shift, out);
+        break;
+    default:
+        missed = gather64_64(target, limit, indices, count, shift, out);
         break;
     }
     if (saved) {
@@ -498,6 +589,8 @@ static PyMethodDef methods[] = {
      "has_nan(values, count, kind) -> bool"},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
      "scatter(target, limit, size, indices, width, count, shift, values) -> int"},
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,
+     "gather(target, limit, size, indices, width, count, shift, out) -> int"},
     {"scatter_strided", (PyCFunction)(void (*)(void))scatter_strided, METH_FASTCALL,
      "scatter_strided(target, limit, size, indices, width, count, offset, base, plan, values) "
      "-> int"},

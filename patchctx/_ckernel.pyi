@@ -29,3 +29,14 @@ def scatter_strided(
     values: int,
     /,
 ) -> int: ...
+def gather(
+    target: int,
+    limit: int,
+    size: int,
+    indices: int,
+    width: int,
+    count: int,
+    shift: int,
+    out: int,
+    /,
+) -> int: ...

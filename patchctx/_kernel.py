@@ -18,6 +18,7 @@ operations would show a write to such a mode; the kernel's bytes would not.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +32,7 @@ __all__ = [
     "USE",
     "active",
     "check",
+    "exchange",
     "has_nan",
     "scatter",
     "scatter_strided",
@@ -217,6 +219,56 @@ def scatter(
         count,
         shift,
         values.data_ptr() + begin * size,
+    )
+    return _written(target, missed, count)
+
+
+def exchange(
+    target: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    begin: int,
+    end: int,
+    shift: int,
+    keep: Callable[[torch.Tensor, torch.Tensor], None],
+) -> bool:
+    """`scatter`, keeping first what it overwrites: the write of an atomic call.
+
+    The indices ``indices[begin:end]`` are copied (what another thread does to the caller's
+    tensor after this cannot change which positions are written, or restored), the values at
+    their positions read into a new tensor `old`, and ``keep(taken, old)`` called with the
+    copy and those values *before* anything is written: an interrupt at any point leaves
+    either nothing written or the old values kept. False, having written nothing, where the
+    kernel does not apply (as `scatter`; `keep` may have been called then, and restoring what
+    it kept changes nothing).
+
+    Raises:
+        RuntimeError: Some position lay outside `target`; nothing was written.
+    """
+    width = _width_to_write(target, indices, values)
+    if not width:
+        return False
+    count = end - begin
+    if count <= 0:
+        return True
+    size = target.dtype.itemsize
+    whole = begin == 0 and end == indices.numel()  # (no slice to make: a microsecond)
+    taken = indices.clone() if whole else indices[begin:end].clone()
+    old = torch.empty(count, dtype=target.dtype)
+    address, limit = target.data_ptr(), target.numel()
+    missed: int = _module.gather(  # type: ignore[union-attr]
+        address, limit, size, taken.data_ptr(), width, count, shift, old.data_ptr()
+    )
+    if missed:
+        raise RuntimeError(
+            f"patchctx: {missed} of {count} positions lay outside the destination of "
+            f"{limit} elements; nothing was written (the patch's indices changed after "
+            "validation)"
+        )
+    keep(taken, old)
+    start = values.data_ptr() + begin * size
+    missed = _module.scatter(  # type: ignore[union-attr]
+        address, limit, size, taken.data_ptr(), width, count, shift, start
     )
     return _written(target, missed, count)
 

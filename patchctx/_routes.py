@@ -1072,13 +1072,16 @@ def replay(
         else:
             # The storage up to the segment's last position (`live` checked it is there).
             flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
-        if (
-            undo is None
-            and device_values.dtype is route.dtype
-            and route.dtype is segment.dtype
-            and _kernel.scatter(flat, device_indices, device_values, start, stop, shift)
-        ):  # the C kernel: all of it in one loop, no positions or block buffer
-            continue
+        if device_values.dtype is route.dtype and route.dtype is segment.dtype:
+            # The C kernel: all of it in one loop, no positions or block buffer; an atomic
+            # call's undo log keeps the indices written and the values they held first.
+            if undo is None:
+                if _kernel.scatter(flat, device_indices, device_values, start, stop, shift):
+                    continue
+            elif _kernel.exchange(
+                flat, device_indices, device_values, start, stop, shift, undo.keeper(flat, shift)
+            ):
+                continue
         on_cpu = device.type == "cpu" and _cpu_passes.HOST
         size = block_size()
         for begin in range(start, stop, size):

@@ -390,8 +390,8 @@ def test_replay_by_the_kernel_equals_the_loader_path_and_uses_it(
 ) -> None:
     """A packed tensor-parallel layer (Q/K/V slices packed into one weight, a row-parallel
     slice, a transposed weight, a whole weight), three calls of patches from one index to a
-    third of each tensor: the kernel validates every patch, and writes those replayed without
-    an undo log (whole tensors, packed slices and strided views alike), bit for bit as the
+    third of each tensor: the kernel validates every patch, and writes those replayed (whole
+    tensors, packed slices and, without an undo log, strided views), bit for bit as the
     loader path writes them."""
     model = packed_tp_model(tp_size=2, tp_rank=tp_rank, dtype=torch.bfloat16)
     model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
@@ -418,11 +418,13 @@ def test_replay_by_the_kernel_equals_the_loader_path_and_uses_it(
     assert routes.stats.replayed == 2 * len(specs)
     assert counting.calls.get("check") == 3 * len(specs)
     # The kernel writes the direct segments in the checkpoint dtype (packed Q/K/V and
-    # gate/up slices, the padded embedding); torch the strided, transposed and cast ones, and
-    # every write of an atomic call (which keeps an undo log of the positions it writes).
+    # gate/up slices, the padded embedding), an atomic call's after reading the values they
+    # overwrite for its undo log; torch the cast ones.
     written = counting.calls.get("scatter", 0)
-    assert written == 0 if atomic else written >= 6
-    # ... and through a strided view (the row-parallel slice, the transposed weight).
+    assert written >= 6
+    assert counting.calls.get("gather", 0) == (written if atomic else 0)
+    # ... and a plain call's through a strided view (the row-parallel slice, the transposed
+    # weight); an atomic call's strided writes are torch's.
     strided = counting.calls.get("scatter_strided", 0)
     assert strided == 0 if atomic else strided >= 4
 
@@ -536,3 +538,59 @@ def test_the_strided_write_is_the_view_copy(
         flat, indices, values, begin, end, (geometry.offset, there.offset, plan)
     )
     assert torch.equal(bit_view(flat), bit_view(expected))
+
+
+@given(
+    dtype=st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.int64]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    data=st.data(),
+)
+def test_an_atomic_write_keeps_what_it_overwrites_and_the_undo_log_puts_it_back(
+    dtype: torch.dtype, index_dtype: torch.dtype, data: st.DataObject
+) -> None:
+    """Property: `exchange` writes what `scatter` writes, hands the undo log a copy of the
+    indices and the old values before writing, and restoring the log gives the bytes back."""
+    from patchctx._undo import UndoLog
+
+    numel = data.draw(st.integers(1, 120))
+    shift = data.draw(st.integers(-4, 4))
+    chosen = sorted(data.draw(st.sets(st.integers(0, numel - 1), max_size=numel)))
+    begin = data.draw(st.integers(0, len(chosen)))
+    end = data.draw(st.integers(begin, len(chosen)))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), generator=generator).to(torch.uint8)
+    target = raw.view(dtype)
+    new = torch.randint(0, 256, (len(chosen) * dtype.itemsize,), generator=generator)
+    values = new.to(torch.uint8).view(dtype)
+    indices = torch.tensor([c + shift for c in chosen], dtype=index_dtype)
+    before = raw.clone()
+    expected = raw.clone().view(dtype)
+    assert _kernel.scatter(expected, indices, values, begin, end, shift)
+    undo = UndoLog()
+    assert _kernel.exchange(target, indices, values, begin, end, shift, undo.keeper(target, shift))
+    assert torch.equal(bit_view(target), bit_view(expected))
+    indices.fill_(-1)  # the caller's indices change after: the log kept its own copy
+    undo.restore()
+    assert torch.equal(raw, before)
+
+
+def test_an_atomic_write_keeps_the_old_values_before_it_writes_any() -> None:
+    """An interrupt where the undo log takes the old values finds nothing written; one
+    after finds them kept."""
+    target = torch.arange(8, dtype=torch.float32)
+    values = torch.tensor([10.0, 20.0])
+    indices = torch.tensor([1, 6], dtype=torch.int32)
+    seen: list[list[float]] = []
+
+    def interrupted(taken: torch.Tensor, old: torch.Tensor) -> None:
+        seen.append(target.tolist())
+        assert taken.tolist() == [1, 6] and old.tolist() == [1.0, 6.0]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _kernel.exchange(target, indices, values, 0, 2, 0, interrupted)
+    assert seen == [list(map(float, range(8)))]
+    assert target.tolist() == list(map(float, range(8)))  # nothing written
+    with pytest.raises(RuntimeError, match="1 of 2 positions lay outside the destination"):
+        _kernel.exchange(target, torch.tensor([3, 8]), values, 0, 2, 0, interrupted)
+    assert target.tolist() == list(map(float, range(8)))  # refused before any write

@@ -388,10 +388,13 @@ struct plan {
 /* `scatter_strided`'s loop for element type T and index type I. The outer coordinate of the
  * previous index is kept while the next ones fall in the same outer slice (sorted indices,
  * dense enough): a division saved per index. An inner stride of 1 needs no division. With no
- * dimension (a one-element view), only the index at `offset` itself is the view's. */
+ * dimension (a one-element view), only the index at `offset` itself is the view's. Given
+ * `positions` (`gather_strided`), it writes nothing: it appends each position and the value
+ * there to `positions` and `old`, counting them in `found`. */
 #define STRIDED(name, T, I)                                                                 \
     static long long name(const struct plan *view, char *target, const char *indices,       \
-                          Py_ssize_t count, const char *values) {                           \
+                          Py_ssize_t count, const char *values, int64_t *positions,         \
+                          char *old, Py_ssize_t *found) {                                   \
         /* The plan in locals: writes through `target` (a char pointer) could otherwise be   \
          * taken to change it, and every field would be read again per index. */            \
         const int dims = view->dims;                                                        \
@@ -446,6 +449,12 @@ struct plan {
                 continue;                                                                   \
             }                                                                               \
             T v;                                                                            \
+            if (positions) { /* gathering: where it would write, and what is there */      \
+                memcpy(&v, target + position * (int64_t)sizeof(T), sizeof(T));              \
+                memcpy(old + *found * (Py_ssize_t)sizeof(T), &v, sizeof(T));                \
+                positions[(*found)++] = position;                                           \
+                continue;                                                                   \
+            }                                                                               \
             memcpy(&v, values + i * (Py_ssize_t)sizeof(T), sizeof(T));                      \
             memcpy(target + position * (int64_t)sizeof(T), &v, sizeof(T));                  \
         }                                                                                   \
@@ -460,6 +469,116 @@ STRIDED(strided8_64, uint8_t, int64_t)
 STRIDED(strided16_64, uint16_t, int64_t)
 STRIDED(strided32_64, uint32_t, int64_t)
 STRIDED(strided64_64, uint64_t, int64_t)
+
+/* `scatter_strided` and `gather_strided`: the arguments they share (the first nine, then
+ * `values` or the two outputs), the loop by element size and index width. */
+static PyObject *strided(PyObject *const *args, Py_ssize_t nargs, int gathering) {
+    const char *name = gathering ? "gather_strided" : "scatter_strided";
+    Py_ssize_t want = gathering ? 11 : 10;
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return NULL;
+    }
+    long long a[8];
+    for (int i = 0; i < 8; i++) {
+        a[i] = PyLong_AsLongLong(args[i]);
+        if (a[i] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    long long tail[2] = {0, 0};
+    for (int i = 0; i < (gathering ? 2 : 1); i++) {
+        tail[i] = PyLong_AsLongLong(args[9 + i]);
+        if (tail[i] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    PyObject *plan = args[8];
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) > MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s: plan must be a tuple of at most %d triples", name,
+                     MAX_DIMS);
+        return NULL;
+    }
+    struct plan view;
+    memset(&view, 0, sizeof view);
+    view.dims = (int)PyTuple_GET_SIZE(plan);
+    for (int d = 0; d < view.dims; d++) {
+        PyObject *triple = PyTuple_GET_ITEM(plan, d);
+        if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
+            PyErr_Format(PyExc_ValueError, "%s: plan must be a tuple of triples", name);
+            return NULL;
+        }
+        view.strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 0));
+        view.sizes[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 1));
+        view.target_strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 2));
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        if (view.strides[d] <= 0 || view.sizes[d] <= 0) {
+            PyErr_Format(PyExc_ValueError, "%s: strides and sizes must be > 0", name);
+            return NULL;
+        }
+    }
+    char *target = (char *)(uintptr_t)a[0];
+    view.limit = (uint64_t)a[1];
+    int size = (int)a[2];
+    const char *indices = (const char *)(uintptr_t)a[3];
+    int width = (int)a[4];
+    Py_ssize_t count = (Py_ssize_t)a[5];
+    view.offset = (int64_t)a[6];
+    view.base = (int64_t)a[7];
+    const char *values = gathering ? NULL : (const char *)(uintptr_t)tail[0];
+    int64_t *positions = gathering ? (int64_t *)(uintptr_t)tail[0] : NULL;
+    char *old = gathering ? (char *)(uintptr_t)tail[1] : NULL;
+    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
+        count < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0",
+                     name);
+        return NULL;
+    }
+    uint64_t span = view.limit * (uint64_t)size;
+    if (!gathering &&
+        (meet((uintptr_t)target, span, (uintptr_t)indices, (uint64_t)count * width) ||
+         meet((uintptr_t)target, span, (uintptr_t)values, (uint64_t)count * size))) {
+        return PyLong_FromLong(-1);
+    }
+    long long missed;
+    Py_ssize_t found = 0;
+    PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    switch (size * 10 + width) {
+    case 14:
+        missed = strided8_32(&view, target, indices, count, values, positions, old, &found);
+        break;
+    case 24:
+        missed = strided16_32(&view, target, indices, count, values, positions, old, &found);
+        break;
+    case 44:
+        missed = strided32_32(&view, target, indices, count, values, positions, old, &found);
+        break;
+    case 84:
+        missed = strided64_32(&view, target, indices, count, values, positions, old, &found);
+        break;
+    case 18:
+        missed = strided8_64(&view, target, indices, count, values, positions, old, &found);
+        break;
+    case 28:
+        missed = strided16_64(&view, target, indices, count, values, positions, old, &found);
+        break;
+    case 48:
+        missed = strided32_64(&view, target, indices, count, values, positions, old, &found);
+        break;
+    default:
+        missed = strided64_64(&view, target, indices, count, values, positions, old, &found);
+        break;
+    }
+    if (saved) {
+        PyEval_RestoreThread(saved);
+    }
+    if (gathering) {
+        return Py_BuildValue("(Ln)", missed, found);
+    }
+    return PyLong_FromLongLong(missed);
+}
 
 /*
  * scatter_strided(target, limit, size, indices, width, count, offset, base, plan, values)
@@ -478,108 +597,21 @@ STRIDED(strided64_64, uint64_t, int64_t)
  * else the count of positions outside ``[0, limit)`` (not written).
  */
 static PyObject *scatter_strided(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "scatter_strided() takes 10 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    long long a[8];
-    for (int i = 0; i < 8; i++) {
-        a[i] = PyLong_AsLongLong(args[i]);
-        if (a[i] == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-    }
-    long long last = PyLong_AsLongLong(args[9]);
-    if (last == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    PyObject *plan = args[8];
-    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) > MAX_DIMS) {
-        PyErr_SetString(PyExc_ValueError, "scatter_strided: plan must be a tuple of triples");
-        return NULL;
-    }
-    int dims = (int)PyTuple_GET_SIZE(plan);
-    int64_t strides[MAX_DIMS], sizes[MAX_DIMS], target_strides[MAX_DIMS];
-    for (int d = 0; d < dims; d++) {
-        PyObject *triple = PyTuple_GET_ITEM(plan, d);
-        if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) {
-            PyErr_SetString(PyExc_ValueError, "scatter_strided: plan must be a tuple of triples");
-            return NULL;
-        }
-        strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 0));
-        sizes[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 1));
-        target_strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(triple, 2));
-        if (PyErr_Occurred()) {
-            return NULL;
-        }
-        if (strides[d] <= 0 || sizes[d] <= 0) {
-            PyErr_SetString(PyExc_ValueError, "scatter_strided: strides and sizes must be > 0");
-            return NULL;
-        }
-    }
-    char *target = (char *)(uintptr_t)a[0];
-    uint64_t limit = (uint64_t)a[1];
-    int size = (int)a[2];
-    const char *indices = (const char *)(uintptr_t)a[3];
-    int width = (int)a[4];
-    Py_ssize_t count = (Py_ssize_t)a[5];
-    int64_t offset = (int64_t)a[6];
-    int64_t base = (int64_t)a[7];
-    const char *values = (const char *)(uintptr_t)last;
-    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
-        count < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "scatter_strided: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0");
-        return NULL;
-    }
-    uint64_t span = limit * (uint64_t)size;
-    if (meet((uintptr_t)target, span, (uintptr_t)indices, (uint64_t)count * width) ||
-        meet((uintptr_t)target, span, (uintptr_t)values, (uint64_t)count * size)) {
-        return PyLong_FromLong(-1);
-    }
-    struct plan view;
-    memset(&view, 0, sizeof view);
-    view.dims = dims;
-    view.offset = offset;
-    view.base = base;
-    view.limit = limit;
-    for (int d = 0; d < dims; d++) {
-        view.strides[d] = strides[d];
-        view.sizes[d] = sizes[d];
-        view.target_strides[d] = target_strides[d];
-    }
-    long long missed;
-    PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
-    switch (size * 10 + width) {
-    case 14:
-        missed = strided8_32(&view, target, indices, count, values);
-        break;
-    case 24:
-        missed = strided16_32(&view, target, indices, count, values);
-        break;
-    case 44:
-        missed = strided32_32(&view, target, indices, count, values);
-        break;
-    case 84:
-        missed = strided64_32(&view, target, indices, count, values);
-        break;
-    case 18:
-        missed = strided8_64(&view, target, indices, count, values);
-        break;
-    case 28:
-        missed = strided16_64(&view, target, indices, count, values);
-        break;
-    case 48:
-        missed = strided32_64(&view, target, indices, count, values);
-        break;
-    default:
-        missed = strided64_64(&view, target, indices, count, values);
-        break;
-    }
-    if (saved) {
-        PyEval_RestoreThread(saved);
-    }
-    return PyLong_FromLongLong(missed);
+    return strided(args, nargs, 0);
+}
+
+/*
+ * gather_strided(target, limit, size, indices, width, count, offset, base, plan, positions,
+ *                old) -> (int, int)
+ *
+ * What `scatter_strided` with the same arguments would write, without writing: for each
+ * index the view holds, in order, the storage position it would write (into `positions`,
+ * int64, room for `count`) and the value there now (into `old`, elements of `size` bytes,
+ * room for `count`): an atomic call's undo log. Returns the count of positions outside
+ * ``[0, limit)`` (not read) and the count found.
+ */
+static PyObject *gather_strided(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return strided(args, nargs, 1);
 }
 
 static PyMethodDef methods[] = {
@@ -594,6 +626,9 @@ static PyMethodDef methods[] = {
     {"scatter_strided", (PyCFunction)(void (*)(void))scatter_strided, METH_FASTCALL,
      "scatter_strided(target, limit, size, indices, width, count, offset, base, plan, values) "
      "-> int"},
+    {"gather_strided", (PyCFunction)(void (*)(void))gather_strided, METH_FASTCALL,
+     "gather_strided(target, limit, size, indices, width, count, offset, base, plan, positions, "
+     "old) -> (int, int)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,3 +40,17 @@ def gather(
     out: int,
     /,
 ) -> int: ...
+def gather_strided(
+    target: int,
+    limit: int,
+    size: int,
+    indices: int,
+    width: int,
+    count: int,
+    offset: int,
+    base: int,
+    plan: tuple[tuple[int, int, int], ...],
+    positions: int,
+    old: int,
+    /,
+) -> tuple[int, int]: ...

@@ -33,6 +33,7 @@ __all__ = [
     "active",
     "check",
     "exchange",
+    "exchange_strided",
     "has_nan",
     "scatter",
     "scatter_strided",
@@ -311,3 +312,69 @@ def scatter_strided(
         values.data_ptr() + begin * size,
     )
     return _written(flat, missed, count)
+
+
+def exchange_strided(
+    flat: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    begin: int,
+    end: int,
+    view: tuple[int, int, tuple[tuple[int, int, int], ...]],
+    keep: Callable[[torch.Tensor, torch.Tensor], None],
+) -> bool:
+    """`scatter_strided`, keeping first what it overwrites: an atomic call's strided write.
+
+    As `exchange`: the indices are copied, then ``keep(positions, old)`` is called with the
+    int64 positions in `flat` the view's indices would write and the values there now,
+    *before* anything is written; then the write, from the copy.
+
+    Raises:
+        RuntimeError: Some position lay outside `flat`; nothing was written.
+    """
+    width = _width_to_write(flat, indices, values)
+    if not width:
+        return False
+    count = end - begin
+    if count <= 0:
+        return True
+    size = flat.dtype.itemsize
+    offset, base, plan = view
+    whole = begin == 0 and end == indices.numel()
+    taken = indices.clone() if whole else indices[begin:end].clone()
+    positions = torch.empty(count, dtype=torch.long)
+    old = torch.empty(count, dtype=flat.dtype)
+    address, limit = flat.data_ptr(), flat.numel()
+    missed, found = _module.gather_strided(  # type: ignore[union-attr]
+        address,
+        limit,
+        size,
+        taken.data_ptr(),
+        width,
+        count,
+        offset,
+        base,
+        plan,
+        positions.data_ptr(),
+        old.data_ptr(),
+    )
+    if missed:
+        raise RuntimeError(
+            f"patchctx: {missed} of {count} positions lay outside the destination of "
+            f"{limit} elements; nothing was written (the patch's indices changed after "
+            "validation)"
+        )
+    keep(positions[:found], old[:found])
+    written: int = _module.scatter_strided(  # type: ignore[union-attr]
+        address,
+        limit,
+        size,
+        taken.data_ptr(),
+        width,
+        count,
+        offset,
+        base,
+        plan,
+        values.data_ptr() + begin * size,
+    )
+    return _written(flat, written, count)

@@ -1037,15 +1037,22 @@ def replay(
         if (
             sorted_unique
             and not segment._direct
-            and undo is None
             and device_values.dtype is route.dtype
             and route.dtype is segment.dtype
         ):
+            # The C kernel: one loop decomposing each index, no masks or positions; an atomic
+            # call's undo log keeps the positions written and the values they held first.
             start, stop = covered if covered is not None else segment.covered(device_indices)
             view = (segment.source.offset, segment.target.offset, segment._plan)
-            if _kernel.scatter_strided(
-                storage_flat(target), device_indices, device_values, start, stop, view
-            ):  # the C kernel: one loop decomposing each index, no masks or positions
+            storage = storage_flat(target)
+            if undo is None:
+                if _kernel.scatter_strided(
+                    storage, device_indices, device_values, start, stop, view
+                ):
+                    continue
+            elif _kernel.exchange_strided(
+                storage, device_indices, device_values, start, stop, view, undo.gathered(storage)
+            ):
                 continue
         if not (sorted_unique and segment._direct):
             flat = storage_flat(target)

@@ -83,6 +83,19 @@ class UndoLog:
 
         return keep
 
+    def gathered(self, flat: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """What `patchctx._kernel.exchange_strided` calls to keep what it overwrites.
+
+        `flat` is a 1-D view from the start of the written storage; the kernel hands over the
+        storage positions it is about to write (its own int64 tensor) and the values there.
+        """
+
+        def keep(positions: torch.Tensor, old: torch.Tensor) -> None:
+            self._entries.append(_Positions(flat, positions, indexable(old)))
+            self.nbytes += old.nbytes + positions.nbytes
+
+        return keep
+
     def save_view(self, view: torch.Tensor) -> None:
         """Remember the whole contents of `view` (a view of a persistent tensor)."""
         old = view.detach().clone()

@@ -391,8 +391,8 @@ def test_replay_by_the_kernel_equals_the_loader_path_and_uses_it(
     """A packed tensor-parallel layer (Q/K/V slices packed into one weight, a row-parallel
     slice, a transposed weight, a whole weight), three calls of patches from one index to a
     third of each tensor: the kernel validates every patch, and writes those replayed (whole
-    tensors, packed slices and, without an undo log, strided views), bit for bit as the
-    loader path writes them."""
+    tensors, packed slices and strided views; in an atomic call, after keeping what it
+    overwrites), bit for bit as the loader path writes them."""
     model = packed_tp_model(tp_size=2, tp_rank=tp_rank, dtype=torch.bfloat16)
     model.load_weights(random_checkpoint(model.checkpoint_specs()).items())
     reference = copy.deepcopy(model)
@@ -423,10 +423,11 @@ def test_replay_by_the_kernel_equals_the_loader_path_and_uses_it(
     written = counting.calls.get("scatter", 0)
     assert written >= 6
     assert counting.calls.get("gather", 0) == (written if atomic else 0)
-    # ... and a plain call's through a strided view (the row-parallel slice, the transposed
-    # weight); an atomic call's strided writes are torch's.
+    # ... and through a strided view (the row-parallel slice, the transposed weight), an
+    # atomic call's after reading the positions and the values there.
     strided = counting.calls.get("scatter_strided", 0)
-    assert strided == 0 if atomic else strided >= 4
+    assert strided >= 4
+    assert counting.calls.get("gather_strided", 0) == (strided if atomic else 0)
 
 
 class Whole(torch.nn.Module):
@@ -501,7 +502,7 @@ def strided_views(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     data=st.data(),
 )
-def test_the_strided_write_is_the_view_copy(
+def test_the_strided_write_is_the_view_copy_and_an_atomic_one_is_undone(
     views: tuple[torch.Tensor, torch.Tensor],
     dtype: torch.dtype,
     index_dtype: torch.dtype,
@@ -509,7 +510,8 @@ def test_the_strided_write_is_the_view_copy(
 ) -> None:
     """Property: for sorted indices of the whole checkpoint tensor, each index the source
     view holds lands where the view's copy puts that element, the others (another rank's)
-    nowhere, as the loader's ``copy_`` of the staged tensor would."""
+    nowhere, as the loader's ``copy_`` of the staged tensor would; an atomic call's write
+    lands the same, and restoring its undo log gives every old byte back."""
     source, target = views
     numel = source.untyped_storage().nbytes() // source.element_size()
     chosen = sorted(data.draw(st.sets(st.integers(0, numel - 1), max_size=numel)))
@@ -534,10 +536,20 @@ def test_the_strided_write_is_the_view_copy(
     geometry = _routes.Geometry.of(source)
     there = _routes.Geometry.of(target)
     plan = tuple((geometry.stride[d], geometry.size[d], there.stride[d]) for d in geometry.dims())
+    before = flat.clone()
     assert _kernel.scatter_strided(
         flat, indices, values, begin, end, (geometry.offset, there.offset, plan)
     )
     assert torch.equal(bit_view(flat), bit_view(expected))
+    # An atomic call's: the same bytes, and its undo log gives the old ones back.
+    from patchctx._undo import UndoLog
+
+    again, undo = before.clone(), UndoLog()
+    view = (geometry.offset, there.offset, plan)
+    assert _kernel.exchange_strided(again, indices, values, begin, end, view, undo.gathered(again))
+    assert torch.equal(bit_view(again), bit_view(expected))
+    undo.restore()
+    assert torch.equal(bit_view(again), bit_view(before))
 
 
 @given(

@@ -11,7 +11,22 @@ import torch
 
 from patchctx import _cpu_passes
 
-__all__ = ["bit_view", "indexable", "scatter_flat", "write_at"]
+__all__ = ["bit_view", "indexable", "own_dispatch", "scatter_flat", "write_at"]
+
+# What a tensor class dispatches through when it has no dispatch of its own: torch.Tensor,
+# nn.Parameter and plain Python subclasses, whose bytes are their values.
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def own_dispatch(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is of a subclass with a dispatch of its own, data elsewhere or none.
+
+    Wrapper subclasses (DTensor, FakeTensor, ``_make_wrapper_subclass``) are; `nn.Parameter`
+    and plain Python subclasses are not: patchctx reads and writes their bytes directly.
+    """
+    kind = type(tensor)
+    return kind is not torch.Tensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH
+
 
 _OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Dtypes torch lacks indexing kernels for on CPU, and the integer view of the same width that

@@ -33,6 +33,59 @@ static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
     return 0;
 }
 
+/* Each typed loop below exists for every element size (1, 2, 4, 8 bytes, moved as unsigned
+ * integers of that size) and index width (int32, int64): EACH_TYPE defines them, BY_TYPE
+ * calls the one for `size` and `width` (checked by `sizes_ok` first). */
+#define EACH_TYPE(DEFINE, prefix)                                                           \
+    DEFINE(prefix##8_32, uint8_t, int32_t)                                                  \
+    DEFINE(prefix##16_32, uint16_t, int32_t)                                                \
+    DEFINE(prefix##32_32, uint32_t, int32_t)                                                \
+    DEFINE(prefix##64_32, uint64_t, int32_t)                                                \
+    DEFINE(prefix##8_64, uint8_t, int64_t)                                                  \
+    DEFINE(prefix##16_64, uint16_t, int64_t)                                                \
+    DEFINE(prefix##32_64, uint32_t, int64_t)                                                \
+    DEFINE(prefix##64_64, uint64_t, int64_t)
+
+#define BY_TYPE(result, prefix, size, width, ...)                                           \
+    switch ((size) * 10 + (width)) {                                                        \
+    case 14:                                                                                \
+        result = prefix##8_32(__VA_ARGS__);                                                 \
+        break;                                                                              \
+    case 24:                                                                                \
+        result = prefix##16_32(__VA_ARGS__);                                                \
+        break;                                                                              \
+    case 44:                                                                                \
+        result = prefix##32_32(__VA_ARGS__);                                                \
+        break;                                                                              \
+    case 84:                                                                                \
+        result = prefix##64_32(__VA_ARGS__);                                                \
+        break;                                                                              \
+    case 18:                                                                                \
+        result = prefix##8_64(__VA_ARGS__);                                                 \
+        break;                                                                              \
+    case 28:                                                                                \
+        result = prefix##16_64(__VA_ARGS__);                                                \
+        break;                                                                              \
+    case 48:                                                                                \
+        result = prefix##32_64(__VA_ARGS__);                                                \
+        break;                                                                              \
+    default:                                                                                \
+        result = prefix##64_64(__VA_ARGS__);                                                \
+        break;                                                                              \
+    }
+
+/* Whether the element `size`, index `width` and `count` of a call of `name` are ones the
+ * loops take; else a ValueError is set. */
+static int sizes_ok(const char *name, int size, int width, Py_ssize_t count) {
+    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
+        count < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0",
+                     name);
+        return 0;
+    }
+    return 1;
+}
+
 /*
  * The loops below read typed elements when the address is aligned to their size (torch's
  * tensors always are, but for a view made from a byte buffer at an odd offset), and through
@@ -120,8 +173,9 @@ static int any_nan(const char *at, Py_ssize_t count, int kind) {
  * A sparse patch's common case in one call: its `count` contiguous indices (integers of
  * `width` bytes, 4 or 8) strictly increasing and at most `highest`, read as unsigned (a
  * negative one reads as one above every index of its width that can be in range: the caller
- * caps `highest` at 2**(8 * width - 1) - 1), and, unless `kind` is 0, none of its `count` contiguous values a NaN
- * of any sign or payload. `kind`: 2 bfloat16, 3 float16, 4 float32, 8 float64.
+ * caps `highest` at 2**(8 * width - 1) - 1), and, unless `kind` is 0, none of its `count`
+ * contiguous values a NaN of any sign or payload. `kind`: 2 bfloat16, 3 float16, 4 float32,
+ * 8 float64.
  */
 static PyObject *check(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     long long a[6];
@@ -199,14 +253,7 @@ static PyObject *has_nan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return missed;                                                                      \
     }
 
-SCATTER(scatter8_32, uint8_t, int32_t)
-SCATTER(scatter16_32, uint16_t, int32_t)
-SCATTER(scatter32_32, uint32_t, int32_t)
-SCATTER(scatter64_32, uint64_t, int32_t)
-SCATTER(scatter8_64, uint8_t, int64_t)
-SCATTER(scatter16_64, uint16_t, int64_t)
-SCATTER(scatter32_64, uint32_t, int64_t)
-SCATTER(scatter64_64, uint64_t, int64_t)
+EACH_TYPE(SCATTER, scatter)
 
 /* ``out[i] = target[indices[i] - shift]`` for element type T and index type I, each position
  * checked against `limit` (one not read is counted in `missed`, its `out` left as it was). */
@@ -229,14 +276,7 @@ SCATTER(scatter64_64, uint64_t, int64_t)
         return missed;                                                                      \
     }
 
-GATHER(gather8_32, uint8_t, int32_t)
-GATHER(gather16_32, uint16_t, int32_t)
-GATHER(gather32_32, uint32_t, int32_t)
-GATHER(gather64_32, uint64_t, int32_t)
-GATHER(gather8_64, uint8_t, int64_t)
-GATHER(gather16_64, uint16_t, int64_t)
-GATHER(gather32_64, uint32_t, int64_t)
-GATHER(gather64_64, uint64_t, int64_t)
+EACH_TYPE(GATHER, gather)
 
 /* Whether the byte ranges [a, a + an) and [b, b + bn) meet (both non-empty). */
 static int meet(uintptr_t a, uint64_t an, uintptr_t b, uint64_t bn) {
@@ -268,10 +308,7 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t count = (Py_ssize_t)a[5];
     int64_t shift = (int64_t)a[6];
     const char *values = (const char *)(uintptr_t)a[7];
-    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
-        count < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "scatter: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0");
+    if (!sizes_ok("scatter", size, width, count)) {
         return NULL;
     }
     uint64_t span = limit * (uint64_t)size;
@@ -281,32 +318,7 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     long long missed;
     PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
-    switch (size * 10 + width) {
-    case 14:
-        missed = scatter8_32(target, limit, indices, count, shift, values);
-        break;
-    case 24:
-        missed = scatter16_32(target, limit, indices, count, shift, values);
-        break;
-    case 44:
-        missed = scatter32_32(target, limit, indices, count, shift, values);
-        break;
-    case 84:
-        missed = scatter64_32(target, limit, indices, count, shift, values);
-        break;
-    case 18:
-        missed = scatter8_64(target, limit, indices, count, shift, values);
-        break;
-    case 28:
-        missed = scatter16_64(target, limit, indices, count, shift, values);
-        break;
-    case 48:
-        missed = scatter32_64(target, limit, indices, count, shift, values);
-        break;
-    default:
-        missed = scatter64_64(target, limit, indices, count, shift, values);
-        break;
-    }
+    BY_TYPE(missed, scatter, size, width, target, limit, indices, count, shift, values);
     if (saved) {
         PyEval_RestoreThread(saved);
     }
@@ -334,40 +346,12 @@ static PyObject *gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count = (Py_ssize_t)a[5];
     int64_t shift = (int64_t)a[6];
     char *out = (char *)(uintptr_t)a[7];
-    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
-        count < 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "gather: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0");
+    if (!sizes_ok("gather", size, width, count)) {
         return NULL;
     }
     long long missed;
     PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
-    switch (size * 10 + width) {
-    case 14:
-        missed = gather8_32(target, limit, indices, count, shift, out);
-        break;
-    case 24:
-        missed = gather16_32(target, limit, indices, count, shift, out);
-        break;
-    case 44:
-        missed = gather32_32(target, limit, indices, count, shift, out);
-        break;
-    case 84:
-        missed = gather64_32(target, limit, indices, count, shift, out);
-        break;
-    case 18:
-        missed = gather8_64(target, limit, indices, count, shift, out);
-        break;
-    case 28:
-        missed = gather16_64(target, limit, indices, count, shift, out);
-        break;
-    case 48:
-        missed = gather32_64(target, limit, indices, count, shift, out);
-        break;
-    default:
-        missed = gather64_64(target, limit, indices, count, shift, out);
-        break;
-    }
+    BY_TYPE(missed, gather, size, width, target, limit, indices, count, shift, out);
     if (saved) {
         PyEval_RestoreThread(saved);
     }
@@ -461,14 +445,7 @@ struct plan {
         return missed;                                                                      \
     }
 
-STRIDED(strided8_32, uint8_t, int32_t)
-STRIDED(strided16_32, uint16_t, int32_t)
-STRIDED(strided32_32, uint32_t, int32_t)
-STRIDED(strided64_32, uint64_t, int32_t)
-STRIDED(strided8_64, uint8_t, int64_t)
-STRIDED(strided16_64, uint16_t, int64_t)
-STRIDED(strided32_64, uint32_t, int64_t)
-STRIDED(strided64_64, uint64_t, int64_t)
+EACH_TYPE(STRIDED, strided)
 
 /* `scatter_strided` and `gather_strided`: the arguments they share (the first nine, then
  * `values` or the two outputs), the loop by element size and index width. */
@@ -530,10 +507,7 @@ static PyObject *strided(PyObject *const *args, Py_ssize_t nargs, int gathering)
     const char *values = gathering ? NULL : (const char *)(uintptr_t)tail[0];
     int64_t *positions = gathering ? (int64_t *)(uintptr_t)tail[0] : NULL;
     char *old = gathering ? (char *)(uintptr_t)tail[1] : NULL;
-    if ((width != 4 && width != 8) || (size != 1 && size != 2 && size != 4 && size != 8) ||
-        count < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: width must be 4 or 8, size 1, 2, 4 or 8, count >= 0",
-                     name);
+    if (!sizes_ok(name, size, width, count)) {
         return NULL;
     }
     uint64_t span = view.limit * (uint64_t)size;
@@ -545,32 +519,8 @@ static PyObject *strided(PyObject *const *args, Py_ssize_t nargs, int gathering)
     long long missed;
     Py_ssize_t found = 0;
     PyThreadState *saved = count >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
-    switch (size * 10 + width) {
-    case 14:
-        missed = strided8_32(&view, target, indices, count, values, positions, old, &found);
-        break;
-    case 24:
-        missed = strided16_32(&view, target, indices, count, values, positions, old, &found);
-        break;
-    case 44:
-        missed = strided32_32(&view, target, indices, count, values, positions, old, &found);
-        break;
-    case 84:
-        missed = strided64_32(&view, target, indices, count, values, positions, old, &found);
-        break;
-    case 18:
-        missed = strided8_64(&view, target, indices, count, values, positions, old, &found);
-        break;
-    case 28:
-        missed = strided16_64(&view, target, indices, count, values, positions, old, &found);
-        break;
-    case 48:
-        missed = strided32_64(&view, target, indices, count, values, positions, old, &found);
-        break;
-    default:
-        missed = strided64_64(&view, target, indices, count, values, positions, old, &found);
-        break;
-    }
+    BY_TYPE(missed, strided, size, width, &view, target, indices, count, values, positions, old,
+            &found);
     if (saved) {
         PyEval_RestoreThread(saved);
     }

@@ -25,6 +25,7 @@ from types import ModuleType
 import torch
 
 from patchctx import _cpu_passes
+from patchctx._bits import own_dispatch
 
 __all__ = [
     "BUILT",
@@ -74,17 +75,6 @@ _WIDTH = {torch.int32: 4, torch.int64: 8}
 _BEYOND = {4: 1 << 31, 8: 1 << 63}
 # The kernel's code for each IEEE float dtype whose NaN it finds by the bits (0: none).
 NAN_KIND = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4, torch.float64: 8}
-_PLAIN = torch.Tensor.__torch_dispatch__
-# Per tensor class: whether its data are its bytes (no dispatch of its own).
-_PLAIN_CLASS: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
-
-
-def _plain_class(kind: type) -> bool:
-    """Whether tensors of class `kind` hold their values as their bytes (`_PLAIN_CLASS`)."""
-    plain = _PLAIN_CLASS.get(kind)
-    if plain is None:
-        plain = _PLAIN_CLASS[kind] = getattr(kind, "__torch_dispatch__", None) is _PLAIN
-    return plain
 
 
 def check(indices: torch.Tensor, bound: int, values: torch.Tensor, kind: int) -> bool | None:
@@ -130,7 +120,7 @@ def has_nan(values: torch.Tensor) -> bool | None:
         or not values.is_cpu
         or not values.is_contiguous()
         or values.layout is not torch.strided
-        or not _plain_class(type(values))
+        or own_dispatch(values)
         or values.is_neg()
         or values.is_conj()
     ):
@@ -154,7 +144,7 @@ def _width_to_write(target: torch.Tensor, indices: torch.Tensor, values: torch.T
         or target.layout is not torch.strided
         or target.is_quantized
         or not (target.is_contiguous() and indices.is_contiguous() and values.is_contiguous())
-        or not (type(target) in _PLAIN_CLASS or _plain_class(type(target)))
+        or own_dispatch(target)
         or target.is_inference()
         or target.is_neg()
         or target.is_conj()
@@ -166,18 +156,30 @@ def _width_to_write(target: torch.Tensor, indices: torch.Tensor, values: torch.T
     return width
 
 
+def _outside(missed: int, count: int, limit: int, written: bool) -> RuntimeError:
+    """The refusal of a call whose positions lay outside the destination (`missed` of them)."""
+    what = "were not written" if written else "nothing was written"
+    return RuntimeError(
+        f"patchctx: {missed} of {count} positions lay outside the destination of {limit} "
+        f"elements; {what} (the patch's indices changed after validation)"
+    )
+
+
 def _written(target: torch.Tensor, missed: int, count: int) -> bool:
     """After a kernel write: False when it wrote nothing (-1), else bump the version."""
     if missed < 0:  # indices or values in the target's bytes: nothing written
         return False
     torch._C._increment_version((target,))
     if missed:
-        raise RuntimeError(
-            f"patchctx: {missed} of {count} positions lay outside the destination of "
-            f"{target.numel()} elements and were not written; the patch's indices changed "
-            "after validation"
-        )
+        raise _outside(missed, count, target.numel(), written=True)
     return True
+
+
+def _taken(indices: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """A copy of ``indices[begin:end]``: what an atomic write writes, and its undo restores."""
+    if begin == 0 and end == indices.numel():  # (no slice to make: a microsecond)
+        return indices.clone()
+    return indices[begin:end].clone()
 
 
 def scatter(
@@ -253,19 +255,14 @@ def exchange(
     if count <= 0:
         return True
     size = target.dtype.itemsize
-    whole = begin == 0 and end == indices.numel()  # (no slice to make: a microsecond)
-    taken = indices.clone() if whole else indices[begin:end].clone()
+    taken = _taken(indices, begin, end)
     old = torch.empty(count, dtype=target.dtype)
     address, limit = target.data_ptr(), target.numel()
     missed: int = _module.gather(  # type: ignore[union-attr]
         address, limit, size, taken.data_ptr(), width, count, shift, old.data_ptr()
     )
     if missed:
-        raise RuntimeError(
-            f"patchctx: {missed} of {count} positions lay outside the destination of "
-            f"{limit} elements; nothing was written (the patch's indices changed after "
-            "validation)"
-        )
+        raise _outside(missed, count, limit, written=False)
     keep(taken, old)
     start = values.data_ptr() + begin * size
     missed = _module.scatter(  # type: ignore[union-attr]
@@ -340,8 +337,7 @@ def exchange_strided(
         return True
     size = flat.dtype.itemsize
     offset, base, plan = view
-    whole = begin == 0 and end == indices.numel()
-    taken = indices.clone() if whole else indices[begin:end].clone()
+    taken = _taken(indices, begin, end)
     positions = torch.empty(count, dtype=torch.long)
     old = torch.empty(count, dtype=flat.dtype)
     address, limit = flat.data_ptr(), flat.numel()
@@ -359,11 +355,7 @@ def exchange_strided(
         old.data_ptr(),
     )
     if missed:
-        raise RuntimeError(
-            f"patchctx: {missed} of {count} positions lay outside the destination of "
-            f"{limit} elements; nothing was written (the patch's indices changed after "
-            "validation)"
-        )
+        raise _outside(missed, count, limit, written=False)
     keep(positions[:found], old[:found])
     written: int = _module.scatter_strided(  # type: ignore[union-attr]
         address,

@@ -11,7 +11,6 @@ from typing import cast
 
 import torch
 
-from patchctx import _kernel
 from patchctx._arguments import instance_of, known_names, name_map, positive_int
 from patchctx._bits import bit_view
 from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState
@@ -385,16 +384,9 @@ class _Loader:
             elif not (
                 undo is None
                 and route._whole
-                and (
-                    # The C kernel from the indices as they are (a whole route writes in the
-                    # checkpoint dtype, the live target's), or validation's int64 positions.
-                    _kernel.scatter(targets[0], indices, patch.values, 0, indices.numel(), 0)
-                    or (
-                        (positions := item._positions) is not None
-                        and positions is not indices
-                        and replay_whole(route, targets[0], positions, patch.values)
-                    )
-                )
+                and (positions := item._positions) is not None
+                and positions is not indices
+                and replay_whole(route, targets[0], positions, patch.values)
             ):
                 replay(
                     route,

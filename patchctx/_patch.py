@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 import torch
 
 from patchctx import _cpu_passes, _kernel
+from patchctx._bits import own_dispatch
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
@@ -382,7 +383,7 @@ def _well_formed(
     # (A tensor's shape is read once: each attribute read of a tensor costs about 50 ns.)
     if (
         not isinstance(values, torch.Tensor)
-        or (type(values) is not torch.Tensor and _own_dispatch(values))
+        or (type(values) is not torch.Tensor and own_dispatch(values))
         or len(sizes := values.shape) != 1
         or values.layout is not torch.strided  # data to read: not a sparse layout, not meta
         or values.is_meta
@@ -396,7 +397,7 @@ def _well_formed(
         return numel if sizes[0] == numel else None
     if (
         not isinstance(indices, torch.Tensor)
-        or (type(indices) is not torch.Tensor and _own_dispatch(indices))
+        or (type(indices) is not torch.Tensor and own_dispatch(indices))
         or indices.shape != sizes
         or indices.dtype not in _INDEX_DTYPES
         or indices.layout is not torch.strided
@@ -410,28 +411,13 @@ def _well_formed(
     return numel if ok else None
 
 
-# What a tensor class dispatches through when it has no dispatch of its own: torch.Tensor,
-# nn.Parameter and plain Python subclasses, whose data patchctx reads and writes directly.
-_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
-
-
-def _own_dispatch(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is of a subclass with a dispatch of its own, data elsewhere or none.
-
-    Wrapper subclasses (DTensor, FakeTensor, ``_make_wrapper_subclass``) are; `nn.Parameter`
-    and plain Python subclasses are not.
-    """
-    kind = type(tensor)
-    return kind is not torch.Tensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH
-
-
 def _data_problem(what: str, tensor: torch.Tensor) -> tuple[str, bool] | None:
     """Why `tensor` cannot be read as the patch's `what`, and whether that is a type problem.
 
     Returns `None` when it can: a strided tensor with data, of a class without a dispatch of
     its own (validation and replay read and write it through numpy and torch directly).
     """
-    if _own_dispatch(tensor):
+    if own_dispatch(tensor):
         name = type(tensor).__name__
         return (
             f"{what} are of class {name}, a tensor subclass with a dispatch of its own, whose data "

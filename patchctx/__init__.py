@@ -6,6 +6,7 @@ keeps mapping them to runtime coordinates (tensor-parallel slices, packed parame
 """
 
 from patchctx._audit import AuditReport, AuditRow, audit
+from patchctx._by_name import LoadByName
 from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState, PerTensor, SingleCall
 from patchctx._cost import UpdateCost
 from patchctx._diff import diff_state_dicts, patch_nbytes
@@ -47,6 +48,7 @@ __all__ = [
     "IntSentinel",
     "InvalidPatchError",
     "InvalidPatchTypeError",
+    "LoadByName",
     "LoaderContractError",
     "MaskedCopy",
     "NaNMask",

@@ -34,38 +34,16 @@ class SupportsLoadWeights(Protocol):
 
     Examples:
         A Hugging Face ``transformers`` model has no ``load_weights``, but its parameter names
-        are the checkpoint's names: this adapter is all it takes (``module`` is the
-        ``transformers`` model; a ``torch.nn.Linear`` stands in for it here). The vLLM lane
-        runs it on a real ``transformers`` model.
+        are the checkpoint's names: `LoadByName` is the adapter it takes, a class of a few
+        lines written against this protocol (the vLLM lane runs it on a real ``transformers``
+        model).
 
         >>> import torch
-        >>> from patchctx import CheckpointWeightPatch, SupportsLoadWeights
-        >>> from patchctx import load_checkpoint_weight_patches
-        >>> class ByName:
-        ...     # Loads checkpoint tensors into the parameters and buffers of the same name.
-        ...     def __init__(self, module):
-        ...         self.module = module
-        ...     def named_parameters(self):
-        ...         return self.module.named_parameters()
-        ...     def named_buffers(self):
-        ...         return self.module.named_buffers()
-        ...     def load_weights(self, weights):
-        ...         tensors = self.module.state_dict(keep_vars=True)  # tied names included
-        ...         for name, tensor in weights:
-        ...             tensors[name].copy_(tensor)
-        ...         return {name for name, _ in weights}
-        >>> module = torch.nn.Linear(2, 2, bias=False)
-        >>> _ = torch.nn.init.zeros_(module.weight)
-        >>> isinstance(ByName(module), SupportsLoadWeights)
+        >>> from patchctx import LoadByName, SupportsLoadWeights
+        >>> isinstance(LoadByName(torch.nn.Linear(2, 2)), SupportsLoadWeights)
         True
-        >>> patch = CheckpointWeightPatch("weight", (2, 2), torch.float32, torch.tensor([5.0]),
-        ...                               torch.tensor([3]))
-        >>> load_checkpoint_weight_patches(ByName(module), [patch])
-        {'weight'}
-        >>> module.weight
-        Parameter containing:
-        tensor([[0., 0.],
-                [0., 5.]], requires_grad=True)
+        >>> isinstance(torch.nn.Linear(2, 2), SupportsLoadWeights)  # no load_weights
+        False
     """
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], /) -> Iterable[str] | None:

@@ -76,6 +76,7 @@ PYTHON = Source(
             "exception",
             "AssertionError",
             "Exception",
+            "KeyError",
             "KeyboardInterrupt",
             "NotImplementedError",
             "RuntimeError",

@@ -1,14 +1,11 @@
-"""The Hugging Face adapter documented on `SupportsLoadWeights`, on a real ``transformers`` model.
+"""`LoadByName`, the Hugging Face adapter, on a real ``transformers`` model.
 
-The adapter is taken from the docstring itself (its doctest), so what the docs show is what
-runs here. ``transformers`` comes with vLLM: this test lives in the vLLM lane.
+``transformers`` comes with vLLM: this test lives in the vLLM lane.
 """
 
 from __future__ import annotations
 
 import copy
-import doctest
-import inspect
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from patchctx import (  # noqa: E402 - after the skip
     Coalesce,
+    LoadByName,
     RouteCache,
     SupportsLoadWeights,
     diff_state_dicts,
@@ -25,19 +23,8 @@ from patchctx import (  # noqa: E402 - after the skip
 from tests.vllm.support.checkpoints import hf_config  # noqa: E402
 
 
-def documented_adapter() -> type:
-    """The ``ByName`` class of `SupportsLoadWeights`' docstring."""
-    examples = doctest.DocTestParser().get_examples(inspect.getdoc(SupportsLoadWeights) or "")
-    [source] = [e.source for e in examples if e.source.startswith("class ByName")]
-    namespace: dict[str, object] = {}
-    exec(source, namespace)
-    adapter = namespace["ByName"]
-    assert isinstance(adapter, type)
-    return adapter
-
-
-def test_the_documented_adapter_patches_a_transformers_model_like_training_does() -> None:
-    adapter = documented_adapter()
+def test_load_by_name_patches_a_transformers_model_like_training_does() -> None:
+    adapter = LoadByName
     torch.manual_seed(0)
     trainer = transformers.AutoModelForCausalLM.from_config(
         hf_config("qwen2"), dtype=torch.float32

@@ -55,7 +55,7 @@ from torch import nn
 
 from benchmarks.baseline import nan_swap_load, vllm_function
 from benchmarks.realistic import realistic_update
-from patchctx import CheckpointWeightPatch, RouteCache, _kernel, load_checkpoint_weight_patches
+from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
 from patchctx._model import model_tensors
 from patchctx._strategies import indexable
 from patchctx._undo import storage_flat
@@ -300,7 +300,6 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "first_use_seconds": first_use_s,
-        "kernel": "built" if _kernel.BUILT else "not built",
         "machine": platform.platform(),
         "memory": "peak RSS above the pre-call level (kernel peak mark reset per call)"
         if device == "cpu"
@@ -542,7 +541,6 @@ def table(rows: list[Row], meta: dict[str, Any]) -> str:
         f"{meta['device']}, torch {meta['torch']}, {meta['threads']} threads, "
         f"{meta['repeats']} rounds",
         f"baseline: {meta['baseline']}",
-        f"patchctx's C kernel: {meta.get('kernel', 'not recorded')}",
         "",
         header,
         "-" * len(header),

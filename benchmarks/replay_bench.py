@@ -19,7 +19,7 @@ rotates from round to round), min and median of the rounds:
    are fetched from memory again.
 2. **Row-parallel** (one thread): a row-parallel weight at rank 0 of 2 (``o_proj``: the
    checkpoint's columns narrowed), whose replay decomposes each index by the strided view,
-   with and without the C kernel, against the bare ``index_copy_`` of this rank's positions
+   against the bare ``index_copy_`` of this rank's positions
    and a dense reload.
 3. **Fixed costs** (one thread): N tensors of 256x256 bf16 at 0.1 %: replay per tensor in
    one call of N patches, a call of one patch, a dense reload per tensor, the bare write per
@@ -72,7 +72,6 @@ from benchmarks.patch_bench import (
 from patchctx import (
     CheckpointWeightPatch,
     RouteCache,
-    _kernel,
     load_checkpoint_weight_patches,
     validate_patches,
 )
@@ -112,31 +111,6 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str
                 calls[name]()
                 times[name].append(time.perf_counter() - start)
     return times
-
-
-def _reference(call: Callable[[], object]) -> Callable[[], object]:
-    """`call` with the host's passes in Python, numpy and torch: patchctx's C kernel unused."""
-
-    def run() -> object:
-        _kernel.USE = False
-        try:
-            return call()
-        finally:
-            _kernel.USE = True
-
-    return run
-
-
-# The name of a method run without the C kernel, beside the one with it (when it is built).
-WITHOUT = "{} (no kernel)"
-
-
-def _with_reference(calls: dict[str, Callable[[], object]], *names: str) -> None:
-    """Add, after each of `names`, the same call without the C kernel (when it is built)."""
-    if not _kernel.BUILT:
-        return
-    for name in names:
-        calls[WITHOUT.format(name)] = _reference(calls[name])
 
 
 def _index_copies(plan: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -191,32 +165,25 @@ def sweep(args: argparse.Namespace) -> list[Row]:
                         load_checkpoint_weight_patches, models["replay"], ones, routes=routes
                     ),
                 }
-                _with_reference(calls, "replay", "replay, one element each")
                 times = interleaved(calls, args.rounds)
                 nnz = sum(p.values.numel() for p in patches)
                 numel = sum(math.prod(s) for s in base.shapes.values())
                 case = f"h{hidden} {dtype_name} {nnz / numel:.2%}"
                 for method, seconds in times.items():
-                    note = (
-                        _goal(times, len(patches), method)
-                        if method in ("replay", WITHOUT.format("replay"))
-                        else ""
-                    )
+                    note = _goal(times, len(patches)) if method == "replay" else ""
                     rows.append(Row("sweep", case, method, *_us(seconds), note))
     return rows
 
 
-def _goal(times: dict[str, list[float]], patches: int, method: str = "replay") -> str:
+def _goal(times: dict[str, list[float]], patches: int) -> str:
     """A replay row against the issue's goal: 1.2x the bare ``index_copy_`` plus fixed costs.
 
     Two readings of the fixed cost: the goal's budget (10 µs a patch and 50 µs a call), and
-    the call's own, measured beside it (one element per tensor, the same way: with or
-    without the C kernel).
+    the call's own, measured beside it (one element per tensor, the same way).
     """
     low = min(times["index_copy_"])
-    replay = min(times[method])
-    ones = "replay, one element each"
-    fixed = min(times[ones if method == "replay" else WITHOUT.format(ones)])
+    replay = min(times["replay"])
+    fixed = min(times["replay, one element each"])
     budget = 1.2 * low + 10e-6 * patches + 50e-6
     return (
         f"{replay / low:.2f}x index_copy_; {(replay - fixed) / low:.2f}x beyond its own fixed "
@@ -251,8 +218,8 @@ class RowParallel(nn.Module):
 
 
 def row_parallel(args: argparse.Namespace) -> list[Row]:
-    """Replay through a strided view (a row-parallel slice), with and without the C kernel,
-    against the bare ``index_copy_`` of this rank's positions and a dense reload."""
+    """Replay through a strided view (a row-parallel slice), against the bare ``index_copy_``
+    of this rank's positions and a dense reload."""
     hidden = args.row_hidden
     progress(f"row-parallel: hidden {hidden} bf16, rank 0 of 2")
     generator = torch.Generator().manual_seed(5)
@@ -273,7 +240,6 @@ def row_parallel(args: argparse.Namespace) -> list[Row]:
             "index_copy_": partial(_index_copies, plan),
             "dense": partial(_dense, models["dense"], checkpoint),
         }
-        _with_reference(calls, "replay")
         times = interleaved(calls, args.rounds)
         case = f"h{hidden} bf16 {density:.2%}"
         low = min(times["index_copy_"])
@@ -330,7 +296,6 @@ def fixed_costs(args: argparse.Namespace) -> list[Row]:
             "bare index write, per tensor": partial(_scatters, plan),
             "call of one patch": partial(_one_by_one, models["one"], one, routes["one"]),
         }
-        _with_reference(calls, "replay, per tensor", "call of one patch")
         if theirs is not None:
             calls["vLLM's function, call of one patch"] = partial(
                 _theirs_one_by_one, theirs, models["vllm"], one
@@ -403,7 +368,6 @@ def warm(args: argparse.Namespace) -> list[Row]:
         for case, call, number, per in cases:
             method = "replay" if "alone" not in case else "validation"
             ways = {method: call}
-            _with_reference(ways, method)
             seconds: dict[str, list[float]] = {way: [] for way in ways}
             for run in ways.values():
                 run()
@@ -610,14 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind, run in runs:
         if kind in args.tables:
             rows += run(args)
-    kernel = (
-        "patchctx's C kernel built (rows marked 'no kernel' run without it)"
-        if _kernel.BUILT
-        else "patchctx's C kernel not built: the host's passes are Python's, numpy's and torch's"
-    )
     header = (
         f"replay benchmark: torch {torch.__version__}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, {args.rounds} rounds, min and median; {kernel}"
+        f"{os.cpu_count()} CPUs, {args.rounds} rounds, min and median"
     )
     print(header + "\n" + table(rows))
     if args.json:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
-from patchctx import _cpu_passes, _kernel
+from patchctx import _cpu_passes
 from patchctx._bits import own_dispatch
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
@@ -23,7 +23,6 @@ from patchctx._strategies import (
     IntSentinel,
     NaNMask,
     as_strategy,
-    nan_kind,
     reserved_on_host,
 )
 
@@ -599,17 +598,6 @@ def _all_valid(
     buffer) and the strategy's reserved-value reduction (`_blocked_flags`). No temporary
     exceeds a block.
     """
-    if _kernel.active():  # on CPU, every sparse patch by one call of the C kernel
-        for item in checked:
-            indices = item._patch.indices
-            if indices is None:
-                continue
-            if item._numel >= _FAST_NUMEL_LIMIT or not item._patch.values.is_cpu:
-                break  # (another device, or a numel beyond int64 arithmetic: below)
-            if not _host_valid(item, indices, strategy):
-                return None
-        else:
-            return {}
     if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]
         patch = item._patch
@@ -653,8 +641,8 @@ def _all_valid(
         checks = []  # how to judge each flag on the host
         small = [k for ks in groups.get(device, {}).values() for k in ks]
         on_host = _on_host(device)
-        if on_host and (len(small) < _CPU_JOINED_FROM or _kernel.active()):
-            for k in small:  # one by one (`_CPU_JOINED_FROM`; the C kernel's calls cost less)
+        if on_host and len(small) < _CPU_JOINED_FROM:
+            for k in small:  # one by one (`_CPU_JOINED_FROM`)
                 indices = checked[k]._patch.indices
                 assert indices is not None
                 if not _host_valid(checked[k], indices, strategy):
@@ -705,10 +693,6 @@ def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrateg
         indices = indices.cpu()
     patch = item._patch
     values, dtype, numel = patch.values, patch.dtype, item._numel
-    kind = nan_kind(strategy, values, dtype)
-    verdict = _kernel.check(indices, numel, values, kind)
-    if verdict is not None:  # the C kernel: one loop over the indices (and values), no temporary
-        return verdict and (kind != 0 or not reserved_on_host(strategy, values, dtype))
     count = indices.shape[0]
     if count <= _cpu_passes.LISTED_UP_TO:
         # A few indices: checked as a Python list, kept for replay (`CheckedPatch._listed`).

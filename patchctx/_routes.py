@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 
-from patchctx import _cpu_passes, _kernel
+from patchctx import _cpu_passes
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, scratch
 from patchctx._cpu_passes import shifted_positions
@@ -988,13 +988,6 @@ def replay(
     # values or indices lie in storage the route writes is read from a copy of its own.
     # Validation's positions are the indices themselves or a tensor of its own, which replay
     # then reads instead of the indices.
-    if (
-        route._whole
-        and undo is None
-        and route.dtype is targets[0].dtype
-        and _kernel.scatter(targets[0], indices, values, 0, indices.numel(), 0)
-    ):  # the common case by the C kernel: the indices as they are, no positions to make
-        return
     spans = route._spans
     if positions is None or positions is indices:
         apart = _apart(indices, spans)
@@ -1034,26 +1027,6 @@ def replay(
                 on_device[device] = (source.to(device), values.to(device))
             device_indices, device_values = on_device[device]
         count = device_indices.shape[0]
-        if (
-            sorted_unique
-            and not segment._direct
-            and device_values.dtype is route.dtype
-            and route.dtype is segment.dtype
-        ):
-            # The C kernel: one loop decomposing each index, no masks or positions; an atomic
-            # call's undo log keeps the positions written and the values they held first.
-            start, stop = covered if covered is not None else segment.covered(device_indices)
-            view = (segment.source.offset, segment.target.offset, segment._plan)
-            storage = storage_flat(target)
-            if undo is None:
-                if _kernel.scatter_strided(
-                    storage, device_indices, device_values, start, stop, view
-                ):
-                    continue
-            elif _kernel.exchange_strided(
-                storage, device_indices, device_values, start, stop, view, undo.gathered(storage)
-            ):
-                continue
         if not (sorted_unique and segment._direct):
             flat = storage_flat(target)
             found, picked = segment.positions(
@@ -1079,16 +1052,6 @@ def replay(
         else:
             # The storage up to the segment's last position (`live` checked it is there).
             flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
-        if device_values.dtype is route.dtype and route.dtype is segment.dtype:
-            # The C kernel: all of it in one loop, no positions or block buffer; an atomic
-            # call's undo log keeps the indices written and the values they held first.
-            if undo is None:
-                if _kernel.scatter(flat, device_indices, device_values, start, stop, shift):
-                    continue
-            elif _kernel.exchange(
-                flat, device_indices, device_values, start, stop, shift, undo.keeper(flat, shift)
-            ):
-                continue
         on_cpu = device.type == "cpu" and _cpu_passes.HOST
         size = block_size()
         for begin in range(start, stop, size):

@@ -15,7 +15,7 @@ from typing import Protocol, cast, runtime_checkable
 
 import torch
 
-from patchctx import _cpu_passes, _kernel, _swap
+from patchctx import _cpu_passes, _swap
 from patchctx._arguments import instance_of, optional_int
 from patchctx._bits import indexable, scatter_flat
 from patchctx._cpu_passes import has_nan_bits, has_value, nan_bits_known
@@ -574,27 +574,6 @@ class Auto:
         return self.resolve(source.dtype).update_mask(source)
 
 
-def nan_kind(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.dtype) -> int:
-    """The C kernel's code for finding `strategy`'s reserved values among `values` as NaN.
-
-    Non-zero (`_kernel.NAN_KIND`) when the reserved values are exactly the NaNs of an IEEE
-    float `dtype` the values are already in: patchctx's own NaN strategy, chosen or by `Auto`.
-    0 otherwise (ask `reserved_on_host`).
-    """
-    key = (type(strategy), values.dtype, dtype)
-    kind = _NAN_KINDS.get(key)
-    if kind is None:
-        chosen = strategy.resolve(dtype) if type(strategy) is Auto else strategy
-        found = type(chosen) is NaNMask and values.dtype is dtype
-        kind = _NAN_KINDS[key] = _kernel.NAN_KIND.get(dtype, 0) if found else 0
-    return kind
-
-
-# `nan_kind` by the strategy's class and the two dtypes: its answer depends on nothing else
-# (`Auto` resolves by the dtype alone; any other class than `Auto` and `NaNMask` gives 0).
-_NAN_KINDS: dict[tuple[type, torch.dtype, torch.dtype], int] = {}
-
-
 def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.dtype) -> bool:
     """``strategy.reserved_values(values, dtype)`` read on the host, for values on CPU.
 
@@ -605,9 +584,6 @@ def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.
     """
     chosen = strategy.resolve(dtype) if type(strategy) is Auto else strategy
     if type(chosen) is NaNMask and values.dtype is dtype and dtype in _NAN_BY_AMAX:
-        found = _kernel.has_nan(values)
-        if found is not None:  # the C kernel: one loop over the bits
-            return found
         count = values.numel()
         if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
             # A few values as Python floats (NaN stays NaN): no tensor operation at all.

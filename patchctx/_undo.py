@@ -1,14 +1,11 @@
 """The undo log behind ``atomic=True``: old values of everything a call writes, restored in reverse.
 
-Three kinds of entry: the old values at known storage positions (sparse writes: O(nnz) memory),
-the old values at indices less a shift in a contiguous view (the C kernel's sparse writes: the
-indices kept as they came, int32 or int64), and the old contents of a whole written view (dense
-and unmasked writes: O(view) memory).
+Two kinds of entry: the old values at known storage positions (sparse writes: O(nnz) memory),
+and the old contents of a whole written view (dense and unmasked writes: O(view) memory).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +29,6 @@ class _Positions:
 
 
 @dataclass(frozen=True, slots=True)
-class _Shifted:
-    tensor: torch.Tensor  # the contiguous 1-D tensor written (a view of the storage)
-    indices: torch.Tensor  # int32 or int64: position = index - shift
-    shift: int
-    old: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
 class _View:
     tensor: torch.Tensor
     size: tuple[int, ...]
@@ -54,7 +43,7 @@ class UndoLog:
     __slots__ = ("_entries", "nbytes")
 
     def __init__(self) -> None:
-        self._entries: list[_Positions | _Shifted | _View] = []
+        self._entries: list[_Positions | _View] = []
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -67,34 +56,6 @@ class UndoLog:
         old = indexable(storage_flat(tensor)).index_select(0, positions)
         self._entries.append(_Positions(tensor, positions, old))
         self.nbytes += old.nbytes + positions.nbytes
-
-    def keeper(
-        self, flat: torch.Tensor, shift: int
-    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """What `patchctx._kernel.exchange` calls to keep the values it overwrites in `flat`.
-
-        `flat` is the contiguous 1-D tensor written; a position is an index less `shift`. The
-        indices (the kernel's own copy) and the old values are kept as they are.
-        """
-
-        def keep(indices: torch.Tensor, old: torch.Tensor) -> None:
-            self._entries.append(_Shifted(flat, indices, shift, old))
-            self.nbytes += old.nbytes + indices.nbytes
-
-        return keep
-
-    def gathered(self, flat: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """What `patchctx._kernel.exchange_strided` calls to keep what it overwrites.
-
-        `flat` is a 1-D view from the start of the written storage; the kernel hands over the
-        storage positions it is about to write (its own int64 tensor) and the values there.
-        """
-
-        def keep(positions: torch.Tensor, old: torch.Tensor) -> None:
-            self._entries.append(_Positions(flat, positions, indexable(old)))
-            self.nbytes += old.nbytes + positions.nbytes
-
-        return keep
 
     def save_view(self, view: torch.Tensor) -> None:
         """Remember the whole contents of `view` (a view of a persistent tensor)."""
@@ -112,11 +73,7 @@ class UndoLog:
         """Drop the entries after `mark` without restoring them (their writes stand)."""
         for entry in self._entries[mark:]:
             self.nbytes -= entry.old.nbytes + (
-                entry.positions.nbytes
-                if isinstance(entry, _Positions)
-                else entry.indices.nbytes
-                if isinstance(entry, _Shifted)
-                else 0
+                entry.positions.nbytes if isinstance(entry, _Positions) else 0
             )
         del self._entries[mark:]
 
@@ -133,11 +90,6 @@ class UndoLog:
             if isinstance(entry, _Positions):
                 flat = indexable(storage_flat(entry.tensor))
                 flat.index_copy_(0, entry.positions, entry.old)
-            elif isinstance(entry, _Shifted):
-                positions = entry.indices.to(torch.long)
-                if entry.shift:
-                    positions.sub_(entry.shift)
-                indexable(entry.tensor).index_copy_(0, positions, indexable(entry.old))
             else:
                 target = torch.as_strided(entry.tensor, entry.size, entry.stride, entry.offset)
                 builtin_copy(target, entry.old)

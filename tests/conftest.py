@@ -29,12 +29,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="send CPU tensors the way they go on a GPU (patchctx._cpu_passes.HOST = False): "
         "the accelerators' code run where none is; tests marked host_only are skipped",
     )
-    parser.addoption(
-        "--without-kernel",
-        action="store_true",
-        help="leave patchctx's C kernel unused (patchctx._kernel.USE = False): the host's "
-        "passes are Python's, numpy's and torch's, the reference the kernel is held to",
-    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,10 +36,6 @@ def pytest_configure(config: pytest.Config) -> None:
         from patchctx import _cpu_passes
 
         _cpu_passes.HOST = False
-    if config.getoption("--without-kernel"):
-        from patchctx import _kernel
-
-        _kernel.USE = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

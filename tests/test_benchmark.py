@@ -16,7 +16,6 @@ import pytest
 from benchmarks import charts
 from benchmarks.patch_bench import METHODS, Row, _without_output, main, table
 from benchmarks.wire_bench import METHODS as WIRE_METHODS
-from patchctx import _kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -160,17 +159,12 @@ def test_replay_bench_quick_prints_its_six_tables_and_json(tmp_path: Path) -> No
     assert tables == {"sweep", "row", "fixed", "warm", "cold", "contention"}
     methods = {row["method"] for row in report["rows"] if row["table"] == "sweep"}
     replays = {"replay", "replay, one element each"}
-    if _kernel.BUILT:  # each replay row again without the C kernel, and the header says so
-        replays |= {f"{method} (no kernel)" for method in replays}
-        assert "C kernel built" in report["header"]
-        warm = {row["method"] for row in report["rows"] if row["table"] == "warm"}
-        assert warm == {"replay", "replay (no kernel)", "validation", "validation (no kernel)"}
-    else:
-        assert "C kernel not built" in report["header"]
+    warm = {row["method"] for row in report["rows"] if row["table"] == "warm"}
+    assert warm == {"replay", "validation"}
     assert methods == {"index_copy_", "scatter_", "dense"} | replays
     assert all(row["min_us"] > 0 and row["median_us"] >= row["min_us"] for row in report["rows"])
     for row in report["rows"]:
-        if row["table"] == "sweep" and row["method"] in ("replay", "replay (no kernel)"):
+        if row["table"] == "sweep" and row["method"] == "replay":
             assert re.fullmatch(
                 r"[\d.]+x index_copy_; -?[\d.]+x beyond its own fixed cost; "
                 r"[\d.]+x the goal's budget",

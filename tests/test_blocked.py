@@ -36,7 +36,6 @@ from patchctx import (
     _bits,
     _blocks,
     _cpu_passes,
-    _kernel,
     _patch,
     _routes,
     load_checkpoint_weight_patches,
@@ -62,17 +61,14 @@ def small_blocks(
     listed: int = 3,
     *,
     host: bool = True,
-    kernel: bool = False,
 ) -> Iterator[None]:
     """Blocks of `block` positions, batches of patches up to `batched` indices (on CPU, from
     `joined` such patches in a call), the CPU ``scatter_`` write from `few` positions on,
     numpy's CPU passes from `block` // 2, and Python lists for patches of up to `listed`.
     Without `host`, CPU tensors go the accelerators' way (`_cpu_passes.HOST`): the code that
-    runs on a GPU, run here. Without `kernel`, the host's passes are Python's, numpy's and
-    torch's, not the C kernel's (`_kernel.USE`), which has no blocks or lists to shrink."""
+    runs on a GPU, run here."""
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setattr(_cpu_passes, "HOST", host)
-        patcher.setattr(_kernel, "USE", kernel and _kernel.BUILT)
         patcher.setattr(_cpu_passes, "LISTED_UP_TO", listed)
         patcher.setattr(_blocks, "BLOCK", block)
         patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
@@ -114,7 +110,7 @@ def fast(
         if item._listed is not None:  # a short patch checked as a list keeps it for replay
             assert indices is not None and indices.shape[0] <= _cpu_passes.LISTED_UP_TO
             assert item._listed == indices.tolist()
-        elif one_by_one and common and indices is not None and not _kernel.active():
+        elif one_by_one and common and indices is not None:
             assert indices.shape[0] > _cpu_passes.LISTED_UP_TO, "a short patch kept no list"
     return [c.sorted_unique for c in checked], ""
 
@@ -177,8 +173,6 @@ def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
     with small_blocks(joined=2**30):  # on CPU, every patch by itself
         assert fast(patches, strategy, one_by_one=True) == expected
     with small_blocks(host=False):  # the accelerators' way: batched flags, blocked reductions
-        assert fast(patches, strategy) == expected
-    with small_blocks(kernel=True):  # the C kernel: each patch in one loop, whatever its size
         assert fast(patches, strategy) == expected
     # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each; those
     # of up to `_cpu_passes.LISTED_UP_TO` indices as Python lists: all of them here, while
@@ -615,8 +609,7 @@ def test_a_call_of_many_replays_reads_the_host_once_whatever_their_number() -> N
             patcher.setattr(_patch, "_read_flags", read_flags)
             load_checkpoint_weight_patches(model, patches(seed), routes=routes)
         # On CPU the covered slices are found by numpy as the replays are gathered: no read.
-        # With the C kernel, validation decides each patch on the host: no flags to read.
-        assert reads == ([] if _kernel.active() else ["flags"]), reads
+        assert reads == ["flags"], reads
         reads.clear()
         load_checkpoint_weight_patches(reference, patches(seed))
     assert routes.stats.replayed == 2 * len(specs)

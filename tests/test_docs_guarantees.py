@@ -49,7 +49,6 @@ GUARANTEE_FILES: dict[str, str | None] = {
     "tests/test_cost.py": "docs/guarantees.md",
     "tests/test_changes.py": "docs/guarantees.md",
     "tests/test_replay_inputs.py": "docs/guarantees.md",
-    "tests/test_kernel.py": "docs/guarantees.md",
     "tests/test_load.py": None,
 }
 

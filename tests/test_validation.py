@@ -17,7 +17,6 @@ from patchctx import (
     NaNMask,
     PatchError,
     RouteCache,
-    _kernel,
     _patch,
     load_checkpoint_weight_patches,
     validate_patches,
@@ -330,9 +329,8 @@ def test_sorted_indices_need_one_host_read_for_the_whole_call(
     monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
     validate_patches(patches)
     # One read for all ten: on CPU, whether every patch of the concatenation is increasing
-    # and in range (one numpy pass), and the one dtype's reserved values. With the C kernel,
-    # none: each patch is decided on the host by one call of it.
-    assert reads == ([] if _kernel.active() else [2])
+    # and in range (one numpy pass), and the one dtype's reserved values.
+    assert reads == [2]
     assert sorts == []  # sorted input is validated in O(nnz), without a sort
 
 
@@ -531,6 +529,3 @@ def test_the_suite_runs_the_way_it_was_asked(request: pytest.FixtureRequest) -> 
     from patchctx import _cpu_passes
 
     assert _cpu_passes.HOST is not request.config.getoption("--accelerators-way")
-    # ``--without-kernel`` (the third pass) leaves patchctx's C kernel unused; without it the
-    # kernel is used wherever it was built.
-    assert _kernel.USE is (_kernel.BUILT and not request.config.getoption("--without-kernel"))

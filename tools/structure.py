@@ -48,6 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_blocks",
             "_bits",
             "_model",
+            "_by_name",
             "_swap",
             "_strategies",
             "_masked_copy",
@@ -56,7 +57,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_patch",
             "_snapshot",
             "_cpu_passes",
-            "_kernel",
             "_encoding",
         ),
     ),
@@ -70,13 +70,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # Each figure's ceiling (the ratchet) and the target of issue 30.
 CEILINGS: dict[str, int] = {
-    "eager lines of `import patchctx`": 11_836,
-    "full lines of load_checkpoint_weight_patches": 9_115,
-    "full lines of masked_copy + strategies + swap + errors": 3_299,
+    "eager lines of `import patchctx`": 11_406,
+    "full lines of load_checkpoint_weight_patches": 8_596,
+    "full lines of masked_copy + strategies + swap + errors": 2_903,
     "classes over 150 lines": 7,
     "functions over 80 lines": 7,
     "private names imported across files": 14,
-    "private attributes read off other objects": 219,
+    "private attributes read off other objects": 213,
     "modules in import circles": 7,
     "upward imports": 7,
 }

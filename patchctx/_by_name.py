@@ -6,6 +6,8 @@ from collections.abc import Iterator
 
 import torch
 
+from patchctx._grad import without_grad
+
 __all__ = ["LoadByName"]
 
 
@@ -62,6 +64,7 @@ class LoadByName:
         """The module's buffers, shared ones under each of their names."""
         return self.module.named_buffers(remove_duplicate=False)
 
+    @without_grad
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy each ``(name, tensor)`` into the module's tensor of that name.
 
@@ -81,7 +84,6 @@ class LoadByName:
                     f"{name!r}: a tensor of shape {tuple(tensor.shape)} for a parameter of "
                     f"shape {tuple(target.shape)}"
                 )
-            with torch.no_grad():
-                target.copy_(tensor)
+            target.copy_(tensor)
             loaded.add(name)
         return loaded

@@ -104,3 +104,11 @@ def test_an_unknown_name_or_a_wrong_shape_raises_and_changes_nothing(
 def test_only_modules_are_wrapped() -> None:
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         LoadByName(object())  # type: ignore[arg-type]
+
+
+def test_its_loader_takes_parameters_that_require_gradients() -> None:
+    module = torch.nn.Linear(2, 2)  # requires_grad=True, as a model being trained
+    before = torch.is_grad_enabled()
+    LoadByName(module).load_weights([("bias", torch.tensor([1.0, 2.0]))])
+    assert torch.equal(module.bias.detach(), torch.tensor([1.0, 2.0]))
+    assert torch.is_grad_enabled() == before

@@ -18,6 +18,7 @@ from patchctx._errors import (
     PatchProblem,
     RegionError,
     RegionTimeoutError,
+    StoredUpdateError,
 )
 from patchctx._load import load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
@@ -27,6 +28,14 @@ from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, vali
 from patchctx._routes import RouteCache, RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 from patchctx._warm import WarmReport, WarmRow
+from patchctx.storage import (
+    PositionEncoding,
+    StoredPatch,
+    UpdateManifest,
+    load_patches,
+    read_manifest,
+    save_patches,
+)
 
 __version__ = "0.1.0"
 """The version of this patchctx, a PEP 440 string."""
@@ -55,13 +64,17 @@ __all__ = [
     "PatchLike",
     "PatchProblem",
     "PerTensor",
+    "PositionEncoding",
     "RegionError",
     "RegionTimeoutError",
     "RouteCache",
     "RouteStats",
     "SingleCall",
+    "StoredPatch",
+    "StoredUpdateError",
     "SupportsLoadWeights",
     "UpdateCost",
+    "UpdateManifest",
     "WarmReport",
     "WarmRow",
     "WireEncoding",
@@ -69,8 +82,11 @@ __all__ = [
     "audit",
     "diff_state_dicts",
     "load_checkpoint_weight_patches",
+    "load_patches",
     "masked_copy",
     "patch_nbytes",
+    "read_manifest",
+    "save_patches",
     "validate_patches",
     "wire_encoding",
     "wire_sizes",

@@ -39,7 +39,7 @@ class Store(Protocol):
         ...
 
     def remove(self, name: str) -> None:
-        """Remove a folder and everything in it (nothing when it does not exist)."""
+        """Remove a file, or a folder and everything in it (nothing when there is none)."""
         ...
 
 
@@ -88,7 +88,11 @@ class LocalStore:
             return []
 
     def remove(self, name: str) -> None:
-        shutil.rmtree(self.root / name, ignore_errors=True)
+        target = self.root / name
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
 
 
 def _sync_folder(folder: Path) -> None:
@@ -123,7 +127,7 @@ class URLStore:
 
     def __init__(self, url: str) -> None:
         try:
-            import fsspec.core
+            import fsspec.core  # type: ignore[import-untyped]
         except ImportError as error:  # pragma: no cover - the test environment has fsspec
             raise ImportError(
                 f"storing updates at {url!r} needs fsspec: pip install 'patchctx[storage]'"

@@ -341,6 +341,8 @@ def _position_tensors(
 
 def _values_tensor(patch: CheckpointWeightPatch) -> tuple[torch.Tensor, bool]:
     values = patch.values.detach().to(device="cpu", dtype=patch.dtype).contiguous()
+    if patch.indices is None:
+        values = values.reshape(patch.shape)  # dense: the checkpoint tensor itself
     if patch.dtype in _SAFETENSORS_DTYPES:
         return values, False
     # A dtype safetensors has no code for: its bytes, one row per value.
@@ -775,7 +777,7 @@ def _decode_entry(
         _need(
             raw_values.numel() == count, f"{where}: {raw_values.numel()} values, expected {count}"
         )
-        values = raw_values
+        values = raw_values.reshape(-1)  # dense values may be stored checkpoint-shaped
     if entry.encoding is None:
         return CheckpointWeightPatch(entry.name, entry.shape, entry.dtype, values)
     if entry.encoding is PositionEncoding.INT32:

@@ -14,9 +14,19 @@ from patchctx.storage._format import (
     read_manifest,
     save_patches,
 )
+from patchctx.storage._sync import (
+    PreparedUpdate,
+    PublishedVersion,
+    StorageFollower,
+    StoragePublisher,
+)
 
 __all__ = [
     "PositionEncoding",
+    "PreparedUpdate",
+    "PublishedVersion",
+    "StorageFollower",
+    "StoragePublisher",
     "StoredPatch",
     "UpdateManifest",
     "load_patches",

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from patchctx._errors import InvalidPatchTypeError, PatchProblem
 
-__all__ = ["LocalStore", "Store", "URLStore", "open_store"]
+__all__ = ["LocalStore", "Store", "SubStore", "URLStore", "open_store"]
 
 
 class Store(Protocol):
@@ -181,9 +181,39 @@ class URLStore:
             self.fs.rm(path, recursive=True)
 
 
+class SubStore:
+    """A `Store` rooted at one folder of another (an update's folder in a version chain).
+
+    Examples:
+        >>> import tempfile
+        >>> from patchctx.storage._files import LocalStore, SubStore
+        >>> root = LocalStore(tempfile.mkdtemp())
+        >>> SubStore(root, "v1").write("a.txt", b"x"); root.read("v1/a.txt")
+        b'x'
+    """
+
+    def __init__(self, store: Store, folder: str) -> None:
+        self.store, self.folder = store, folder
+
+    def describe(self, name: str) -> str:
+        return self.store.describe(f"{self.folder}/{name}")
+
+    def read(self, name: str) -> bytes:
+        return self.store.read(f"{self.folder}/{name}")
+
+    def write(self, name: str, data: bytes) -> None:
+        self.store.write(f"{self.folder}/{name}", data)
+
+    def listdir(self, name: str) -> list[str]:
+        return self.store.listdir(f"{self.folder}/{name}" if name else self.folder)
+
+    def remove(self, name: str) -> None:
+        self.store.remove(f"{self.folder}/{name}")
+
+
 def open_store(location: object, what: str) -> Store:
     """The `Store` for a directory path or a URL (anything with ``://``); `what` names the call."""
-    if isinstance(location, (LocalStore, URLStore)):
+    if isinstance(location, (LocalStore, URLStore, SubStore)):
         return location
     if isinstance(location, os.PathLike):
         return LocalStore(location)

@@ -60,7 +60,9 @@ __all__ = [
     "PositionEncoding",
     "StoredPatch",
     "UpdateManifest",
+    "decode_update",
     "load_patches",
+    "manifest_of",
     "read_manifest",
     "save_patches",
 ]
@@ -698,10 +700,11 @@ def read_manifest(path: object) -> UpdateManifest:
         refused: True
     """
     store = open_store(path, "read_manifest")
-    return _read_manifest(store)
+    return manifest_of(store)
 
 
-def _read_manifest(store: Store) -> UpdateManifest:
+def manifest_of(store: Store) -> UpdateManifest:
+    """`read_manifest` for a `Store`."""
     where = store.describe(MANIFEST)
     try:
         text = store.read(MANIFEST)
@@ -901,7 +904,7 @@ def load_patches(
         refused: base True
     """
     store = open_store(path, "load_patches")
-    manifest = _read_manifest(store)
+    manifest = manifest_of(store)
     where = store.describe(MANIFEST)
     for key, wanted, found in (
         ("base_version", base_version, manifest.base_version),

@@ -26,6 +26,7 @@ from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteCache, RouteStats
+from patchctx._shards import TensorShard
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 from patchctx._warm import WarmReport, WarmRow
 from patchctx.storage import (
@@ -81,6 +82,7 @@ __all__ = [
     "StoredPatch",
     "StoredUpdateError",
     "SupportsLoadWeights",
+    "TensorShard",
     "UpdateCost",
     "UpdateManifest",
     "WarmReport",

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
+from torch.multiprocessing.spawn import spawn
 
 from patchctx import (
     BoolMask,
@@ -121,7 +121,7 @@ class Receiver(nn.Module):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_diffs_applied_together_equal_the_dense_truth(tmp_path: Path, world: int) -> None:
-    mp.start_processes(_rank, args=(world, str(tmp_path)), nprocs=world, start_method="spawn")
+    spawn(_rank, args=(world, str(tmp_path)), nprocs=world)  # type: ignore[no-untyped-call]
     old_full, new_full = full_states(world)
     shards = [p for rank in range(world) for p in load_patches(tmp_path / f"rank{rank}")]
     for patch in shards:  # every shard is sparse, in global coordinates of the full tensor

@@ -19,6 +19,7 @@ from patchctx._errors import (
     PatchProblem,
     RegionError,
     RegionTimeoutError,
+    StoredUpdateError,
 )
 from patchctx._load import load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
@@ -26,8 +27,21 @@ from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteCache, RouteStats
+from patchctx._shards import TensorShard
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 from patchctx._warm import WarmReport, WarmRow
+from patchctx.storage import (
+    PositionEncoding,
+    PreparedUpdate,
+    PublishedVersion,
+    StorageFollower,
+    StoragePublisher,
+    StoredPatch,
+    UpdateManifest,
+    load_patches,
+    read_manifest,
+    save_patches,
+)
 
 __version__ = "0.1.0"
 """The version of this patchctx, a PEP 440 string."""
@@ -57,13 +71,22 @@ __all__ = [
     "PatchLike",
     "PatchProblem",
     "PerTensor",
+    "PositionEncoding",
+    "PreparedUpdate",
+    "PublishedVersion",
     "RegionError",
     "RegionTimeoutError",
     "RouteCache",
     "RouteStats",
     "SingleCall",
+    "StorageFollower",
+    "StoragePublisher",
+    "StoredPatch",
+    "StoredUpdateError",
     "SupportsLoadWeights",
+    "TensorShard",
     "UpdateCost",
+    "UpdateManifest",
     "WarmReport",
     "WarmRow",
     "WireEncoding",
@@ -71,8 +94,11 @@ __all__ = [
     "audit",
     "diff_state_dicts",
     "load_checkpoint_weight_patches",
+    "load_patches",
     "masked_copy",
     "patch_nbytes",
+    "read_manifest",
+    "save_patches",
     "validate_patches",
     "wire_encoding",
     "wire_sizes",

@@ -27,7 +27,8 @@ from patchctx._encoding import (
 )
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._grad import without_grad
-from patchctx._patch import CheckpointWeightPatch, PatchLike
+from patchctx._patch import CheckpointWeightPatch, PatchLike, validate_patches
+from patchctx._shards import TensorShard, global_indices, local_box
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
 
 __all__ = [
@@ -461,8 +462,8 @@ def _diff_tensor(
 
 @without_grad
 def diff_state_dicts(
-    old: Mapping[str, torch.Tensor],
-    new: Mapping[str, torch.Tensor],
+    old: Mapping[str, torch.Tensor | TensorShard],
+    new: Mapping[str, torch.Tensor | TensorShard],
     *,
     dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
     names: Iterable[str] | None = None,
@@ -592,11 +593,15 @@ def diff_state_dicts(
         >>> [p.indices is None for p in diff_state_dicts(old, new, cost=None)]
         [False]
     """
-    plan = _plan(old, new, dtype, names, dense_above, strategy, cost)
+    unsharded_old, unsharded_new, boxes = _unshard(old, new)
+    plan = _plan(unsharded_old, unsharded_new, dtype, names, dense_above, strategy, cost)
+    local_old = cast(Mapping[str, torch.Tensor], unsharded_old)  # mappings: _plan checked
+    local_new = cast(Mapping[str, torch.Tensor], unsharded_new)
     patches = []
+    spread: list[CheckpointWeightPatch] = []  # dense boxes sent as every position
     diffed: set[tuple[object, ...]] = set()
     for name, receiver in plan.tensors:
-        before, after = old[name], new[name]
+        before, after = local_old[name], local_new[name]
         view = _view_key(after)
         # Tied names are one tensor on the receiver only when it holds them in one dtype.
         key = None if view is None else (*view, receiver)
@@ -604,18 +609,106 @@ def diff_state_dicts(
             continue  # tied to a name diffed before (lm_head and embed_tokens): sent once
         if key is not None:
             diffed.add(key)
+        box = boxes.get(name)
         patch = _diff_tensor(
             name,
             before.detach(),
             after.detach(),
             receiver,
             plan.strategy,
-            plan.dense_above,
-            plan.cost,
+            plan.dense_above if box is None else None,
+            plan.cost if box is None else None,
         )
+        if patch is not None and box is not None:
+            patch = _globalized(patch, box)
+            if patch.indices is not None and patch.values.numel() == box.local.numel():
+                spread.append(patch)
         if patch is not None:
             patches.append(patch)
+    if spread:
+        _check_spread(spread, plan.strategy)
     return patches
+
+
+def _unshard(old: object, new: object) -> tuple[object, object, dict[str, TensorShard]]:
+    """Sharded values (`DTensor`, `TensorShard`) replaced by their local tensors; their boxes.
+
+    `old` may hold, for a sharded name of `new`, the same kind of shard with the same box or a
+    plain tensor of the box's local shape (a rank's copy of what it sent).
+    """
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return old, new, {}
+    boxes: dict[str, TensorShard] = {}
+    problems: list[PatchProblem] = []
+    local_old, local_new = dict(old), dict(new)
+    for name in new:
+        found = local_box(new[name])
+        before = local_box(old[name]) if name in old else None
+        if found is None:
+            if isinstance(before, (TensorShard, str)):
+                problems.append(_problem(f"{name!r}: old is sharded and new is not", str(name)))
+            continue
+        if isinstance(found, str) or isinstance(before, str):
+            reason = found if isinstance(found, str) else before
+            problems.append(_problem(f"{name!r}: {reason}", str(name)))
+            continue
+        if name not in old:
+            continue  # _plan reports it
+        if isinstance(before, TensorShard):
+            same = (
+                tuple(before.global_shape) == tuple(found.global_shape)
+                and tuple(before.offsets) == tuple(found.offsets)
+                and before.local.shape == found.local.shape
+            )
+            if not same:
+                problems.append(
+                    _problem(
+                        f"{name!r}: old and new are different boxes of the tensor (global "
+                        f"shape, offsets, local shape): {tuple(before.global_shape)} "
+                        f"{tuple(before.offsets)} {tuple(before.local.shape)} versus "
+                        f"{tuple(found.global_shape)} {tuple(found.offsets)} "
+                        f"{tuple(found.local.shape)}",
+                        str(name),
+                    )
+                )
+                continue
+            local_old[name] = before.local
+        boxes[str(name)] = found
+        local_new[name] = found.local
+    if problems:
+        raise InvalidPatchError.from_problems(problems)
+    return local_old, local_new, boxes
+
+
+def _globalized(patch: CheckpointWeightPatch, box: TensorShard) -> CheckpointWeightPatch:
+    """`patch` of a box, in the coordinates of the whole tensor.
+
+    Always sparse, but for a box that is the whole tensor.
+    """
+    shape = tuple(box.global_shape)
+    if tuple(box.offsets) == (0,) * len(shape) and tuple(box.local.shape) == shape:
+        return patch._replace(shape=shape)
+    if patch.indices is None:
+        local = torch.arange(box.local.numel(), device=patch.values.device)
+    else:
+        local = patch.indices
+    return CheckpointWeightPatch(
+        patch.name, shape, patch.dtype, patch.values.reshape(-1), global_indices(local, box)
+    )
+
+
+def _check_spread(patches: list[CheckpointWeightPatch], strategy: CopyStrategy) -> None:
+    """A box whose diff came out dense goes sparse: the receiver's strategy must carry it."""
+    try:
+        validate_patches(patches, strategy=strategy)
+    except InvalidPatchError as error:
+        hint = (
+            "a shard of a tensor cannot fall back to a dense patch (no rank holds the whole "
+            "tensor); pass strategy=BoolMask() here and to load_checkpoint_weight_patches"
+        )
+        raise InvalidPatchError.from_problems(
+            [PatchProblem(None, p.name, f"{p}; {hint}", p.is_type_error) for p in error.problems]
+        ) from None
 
 
 def patch_nbytes(patches: Iterable[PatchLike]) -> int:

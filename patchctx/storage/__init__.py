@@ -1,0 +1,35 @@
+"""Delta sync through storage: patch files anyone can read, and version chains over them.
+
+`save_patches` / `load_patches` write and read one update (safetensors files and a manifest,
+`patchctx.storage._format`). The publisher and follower of `patchctx.storage._sync` chain
+updates into versions at a directory or an fsspec URL. Nothing of the core imports this package;
+its public names are re-exported by `patchctx`.
+"""
+
+from patchctx.storage._format import (
+    PositionEncoding,
+    StoredPatch,
+    UpdateManifest,
+    load_patches,
+    read_manifest,
+    save_patches,
+)
+from patchctx.storage._sync import (
+    PreparedUpdate,
+    PublishedVersion,
+    StorageFollower,
+    StoragePublisher,
+)
+
+__all__ = [
+    "PositionEncoding",
+    "PreparedUpdate",
+    "PublishedVersion",
+    "StorageFollower",
+    "StoragePublisher",
+    "StoredPatch",
+    "UpdateManifest",
+    "load_patches",
+    "read_manifest",
+    "save_patches",
+]

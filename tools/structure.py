@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "patchctx"
 
 # Floors, bottom up: a module may import only its own floor and those below. A module that is
-# in none of them is reported (the map must name every module of the core).
+# in none of them is reported (the map must name every module of the core); a subpackage named
+# here puts all its modules on that floor, and one named nowhere (``vllm``) sits above them all.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "values",
@@ -64,7 +65,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loader call", ("_session",)),
     ("routes", ("_routes",)),
     ("load", ("_load", "_warm", "_audit")),
-    ("trainer", ("_cost", "_changes", "_diff", "testing")),
+    ("trainer", ("_cost", "_changes", "_shards", "_diff", "testing")),
+    ("storage", ("storage",)),  # a subpackage: its modules share its floor
     ("public face", ("__init__",)),
 )
 
@@ -332,7 +334,9 @@ def circles(modules: dict[str, Module]) -> list[list[str]]:
 
 def floors(modules: dict[str, Module]) -> tuple[list[str], list[str]]:
     """(upward imports, core modules on no floor); ``vllm`` and other subpackages sit on top."""
-    floor_of = {name: level for level, (_, names) in enumerate(LAYERS) for name in names}
+    named = {name: level for level, (_, names) in enumerate(LAYERS) for name in names}
+    floor_of = {name: named.get(name, named.get(name.split(".")[0], -1)) for name in modules}
+    floor_of = {name: level for name, level in floor_of.items() if level >= 0}
     top = len(LAYERS)
     unplaced = sorted(
         name

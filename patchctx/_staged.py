@@ -704,6 +704,39 @@ def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> to
     return result.masked_fill_(changed, CHANGED).masked_fill_(keep, KEEP)
 
 
+def _outside(
+    args: Sequence[Any], kwargs: dict[str, Any], skip: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """The plain tensors among an operation's arguments (but `skip`, its ``out=`` target)."""
+    return [
+        t for t in _tensors((args, kwargs)) if not isinstance(t, StagedTensor) and t is not skip
+    ]
+
+
+def _refuse_mixed_with_outside(
+    func: object, names: frozenset[str], mask: torch.Tensor, outside: list[torch.Tensor]
+) -> None:
+    """Refuse a result whose kept positions were computed with a plain tensor.
+
+    At a position the patch keeps, staged data holds a placeholder: the masked merge keeps
+    what the model holds there, which a dense load equals only if every other input of the
+    computation is what it was at the load that wrote it. A plain tensor (model state, a
+    buffer, a clone or reduction of either, a tensor from outside the call, a scale changed
+    since) gives no such promise, so the combination has no exact masked result. Python
+    numbers and data of the patch itself may meet kept positions; plain tensors may meet
+    changed ones only.
+    """
+    if outside and bool((mask == KEEP).any()):
+        _refuse(
+            f"the loader computes {func} from staged data of {_label(names)} and a plain "
+            f"tensor ({', '.join(f'{tuple(t.shape)} {t.dtype}' for t in outside[:3])}) at "
+            "positions the patch does not change: there a dense load would combine the "
+            "checkpoint's value with that tensor as it is now (model state, a buffer, a scale, "
+            "a tensor from outside), which the masked merge cannot follow. Combine staged data "
+            "with Python numbers only, or send this tensor as a dense patch"
+        )
+
+
 def _pointwise(
     func: torch._ops.OpOverload,
     args: tuple[Any, ...],
@@ -711,11 +744,14 @@ def _pointwise(
     staged: list[StagedTensor],
 ) -> Any:
     prov = _provenance(staged).derived()
+    outside = _outside(args, kwargs)
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
 
     def update(value: torch.Tensor) -> torch.Tensor:
-        return _codes(value, KEEP).copy_(_combined(staged, value.shape, str(func)))
+        mask = _combined(staged, value.shape, str(func))
+        _refuse_mixed_with_outside(func, prov.names, mask, outside)
+        return _codes(value, KEEP).copy_(mask)
 
     return _wrap(result, update, prov)
 
@@ -746,6 +782,8 @@ def _opaque(
             "changed and unchanged positions; its result depends on values patchctx does not "
             "know. Send this tensor as a dense patch"
         )
+    if state == KEEP:
+        _refuse_mixed_with_outside(func, prov.names, staged[0]._update, _outside(args, kwargs))
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
     if prov.ledger is not None:
@@ -798,6 +836,8 @@ def _write_into_staged(
     if torch.Tag.pointwise in func.tags:
         others = [s for s in staged if s is not target]
         combined = _combined([target, *others], target.shape, str(func)) if others else None
+        mask = target._update if combined is None else combined
+        _refuse_mixed_with_outside(func, prov.names, mask, _outside(args, kwargs))
         func(*data_args, **data_kwargs)
         if combined is not None:
             target._update.copy_(combined)
@@ -862,7 +902,9 @@ def _write_into_plain(
                 f"the loader writes {tuple(result.shape)} values of {_label(names)} with {func} "
                 f"into a tensor of shape {tuple(target.shape)} (it would be resized)"
             )
-        _merge(target, result, _combined(staged, result.shape, str(func)), None, names, prov)
+        mask = _combined(staged, result.shape, str(func))
+        _refuse_mixed_with_outside(func, names, mask, _outside(args, kwargs, skip=target))
+        _merge(target, result, mask, None, names, prov)
         return target
     if not any(bool((s._update == KEEP).any()) for s in staged):
         # Nothing to keep: the staged inputs are plain data in all but name (a patch covering

@@ -27,6 +27,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from patchctx._arguments import known_names
+from patchctx._bits import own_dispatch
 from patchctx._errors import LoaderContractError
 from patchctx._recording import Recorder
 from patchctx._routes import Fill, Geometry, Holder
@@ -45,9 +46,10 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
     try:
         storage = tensor.untyped_storage()
+        # (a wrapper subclass, DTensor-like: a storage object whose data pointer is refused)
+        return storage.data_ptr() if storage.nbytes() else None
     except (RuntimeError, NotImplementedError):  # meta, sparse layouts, functional wrappers
         return None
-    return storage.data_ptr() if storage.nbytes() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +84,15 @@ class ModelIndex:
     ) -> None:
         self.tensors = dict(tensors)
         by_key: dict[int, list[Owner]] = {}
+        # Tensors of a subclass with a dispatch of its own (DTensor, torchao's): no storage to
+        # key by; a write into one lands in inner tensors patchctx cannot tell from temporaries.
+        self.wrapped: list[str] = []
         for name, tensor in self.tensors.items():
             key = storage_key(tensor)
             if key is not None:
                 by_key.setdefault(key, []).append(Owner(name, tensor))
+            elif type(tensor) not in (torch.Tensor, torch.nn.Parameter) and own_dispatch(tensor):
+                self.wrapped.append(name)
         self._by_storage: dict[int, Owner] = {key: owners[0] for key, owners in by_key.items()}
         # The names of each storage several names share (tied, or views of one flat storage).
         self._sharing = {
@@ -228,6 +235,14 @@ class WriteLedger:
                     "would hold no value there. Copy into the model's own tensors, or make the "
                     "temporary from the staged tensor (w.clone(), torch.empty_like(w)); "
                     "nothing was written"
+                    + (
+                        f". The model holds tensors of a subclass with a dispatch of its own "
+                        f"({', '.join(map(repr, self.index.wrapped[:3]))}...): a write into "
+                        "one lands in its inner tensors, so such a tensor takes dense patches "
+                        "only"
+                        if self.index.wrapped
+                        else ""
+                    )
                 )
             self.index.refuse_protected(destination, f"the patch to {_label(names)}")
             if dense:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import functools
 import io
 import pickle
@@ -466,6 +467,59 @@ for _form, _form_does, _apply in FORMS:
             "refused",
             f"{_form_does}, X = {_source_does}",
         )(_combined_with(_apply, _read))
+
+
+# -- writes through aliases made around torch (a family) -----------------------------------
+#
+# A view of a slice of a model tensor made outside torch's view tracking has a storage of its
+# own that starts inside the weight's (numpy, ctypes, from_numpy, frombuffer, DLPack): its
+# writes would escape the undo log and protect=. Ownership is by byte range, so each such
+# write is refused before it happens, whoever writes (the loader's own fill, staged data).
+
+
+def _bytes_alias(tensor: torch.Tensor, how: str) -> torch.Tensor:
+    """A tensor over the bytes of `tensor` (a slice of a model tensor), made around torch."""
+    if how == "from_numpy":
+        return torch.from_numpy(tensor.detach().numpy())
+    if how == "frombuffer":
+        size = tensor.numel() * tensor.element_size()
+        raw = (ctypes.c_char * size).from_address(tensor.data_ptr())
+        return torch.frombuffer(raw, dtype=tensor.dtype).view(tensor.shape)
+    return torch.utils.dlpack.from_dlpack(tensor.detach())  # a DLPack capsule of the slice
+
+
+ALIASES = ["from_numpy", "frombuffer", "from_dlpack"]
+_NAMES = {"weight": "p", "head": "head", "other": "other"}
+
+
+def _alias_fill(how: str, target: str) -> Write:
+    def write(m: ZooLayer, w: torch.Tensor) -> None:
+        m.weight.data.copy_(w)
+        _bytes_alias(getattr(m, target).data[1:], how).fill_(1)
+
+    return write
+
+
+def _alias_copy(how: str) -> Write:
+    def write(m: ZooLayer, w: torch.Tensor) -> None:
+        m.weight.data[:1].copy_(w[:1])
+        _bytes_alias(m.weight.data[1:], how).copy_(w[1:])
+
+    return write
+
+
+for _how in ALIASES:
+    for _target in ("weight", "head", "other"):
+        entry(
+            f"alias-{_how}-of-a-slice-of-{_target}-filled",
+            "refused",
+            f"`p.data.copy_(w)`, then a `{_how}` alias of `{_NAMES[_target]}[1:]` filled",
+        )(_alias_fill(_how, _target))
+    entry(
+        f"alias-{_how}-of-a-slice-takes-staged-data",
+        "refused",
+        f"`p.data[:1].copy_(w[:1])`, then a `{_how}` alias of `p[1:]` takes `w[1:]`",
+    )(_alias_copy(_how))
 
 
 # -- other in-place writes of staged data into a weight ----------------------------------

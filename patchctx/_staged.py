@@ -270,6 +270,9 @@ _MOVES: dict[Any, tuple[int, ...]] = {
 # there (the patch does not change it; the staged value means nothing), the patch's new value,
 # or a value that does not depend on the patch at all (a constant the loader made).
 KEEP, CHANGED, CONST = 0, 1, 2
+# A value that came from a plain tensor (cat with one, a copy of one into staged data): written
+# like CONST, but it may be model state, so a position the patch keeps may not meet it.
+OUTSIDE = 3
 
 
 def _data(value: Any) -> Any:
@@ -281,10 +284,10 @@ def _mask(value: Any) -> Any:
 
 
 def _known(value: torch.Tensor) -> torch.Tensor:
-    """The mask of `value`: its own, or CONST everywhere for plain data."""
+    """The mask of `value`: its own, or OUTSIDE everywhere for plain data."""
     if isinstance(value, StagedTensor):
         return value._update
-    return _codes(value, CONST)
+    return _codes(value, OUTSIDE)
 
 
 def _codes(like: torch.Tensor, code: int) -> torch.Tensor:
@@ -666,7 +669,7 @@ def _layout(
     mask_args = list(args)
     data = list(args[0]) if func.overloadpacket in _LISTS else [args[0]]
     if not all(isinstance(t, StagedTensor) for t in data):
-        prov.binary = False  # plain data joins as CONST
+        prov.binary = False  # plain data joins as OUTSIDE
     if func.overloadpacket in _LISTS:
         mask_args[0] = [_known(t) for t in args[0]]
     else:
@@ -683,24 +686,36 @@ def _layout(
 def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> torch.Tensor:
     """The mask of a pointwise result, refused where the inputs disagree.
 
-    KEEP where an input keeps, else CHANGED where one changes, else CONST; refused where
-    one input keeps and another changes.
+    KEEP where an input keeps, else CHANGED where one changes, else OUTSIDE where one came
+    from a plain tensor, else CONST; refused where one input keeps and another changes, or
+    came from a plain tensor (`_refuse_mixed_with_outside`).
     """
     masks = [s._update.expand(shape) for s in staged]
     if len(masks) == 1:
         return masks[0]
     keep = torch.zeros(shape, dtype=torch.bool, device=masks[0].device)
     changed = torch.zeros_like(keep)
+    outside = torch.zeros_like(keep)
     for mask in masks:
         keep |= mask == KEEP
         changed |= mask == CHANGED
+        outside |= mask == OUTSIDE
     if bool((keep & changed).any()):
         _refuse(
             f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
             " where one input is changed by the patch and another is not; the result there "
             "depends on values patchctx does not know"
         )
+    if bool((keep & outside).any()):
+        _refuse(
+            f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
+            " where one input is kept by the patch and another holds values of a plain tensor "
+            "(joined with torch.cat, or copied into staged data): a dense load would combine "
+            "the checkpoint's value with that tensor as it is now. Send this tensor as a dense "
+            "patch"
+        )
     result = torch.full(shape, CONST, dtype=torch.uint8, device=keep.device)
+    result.masked_fill_(outside, OUTSIDE)
     return result.masked_fill_(changed, CHANGED).masked_fill_(keep, KEEP)
 
 
@@ -758,13 +773,14 @@ def _pointwise(
 
 def _uniform(staged: list[StagedTensor]) -> int | None:
     """The one code a result mixing every position of the inputs gets, or None if mixed."""
-    keep = changed = False
+    keep = changed = outside = False
     for tensor in staged:
         keep = keep or bool((tensor._update == KEEP).any())
         changed = changed or bool((tensor._update == CHANGED).any())
-    if keep and changed:
-        return None
-    return KEEP if keep else CHANGED if changed else CONST
+        outside = outside or bool((tensor._update == OUTSIDE).any())
+    if keep and (changed or outside):
+        return None  # (kept positions with model state: as mixed, see `_combined`)
+    return KEEP if keep else CHANGED if changed else OUTSIDE if outside else CONST
 
 
 def _opaque(
@@ -792,7 +808,9 @@ def _opaque(
         if state == KEEP:
             _refuse(f"{func} reads staged data of {_label(prov.names)} the patch does not change")
         return result
-    return _wrap(result, lambda value: _codes(value, state), prov.derived(binary=state != CONST))
+    return _wrap(
+        result, lambda value: _codes(value, state), prov.derived(binary=state in (KEEP, CHANGED))
+    )
 
 
 # ------------------------------------------------------------------------------------- writes

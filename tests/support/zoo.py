@@ -469,6 +469,36 @@ for _form, _form_does, _apply in FORMS:
         )(_combined_with(_apply, _read))
 
 
+@entry(
+    "state-joined-by-cat-then-combined",
+    "refused",
+    "`x = torch.cat([w[:2], head[2:]])`, then `p.data.copy_(x + w)`",
+)
+def _joined_then_combined(m: ZooLayer, w: torch.Tensor) -> None:
+    joined = torch.cat([w[:2], m.head[2:]])
+    m.weight.data.copy_(joined + w)
+
+
+@entry(
+    "state-copied-into-staged-then-combined",
+    "refused",
+    "`t = w.clone(); t[2:] = head[2:]`, then `p.data.copy_(t * w)`",
+)
+def _copied_in_then_combined(m: ZooLayer, w: torch.Tensor) -> None:
+    staged = w.clone()
+    staged[2:] = m.head[2:]
+    m.weight.data.copy_(staged * w)
+
+
+@entry(
+    "state-joined-by-cat-and-copied",
+    "masked",
+    "`p.data.copy_(torch.cat([w[:2], head[2:]]))`: model state copied, combined with nothing",
+)
+def _joined_and_copied(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(torch.cat([w[:2], m.head[2:]]))
+
+
 # -- writes through aliases made around torch (a family) -----------------------------------
 #
 # A view of a slice of a model tensor made outside torch's view tracking has a storage of its

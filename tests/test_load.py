@@ -142,9 +142,9 @@ def test_byte_budget_bounds_the_bytes_the_load_path_allocates(
     allocates during the call (the staged tensors, their masks, the loader's temporaries and
     the undo log), tracked by a torch function mode. Staging a sparse patch costs its tensor
     and its mask (one byte per element): a budget of `per_call` such patches lets exactly
-    that many into one loader call, and what is alive never exceeds it (by more than the
-    patches' few index and value bytes)."""
-    rows, cols, count = 32, 64, 5
+    that many into one loader call, and what is alive never exceeds it by more than a few
+    hundred bytes of scratch (a mask uncounted is 4096 here)."""
+    rows, cols, count = 64, 64, 5
     model = ToyModel({f"l{k}": PlainLayer({"w": Spec((rows, cols), dtype)}) for k in range(count)})
     loaded(model)
     numel = rows * cols
@@ -166,7 +166,8 @@ def test_byte_budget_bounds_the_bytes_the_load_path_allocates(
     assert [len(call) for call in model.load_calls] == [
         min(per_call, count - start) for start in range(0, count, per_call)
     ]
-    assert budget <= tracker.peak <= budget + 64 * per_call * 4, (tracker.peak, budget)
+    # (the slack: validation's and replay's scratch for 4 indices, on either device's way)
+    assert budget <= tracker.peak <= budget + 1024, (tracker.peak, budget)
     assert tracker.live <= 0, "staged tensors must be freed after their loader call"
 
 

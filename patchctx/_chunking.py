@@ -20,7 +20,8 @@ class ChunkState:
 
     Attributes:
         nbytes: Staged bytes already in the current chunk: the full checkpoint tensors
-            (``numel * element_size``), sparse patches included.
+            (``numel * element_size``), and beside each sparse one its mask of changed
+            positions (``numel`` bytes).
         count: Patches already in the current chunk (at least 1).
         next: The validated patch about to be added.
         next_nbytes: Staged bytes of `next` (``next.staged_nbytes``).
@@ -73,8 +74,8 @@ class ByteBudget:
 
     The default policy, with vLLM's default budget of 512 MiB; ``max_chunk_bytes=N`` is
     shorthand for ``chunking=ByteBudget(N)``. Staged bytes alive at any moment stay below
-    ``max(max_bytes, largest single staged tensor)`` (counting the staged tensors themselves;
-    `BoolMask` keeps one more byte per element beside each).
+    ``max(max_bytes, largest single staged tensor)``, counting the staged tensors and the mask
+    of changed positions a sparse one carries (one byte per element).
 
     Examples:
         >>> from patchctx import ByteBudget

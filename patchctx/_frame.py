@@ -13,15 +13,22 @@ on weights that require gradients.
 
 Every step of `Frame.leave` is idempotent, so that callers run it twice on every exit path
 (an interrupt that cuts the first short is completed by the second; see `patchctx._session`).
+patchctx's own mode is pushed and popped without ``TorchDispatchMode.__enter__`` and
+``__exit__``: these keep torch's mode flags as stacks of old values, which an exit cut short
+between its pops and its pop of the mode would pop twice on a second attempt (an
+``IndexError``, the mode left on the thread). Here the flags' old values are saved once, before
+any is changed, and put back by assignment, as often as it takes.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils._python_dispatch as _dispatch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode_stack,
     _pop_mode,
+    _push_mode,
 )
 
 from patchctx import _swap
@@ -39,16 +46,33 @@ class Frame:
         self.below = _get_current_dispatch_mode_stack()  # the thread's modes before `mode`
         self.regions: tuple[_swap.Region, ...] | None = None
         self.left: list[str] = []  # what the loader left open, described
+        self.flags: dict[str, object] | None = None  # torch's mode flags before `enter`
 
     def enter(self) -> None:
         """Suspend this thread's masked regions and push `mode` (see `leave`)."""
         self.regions = _swap.suspend()
-        self.mode.__enter__()  # type: ignore[no-untyped-call]
+        flags = {name: _FLAGS_NOW[name] for name in _FLAGS if name in _FLAGS_NOW}
+        self.flags = flags  # saved whole before any is changed (`leave` puts them back)
+        mode = self.mode
+        # What ``TorchDispatchMode.__enter__`` sets, in torch's module of modes.
+        if _FLAGS[0] in flags:
+            _dispatch._is_in_torch_dispatch_mode = True
+        if _FLAGS[1] in flags:
+            _dispatch._is_in_non_infra_torch_dispatch_mode = bool(
+                flags[_FLAGS[1]] or not _asks(mode, "is_infra_mode")
+            )
+        if _FLAGS[2] in flags:
+            value = bool(flags[_FLAGS[2]] or not _asks(mode, "ignore_compile_internals"))
+            _dispatch._is_in_any_mode_without_ignore_compile_internals = value
+            if _SET_COMPILE_FLAG is not None:
+                _SET_COMPILE_FLAG(value)
+        _push_mode(mode)
 
     def leave(self) -> None:
         """Undo `enter`, and whatever the loader left changed; idempotent."""
         set_recording(self.recording)
         self._leave_modes()
+        self._restore_flags()
         if self.regions is not None:
             _swap.resume(self.regions, self.left)
 
@@ -60,8 +84,8 @@ class Frame:
         """Take `mode` off the thread's dispatch modes, with every mode entered since it.
 
         Each mode that is not in `below` is popped without running its code (its ``__exit__``
-        is the loader's); `mode`'s own exit puts torch's mode flags back as they were when it
-        was entered. Infrastructure modes sit in slots of their own, listed below every user
+        is the loader's); `_restore_flags` then puts torch's mode flags back as they were
+        before `enter`. Infrastructure modes sit in slots of their own, listed below every user
         mode: the last mode listed that is not in `below` is always one that can be popped.
         """
         while True:
@@ -74,7 +98,34 @@ class Frame:
                 return
             top = entered[-1]
             if top is self.mode:
-                self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+                _pop_mode(None)  # (patchctx's modes have no dispatch key of their own)
             else:
                 self.left.append(f"{type(top).__name__} (a dispatch mode it entered)")
                 _pop_mode(top.__dict__.get("_mode_key"))
+
+    def _restore_flags(self) -> None:
+        """Put torch's mode flags back as `enter` found them (by assignment: idempotent)."""
+        flags = self.flags
+        if flags is None:
+            return
+        for name, value in flags.items():
+            setattr(_dispatch, name, value)
+        if _SET_COMPILE_FLAG is not None and _FLAGS[2] in flags:
+            _SET_COMPILE_FLAG(bool(flags[_FLAGS[2]]))
+
+
+# torch's mode flags, module globals that ``TorchDispatchMode.__enter__`` sets (those of this
+# torch version: older ones have fewer), and the C-level copy of the last one.
+_FLAGS = (
+    "_is_in_torch_dispatch_mode",
+    "_is_in_non_infra_torch_dispatch_mode",
+    "_is_in_any_mode_without_ignore_compile_internals",
+)
+_FLAGS_NOW = vars(_dispatch)
+_SET_COMPILE_FLAG = getattr(_dispatch, "set_is_in_mode_without_ignore_compile_internals", None)
+
+
+def _asks(mode: TorchDispatchMode, question: str) -> bool:
+    """A mode's class answer (``is_infra_mode``, ``ignore_compile_internals``): False if none."""
+    answer = getattr(type(mode), question, None)
+    return bool(answer()) if callable(answer) else False

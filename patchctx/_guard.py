@@ -127,6 +127,10 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for target in targets:
             ledger.input_write(target)  # a dense patch's values: undone when the call ends
         model_targets = [t for t in targets if ledger.index.owner(t) is not None]
+        if len(model_targets) < len(targets):
+            for target in targets:
+                if all(target is not t for t in model_targets):
+                    ledger.index.refuse_aliased(target, f"the loader, with {func},")
         if not model_targets:
             result = func(*args, **kwargs)
             ledger.derive(tensors, result)

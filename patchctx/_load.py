@@ -23,6 +23,7 @@ from patchctx._patch import (
     CheckpointWeightPatch,
     PatchLike,
     check_patches,
+    readable,
     starts_of,
 )
 from patchctx._routes import (
@@ -77,16 +78,16 @@ def _resolve_aliases(items: list[CheckedPatch], aliases: Mapping[str, str]) -> l
         return items
     by_name: dict[str, list[CheckpointWeightPatch]] = {}
     for item in items:
-        by_name.setdefault(item.patch.name, []).append(item.patch)
+        by_name.setdefault(item._patch.name, []).append(item._patch)
     resolved = []
     problems = []
     for item in items:
-        canonical = aliases.get(item.patch.name)
-        if canonical is None or canonical == item.patch.name:
+        canonical = aliases.get(item._patch.name)
+        if canonical is None or canonical == item._patch.name:
             resolved.append(item)
         elif canonical not in by_name:
             resolved.append(item.renamed(canonical))
-        elif not any(_same_update(item.patch, other) for other in by_name[canonical]):
+        elif not any(_same_update(item._patch, other) for other in by_name[canonical]):
             problems.append(
                 PatchProblem(
                     item.position,
@@ -124,15 +125,16 @@ def _apply_ordering(
     strategy: CopyStrategy,
     validate_unique_indices: bool,
 ) -> list[CheckedPatch]:
-    if isinstance(ordering, InputOrder):
+    if type(ordering) is InputOrder:  # (exactly: a subclass may reorder or drop patches)
         return items
-    # What validation saw: a policy that writes into a patch's tensors in place (or returns a
-    # patch checked elsewhere) gets it validated again, like a patch it made.
-    seen = {id(item): _versions(item) for item in items}
+    # A checked patch of this call is loaded from validation's own copies (`CheckedPatch`),
+    # which the policy never sees: whatever it does to `.patch`'s tensors is not written. A
+    # patch checked elsewhere (another call) is validated again, like a patch it made.
+    seen = {id(item) for item in items}
     result: list[CheckedPatch | None] = []
     fresh: list[tuple[int, object]] = []
     for entry in ordering.order(items):
-        if isinstance(entry, CheckedPatch) and seen.get(id(entry)) == _versions(entry):
+        if isinstance(entry, CheckedPatch) and id(entry) in seen:
             result.append(entry)
         else:
             fresh.append((len(result), entry.patch if isinstance(entry, CheckedPatch) else entry))
@@ -157,12 +159,6 @@ def _apply_ordering(
         for (slot, _), item in zip(fresh, rechecked, strict=True):
             result[slot] = item.unpositioned()
     return [item for item in result if item is not None]
-
-
-def _versions(item: CheckedPatch) -> tuple[int, int]:
-    """The version counters of a checked patch's values and indices (bumped in place)."""
-    indices = item.patch.indices
-    return item.patch.values._version, -1 if indices is None else indices._version
 
 
 class _Loader:
@@ -265,12 +261,12 @@ class _Loader:
         refused = []
         for item in items:
             usable = self.routes._usable(
-                item.patch.name, item.patch.shape, item.patch.dtype, self.tensors
+                item._patch.name, item._patch.shape, item._patch.dtype, self.tensors
             )
             for target in usable[1] if usable is not None else ():
                 reason = self.index.protection(target)
                 if reason is not None:
-                    refused.append(f"{item.patch.name!r} -> {reason}")
+                    refused.append(f"{item._patch.name!r} -> {reason}")
                     break
         if refused:
             raise LoaderContractError(
@@ -380,6 +376,7 @@ class _Loader:
                     self.index.refuse_protected(target, f"the patch to {patch.name!r}")
             indices = patch.indices
             if indices is None:
+                readable(item)
                 replay_dense(route, patch.values, targets, undo=undo)
             elif not (
                 undo is None
@@ -450,16 +447,14 @@ class _Loader:
         if reached:
             first = chunk[0] if not self.items[chunk[0]].sparse else chunk[-1] + 1
             self._copy_readers(reached, first)
-        loads = [
-            Load(
-                item.patch.name,
-                tuple(item.patch.shape),
-                item.patch.dtype,
-                item.patch.values,
-                item.patch.indices,
+        loads = []
+        for item in (self.items[at] for at in chunk):
+            patch = item._patch
+            if patch.indices is None:
+                readable(item)
+            loads.append(
+                Load(patch.name, tuple(patch.shape), patch.dtype, patch.values, patch.indices)
             )
-            for item in (self.items[at] for at in chunk)
-        ]
         if self.routes is not None:
             self.routes.stats.loader_calls += 1
         result = run_loader(

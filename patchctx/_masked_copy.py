@@ -93,11 +93,15 @@ class MaskedCopy:
             raise
 
     def __exit__(self, *exc_info: object) -> None:
-        region = _swap.innermost(self)
+        region: _swap.Region | None = None
         try:
+            region = _swap.innermost(self)
             _swap.leave(region)
         finally:
-            _swap.leave(region)  # idempotent: a second attempt, for one cut short
+            # A second attempt, for one cut short (`leave` is idempotent), the lookup too.
+            if region is None:
+                region = _swap.innermost(self)
+            _swap.leave(region)
 
     def _run(self, body: Callable[[], R]) -> R:
         """`body()` in a region of its own, closed on every exit, even an asynchronous one.

@@ -108,7 +108,7 @@ class Coalesce:
 def _merge(checked: list[CheckedPatch]) -> CheckedPatch:
     if len(checked) == 1:
         return checked[0]
-    group = [item.patch for item in checked]
+    group = [item._patch for item in checked]
     first = group[0]
     numel = checked[0].numel
     for other in group[1:]:

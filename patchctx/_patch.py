@@ -133,7 +133,7 @@ class CheckedPatch:
         ...                               torch.tensor([4]))
         >>> (checked,) = check_patches([patch], strategy=Auto())
         >>> checked.name, checked.sparse, checked.staged_nbytes, checked.sorted_unique
-        ('w', True, 12, True)
+        ('w', True, 18, True)
         >>> InputOrder().order([checked]) == [checked]
         True
         >>> try:
@@ -144,6 +144,7 @@ class CheckedPatch:
     """
 
     __slots__ = (
+        "_given",
         "_listed",
         "_numel",
         "_patch",
@@ -154,7 +155,15 @@ class CheckedPatch:
     )
 
     _position: int | None
+    # The patch as validated and written: for a sparse patch, copies of its values and
+    # indices that validation made before reading them and nothing outside patchctx ever
+    # holds (what a policy, a loader or another thread does to the caller's tensors after
+    # validation is not written); for a dense one, its values as a detached alias (a later
+    # ``.data =`` or ``set_`` on the caller's tensor does not reach it).
     _patch: CheckpointWeightPatch
+    # The patch as the caller gave it (normalised), what `patch` shows policies; `None` for
+    # a patch patchctx made (a merge), shown as copies.
+    _given: CheckpointWeightPatch | None
     _numel: int
     _sorted_unique: bool
     # Sparse patches validated in a batch: their indices as int64, on the values' device (a
@@ -192,10 +201,12 @@ class CheckedPatch:
         positions: torch.Tensor | None = None,
         listed: list[int] | None = None,
         starts: tuple[int, ...] | None = None,
+        given: CheckpointWeightPatch | None = None,
     ) -> CheckedPatch:
         self = object.__new__(cls)
         _set_position(self, position)
         _set_patch(self, patch)
+        _set_given(self, given)
         _set_numel(self, numel)
         _set_sorted_unique(self, sorted_unique)
         _set_positions(self, positions)
@@ -215,8 +226,20 @@ class CheckedPatch:
 
     @property
     def patch(self) -> CheckpointWeightPatch:
-        """The validated patch."""
-        return self._patch
+        """The validated patch, as the caller gave it (shape normalised to a tuple of ints).
+
+        What is written is what validation checked: patchctx's own copies of a sparse patch's
+        values and indices, which this never returns (a patch patchctx made, a merge, shows
+        as fresh copies). Changing these tensors after validation changes nothing loaded.
+        """
+        given = self._given
+        if given is not None:
+            return given
+        patch = self._patch
+        indices = patch.indices
+        return patch._replace(
+            values=patch.values.clone(), indices=None if indices is None else indices.clone()
+        )
 
     @property
     def position(self) -> int | None:
@@ -245,8 +268,13 @@ class CheckedPatch:
 
     @property
     def staged_nbytes(self) -> int:
-        """Bytes of the full checkpoint-shaped tensor this patch stages for the loader."""
-        return self._numel * _element_size(self._patch.dtype)
+        """Bytes this patch stages for the loader (what `ByteBudget` counts).
+
+        The checkpoint-shaped tensor, and for a sparse patch the mask of changed positions
+        it carries (one byte per element).
+        """
+        size = _element_size(self._patch.dtype)
+        return self._numel * (size + 1 if self._patch.indices is not None else size)
 
     def renamed(self, name: str) -> CheckedPatch:
         """The same checked patch under another name (an alias resolved)."""
@@ -258,6 +286,7 @@ class CheckedPatch:
             positions=self._positions,
             listed=self._listed,
             starts=self._starts,
+            given=None if self._given is None else self._given._replace(name=name),
         )
 
     def _copied(self) -> CheckedPatch:
@@ -281,6 +310,7 @@ class CheckedPatch:
             sorted_unique=self._sorted_unique,
             positions=positions,
             listed=self._listed,
+            given=self._given,
         )
 
     def unpositioned(self) -> CheckedPatch:
@@ -292,6 +322,7 @@ class CheckedPatch:
             sorted_unique=self._sorted_unique,
             positions=self._positions,
             listed=self._listed,
+            given=self._given,
         )
 
 
@@ -304,6 +335,7 @@ def _slot_setter(name: str) -> Callable[[CheckedPatch, Any], None]:
 
 _set_position = _slot_setter("_position")
 _set_patch = _slot_setter("_patch")
+_set_given = _slot_setter("_given")
 _set_numel = _slot_setter("_numel")
 _set_sorted_unique = _slot_setter("_sorted_unique")
 _set_positions = _slot_setter("_positions")
@@ -492,6 +524,7 @@ def _structure(
             reason = strategy.unsupported_reason(patch.dtype)
             if reason is not None:
                 problem(f"sparse patch cannot be staged: {reason}", type_error=True)
+
         if not isinstance(indices, torch.Tensor):
             problem(
                 f"indices must be a torch.Tensor or None, got {type(indices).__name__}",
@@ -841,7 +874,7 @@ def _blocked_flags(
     Block by block, flags read with the device's others (on CPU, `_host_valid` decides on
     the host).
     """
-    values = item.patch.values
+    values = item._patch.values
     count = indices.numel()
     # The steps go into a reused buffer (a later block has `block_size()` of them).
     steps = scratch(device, indices.dtype, min(count, block_size()))
@@ -858,7 +891,7 @@ def _blocked_flags(
             flags.append(torch.diff(window, out=steps[: window.numel() - 1]).min())
             checks.append(("ge", 1))
         flags.append(
-            strategy.reserved_values(values if whole else values[begin:end], item.patch.dtype)
+            strategy.reserved_values(values if whole else values[begin:end], item._patch.dtype)
         )
         checks.append(("eq", 0))
 
@@ -878,8 +911,8 @@ def _exact_numeric_problems(
     """
     by_device: dict[torch.device, list[int]] = {}
     for k, item in enumerate(checked):
-        if item.patch.indices is not None:
-            by_device.setdefault(item.patch.values.device, []).append(k)
+        if item._patch.indices is not None:
+            by_device.setdefault(item._patch.values.device, []).append(k)
 
     problems: list[PatchProblem] = []
     unsorted: dict[torch.device, list[int]] = {}
@@ -888,7 +921,7 @@ def _exact_numeric_problems(
         out_of_range, increasing = _index_flags([checked[k] for k in ks], device)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for k in ks:
-            by_dtype.setdefault(checked[k].patch.dtype, []).append(k)
+            by_dtype.setdefault(checked[k]._patch.dtype, []).append(k)
         groups = list(by_dtype.items())
         reserved = [
             _reserved_in(strategy, [checked[k] for k in group], dtype, device)
@@ -909,7 +942,7 @@ def _exact_numeric_problems(
                 continue
             # Some patch of this dtype holds a reserved value: find which (rare).
             flags = torch.stack(
-                [strategy.reserved_values(checked[k].patch.values, dtype) for k in group]
+                [strategy.reserved_values(checked[k]._patch.values, dtype) for k in group]
             )
             for k, has in zip(group, _host_read(flags), strict=True):
                 if has:
@@ -920,7 +953,7 @@ def _exact_numeric_problems(
     for device, ks in unsorted.items():
         duplicate_flags = []
         for k in ks:
-            patch_indices = checked[k].patch.indices
+            patch_indices = checked[k]._patch.indices
             assert patch_indices is not None
             ordered = patch_indices.to(device=device).sort().values
             duplicate_flags.append((ordered[1:] == ordered[:-1]).any())
@@ -930,7 +963,13 @@ def _exact_numeric_problems(
 
     problems.sort(key=lambda p: (p.index is None, p.index or 0))
     result = [
-        CheckedPatch._make(c.position, c.patch, c.numel, sorted_unique=increasing_of.get(k, False))
+        CheckedPatch._make(
+            c.position,
+            c._patch,
+            c.numel,
+            sorted_unique=increasing_of.get(k, False),
+            given=c._given,
+        )
         for k, c in enumerate(checked)
     ]
     return result, problems
@@ -942,7 +981,7 @@ def _reserved_in(
     """A 1-element flag: whether any of `items` (one dtype) holds a value `strategy` reserves."""
     # Cast one by one, as staging does: a joint cast after `torch.cat` promotes the values to
     # a common dtype first (int64 and float32 to float32), which can round them differently.
-    values = [item.patch.values.to(device=device, dtype=dtype) for item in items]
+    values = [item._patch.values.to(device=device, dtype=dtype) for item in items]
     if len(values) == 1 or sum(v.numel() for v in values) > _BATCHED_BELOW * len(values):
         flags = [strategy.reserved_values(v, dtype).to(device) for v in values]
         return torch.stack(flags).any().reshape(1)
@@ -962,7 +1001,7 @@ def _index_flags(
     Small patches: one pass over all their indices at once (int64, so differences cannot
     overflow). Large ones: a few reductions each.
     """
-    lengths = [item.patch.indices.numel() for item in items]  # type: ignore[union-attr]
+    lengths = [item._patch.indices.numel() for item in items]  # type: ignore[union-attr]
     count = len(items)
     if not sum(lengths):
         none = torch.zeros(count, dtype=torch.bool, device=device)
@@ -973,7 +1012,7 @@ def _index_flags(
         ranges: list[torch.Tensor] = []
         orders: list[torch.Tensor] = []
         for item in items:
-            indices = item.patch.indices.to(device)  # type: ignore[union-attr]
+            indices = item._patch.indices.to(device)  # type: ignore[union-attr]
             if not indices.numel():
                 ranges.append(torch.zeros((), dtype=torch.bool, device=device))
                 orders.append(torch.ones((), dtype=torch.bool, device=device))
@@ -993,7 +1032,7 @@ def _index_flags(
                 else torch.ones((), dtype=torch.bool, device=device)
             )
         return torch.stack(ranges), torch.stack(orders)
-    flat = torch.cat([item.patch.indices.to(device) for item in items])  # type: ignore[union-attr]
+    flat = torch.cat([item._patch.indices.to(device) for item in items])  # type: ignore[union-attr]
     flat = flat.to(torch.long)
     owner = torch.repeat_interleave(
         torch.arange(count, device=device), torch.tensor(lengths, device=device)
@@ -1008,7 +1047,7 @@ def _index_flags(
 
 
 def _reserved_problem(item: CheckedPatch, strategy: CopyStrategy) -> PatchProblem:
-    patch = item.patch
+    patch = item._patch
     return PatchProblem(
         item.position,
         patch.name,
@@ -1018,19 +1057,19 @@ def _reserved_problem(item: CheckedPatch, strategy: CopyStrategy) -> PatchProble
 
 
 def _range_problem(item: CheckedPatch) -> PatchProblem:
-    indices = item.patch.indices
+    indices = item._patch.indices
     assert indices is not None
     low, high = (int(v) for v in torch.aminmax(indices))
     return PatchProblem(
         item.position,
-        item.patch.name,
-        f"indices out of range [0, {item.numel}) for shape {item.patch.shape!r}: "
+        item._patch.name,
+        f"indices out of range [0, {item.numel}) for shape {item._patch.shape!r}: "
         f"min {low}, max {high}",
     )
 
 
 def _duplicate_problem(item: CheckedPatch) -> PatchProblem:
-    indices = item.patch.indices
+    indices = item._patch.indices
     assert indices is not None
     ordered = indices.sort().values
     repeated = torch.unique(ordered[1:][ordered[1:] == ordered[:-1]])
@@ -1038,10 +1077,54 @@ def _duplicate_problem(item: CheckedPatch) -> PatchProblem:
     more = f" and {repeated.numel() - 5} more" if repeated.numel() > 5 else ""
     return PatchProblem(
         item.position,
-        item.patch.name,
+        item._patch.name,
         f"duplicate indices within the patch ({shown}{more}); send each position once, or pass "
         "validate_unique_indices=False for a trusted producer",
     )
+
+
+def _owned(patch: CheckpointWeightPatch) -> CheckpointWeightPatch:
+    """What validation checks and every path writes: tensors no one outside patchctx holds.
+
+    A sparse patch's values and indices are copied before validation reads them, so nothing
+    done to the caller's tensors afterwards (``t.data = x`` and ``set_``, which no version
+    counter sees, in-place writes through numpy or another thread, a storage resized) reaches
+    what is written. A dense patch's values are validated for their structure only: they are
+    read when written, through a detached alias of their own (``.data =`` or ``set_`` on the
+    caller's tensor does not change it); `readable` checks their storage again there.
+    """
+    values, indices = patch.values.detach(), patch.indices
+    if indices is None:
+        return patch._replace(values=values)
+    return patch._replace(values=values.clone(), indices=indices.detach().clone())
+
+
+def readable(item: CheckedPatch) -> None:
+    """Refuse a dense patch whose values' storage shrank since validation (before reading it).
+
+    torch reads a tensor's bytes without checking that its storage still holds them: after
+    ``x.untyped_storage().resize_(0)`` on the caller's tensor, reading the alias would read
+    freed memory.
+    """
+    values = item._patch.values
+    if not values.numel():
+        return
+    needed = values.storage_offset() + 1
+    for size, stride in zip(values.shape, values.stride(), strict=True):
+        needed += (size - 1) * stride
+    if values.untyped_storage().nbytes() < needed * values.element_size():
+        raise InvalidPatchError(
+            [
+                PatchProblem(
+                    item._position,
+                    item._patch.name,
+                    "the dense values' storage was resized after validation "
+                    f"(untyped_storage().resize_()): it holds "
+                    f"{values.untyped_storage().nbytes()} bytes, fewer than the "
+                    f"{needed * values.element_size()} the values need; nothing of it was read",
+                )
+            ]
+        )
 
 
 _OWN_STRATEGIES = (Auto, NaNMask, IntSentinel, BoolMask)
@@ -1072,7 +1155,7 @@ def check_patches(
             problems.extend(found)
             if found:
                 continue
-        structural.append(CheckedPatch._make(position, patch, numel))
+        structural.append(CheckedPatch._make(position, _owned(patch), numel, given=patch))
     if len(structural) > 1:  # a write of the call may reach what a later patch reads
         for item in structural:  # (found here, where the tensors were just read)
             _set_starts(item, starts_of(item))

@@ -22,13 +22,14 @@ wrote restored from the undo log (dense writes are logged only when the caller a
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from patchctx._errors import LoaderContractError
+from patchctx._errors import InvalidPatchError, LoaderContractError, PatchProblem
 from patchctx._frame import Frame
 from patchctx._guard import Guard
 from patchctx._model import read_names
@@ -84,7 +85,25 @@ def _tensor_for(load: Load, ledger: WriteLedger, *, atomic: bool) -> torch.Tenso
         ):
             ledger.inputs.add(shared)  # the loader's in-place writes into it are undone
         return data
-    return stage(load.shape, load.dtype, load.indices, load.values, name=load.name, ledger=ledger)
+    try:
+        return stage(
+            load.shape, load.dtype, load.indices, load.values, name=load.name, ledger=ledger
+        )
+    except RuntimeError as error:  # the allocator (torch.OutOfMemoryError is one too)
+        raise InvalidPatchError(
+            [
+                PatchProblem(
+                    None,
+                    load.name,
+                    f"the sparse patch to {load.name!r} cannot be staged for the loader: its "
+                    f"checkpoint tensor of shape {load.shape!r} {load.dtype} and its mask need "
+                    f"{math.prod(load.shape) * (load.dtype.itemsize + 1)} bytes, which the "
+                    f"allocator refused ({error}); nothing of this loader call was written (with "
+                    "atomic=True, nothing of the whole call). Send it as smaller tensors, or "
+                    "replay it along a route learnt by RouteCache.warm",
+                )
+            ]
+        ) from error
 
 
 def _rebound(names: list[str]) -> LoaderContractError:

@@ -170,10 +170,14 @@ class Snapshot:
                 old_pointer, old_nbytes = entry.layout[5], entry.layout[6]
                 if (_pointer(entry.data), _nbytes(entry.data)) != (old_pointer, old_nbytes):
                     # The storage itself was resized in place: its contents are gone. Give it
-                    # its size back so that reading the weight cannot crash.
+                    # its size back so that reading the weight cannot crash, and zero it, so
+                    # that it holds no uninitialised memory (what the error says it holds).
                     lost.add(entry.name)
                     if old_nbytes is not None:
-                        entry.data.untyped_storage().resize_(old_nbytes)
+                        storage = entry.data.untyped_storage()
+                        storage.resize_(old_nbytes)
+                        as_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device)
+                        as_bytes.set_(storage).zero_()
                 entry.tensor.data = entry.data  # (in any gradient mode: no operation)
                 changed.add(entry.name)
         for empty in self._empty:
@@ -185,7 +189,9 @@ class Snapshot:
             raise LoaderContractError(
                 f"the loader resized the storage of {', '.join(map(repr, sorted(lost)))} in "
                 "place (untyped_storage().resize_()): its old contents are gone and cannot be "
-                "put back; reload these weights"
+                "put back, even with atomic=True (no torch operation shows the resize, so no "
+                "undo log can keep them). Its size was put back and it was zeroed; every other "
+                "tensor is as before. Reload these weights"
             )
         return sorted(changed)
 

@@ -270,6 +270,9 @@ _MOVES: dict[Any, tuple[int, ...]] = {
 # there (the patch does not change it; the staged value means nothing), the patch's new value,
 # or a value that does not depend on the patch at all (a constant the loader made).
 KEEP, CHANGED, CONST = 0, 1, 2
+# A value that came from a plain tensor (cat with one, a copy of one into staged data): written
+# like CONST, but it may be model state, so a position the patch keeps may not meet it.
+OUTSIDE = 3
 
 
 def _data(value: Any) -> Any:
@@ -281,10 +284,10 @@ def _mask(value: Any) -> Any:
 
 
 def _known(value: torch.Tensor) -> torch.Tensor:
-    """The mask of `value`: its own, or CONST everywhere for plain data."""
+    """The mask of `value`: its own, or OUTSIDE everywhere for plain data."""
     if isinstance(value, StagedTensor):
         return value._update
-    return _codes(value, CONST)
+    return _codes(value, OUTSIDE)
 
 
 def _codes(like: torch.Tensor, code: int) -> torch.Tensor:
@@ -666,7 +669,7 @@ def _layout(
     mask_args = list(args)
     data = list(args[0]) if func.overloadpacket in _LISTS else [args[0]]
     if not all(isinstance(t, StagedTensor) for t in data):
-        prov.binary = False  # plain data joins as CONST
+        prov.binary = False  # plain data joins as OUTSIDE
     if func.overloadpacket in _LISTS:
         mask_args[0] = [_known(t) for t in args[0]]
     else:
@@ -683,25 +686,70 @@ def _layout(
 def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> torch.Tensor:
     """The mask of a pointwise result, refused where the inputs disagree.
 
-    KEEP where an input keeps, else CHANGED where one changes, else CONST; refused where
-    one input keeps and another changes.
+    KEEP where an input keeps, else CHANGED where one changes, else OUTSIDE where one came
+    from a plain tensor, else CONST; refused where one input keeps and another changes, or
+    came from a plain tensor (`_refuse_mixed_with_outside`).
     """
     masks = [s._update.expand(shape) for s in staged]
     if len(masks) == 1:
         return masks[0]
     keep = torch.zeros(shape, dtype=torch.bool, device=masks[0].device)
     changed = torch.zeros_like(keep)
+    outside = torch.zeros_like(keep)
     for mask in masks:
         keep |= mask == KEEP
         changed |= mask == CHANGED
+        outside |= mask == OUTSIDE
     if bool((keep & changed).any()):
         _refuse(
             f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
             " where one input is changed by the patch and another is not; the result there "
             "depends on values patchctx does not know"
         )
+    if bool((keep & outside).any()):
+        _refuse(
+            f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
+            " where one input is kept by the patch and another holds values of a plain tensor "
+            "(joined with torch.cat, or copied into staged data): a dense load would combine "
+            "the checkpoint's value with that tensor as it is now. Send this tensor as a dense "
+            "patch"
+        )
     result = torch.full(shape, CONST, dtype=torch.uint8, device=keep.device)
+    result.masked_fill_(outside, OUTSIDE)
     return result.masked_fill_(changed, CHANGED).masked_fill_(keep, KEEP)
+
+
+def _outside(
+    args: Sequence[Any], kwargs: dict[str, Any], skip: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """The plain tensors among an operation's arguments (but `skip`, its ``out=`` target)."""
+    return [
+        t for t in _tensors((args, kwargs)) if not isinstance(t, StagedTensor) and t is not skip
+    ]
+
+
+def _refuse_mixed_with_outside(
+    func: object, names: frozenset[str], mask: torch.Tensor, outside: list[torch.Tensor]
+) -> None:
+    """Refuse a result whose kept positions were computed with a plain tensor.
+
+    At a position the patch keeps, staged data holds a placeholder: the masked merge keeps
+    what the model holds there, which a dense load equals only if every other input of the
+    computation is what it was at the load that wrote it. A plain tensor (model state, a
+    buffer, a clone or reduction of either, a tensor from outside the call, a scale changed
+    since) gives no such promise, so the combination has no exact masked result. Python
+    numbers and data of the patch itself may meet kept positions; plain tensors may meet
+    changed ones only.
+    """
+    if outside and bool((mask == KEEP).any()):
+        _refuse(
+            f"the loader computes {func} from staged data of {_label(names)} and a plain "
+            f"tensor ({', '.join(f'{tuple(t.shape)} {t.dtype}' for t in outside[:3])}) at "
+            "positions the patch does not change: there a dense load would combine the "
+            "checkpoint's value with that tensor as it is now (model state, a buffer, a scale, "
+            "a tensor from outside), which the masked merge cannot follow. Combine staged data "
+            "with Python numbers only, or send this tensor as a dense patch"
+        )
 
 
 def _pointwise(
@@ -711,24 +759,28 @@ def _pointwise(
     staged: list[StagedTensor],
 ) -> Any:
     prov = _provenance(staged).derived()
+    outside = _outside(args, kwargs)
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
 
     def update(value: torch.Tensor) -> torch.Tensor:
-        return _codes(value, KEEP).copy_(_combined(staged, value.shape, str(func)))
+        mask = _combined(staged, value.shape, str(func))
+        _refuse_mixed_with_outside(func, prov.names, mask, outside)
+        return _codes(value, KEEP).copy_(mask)
 
     return _wrap(result, update, prov)
 
 
 def _uniform(staged: list[StagedTensor]) -> int | None:
     """The one code a result mixing every position of the inputs gets, or None if mixed."""
-    keep = changed = False
+    keep = changed = outside = False
     for tensor in staged:
         keep = keep or bool((tensor._update == KEEP).any())
         changed = changed or bool((tensor._update == CHANGED).any())
-    if keep and changed:
-        return None
-    return KEEP if keep else CHANGED if changed else CONST
+        outside = outside or bool((tensor._update == OUTSIDE).any())
+    if keep and (changed or outside):
+        return None  # (kept positions with model state: as mixed, see `_combined`)
+    return KEEP if keep else CHANGED if changed else OUTSIDE if outside else CONST
 
 
 def _opaque(
@@ -746,6 +798,8 @@ def _opaque(
             "changed and unchanged positions; its result depends on values patchctx does not "
             "know. Send this tensor as a dense patch"
         )
+    if state == KEEP:
+        _refuse_mixed_with_outside(func, prov.names, staged[0]._update, _outside(args, kwargs))
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
     if prov.ledger is not None:
@@ -754,7 +808,9 @@ def _opaque(
         if state == KEEP:
             _refuse(f"{func} reads staged data of {_label(prov.names)} the patch does not change")
         return result
-    return _wrap(result, lambda value: _codes(value, state), prov.derived(binary=state != CONST))
+    return _wrap(
+        result, lambda value: _codes(value, state), prov.derived(binary=state in (KEEP, CHANGED))
+    )
 
 
 # ------------------------------------------------------------------------------------- writes
@@ -798,6 +854,8 @@ def _write_into_staged(
     if torch.Tag.pointwise in func.tags:
         others = [s for s in staged if s is not target]
         combined = _combined([target, *others], target.shape, str(func)) if others else None
+        mask = target._update if combined is None else combined
+        _refuse_mixed_with_outside(func, prov.names, mask, _outside(args, kwargs))
         func(*data_args, **data_kwargs)
         if combined is not None:
             target._update.copy_(combined)
@@ -862,7 +920,9 @@ def _write_into_plain(
                 f"the loader writes {tuple(result.shape)} values of {_label(names)} with {func} "
                 f"into a tensor of shape {tuple(target.shape)} (it would be resized)"
             )
-        _merge(target, result, _combined(staged, result.shape, str(func)), None, names, prov)
+        mask = _combined(staged, result.shape, str(func))
+        _refuse_mixed_with_outside(func, names, mask, _outside(args, kwargs, skip=target))
+        _merge(target, result, mask, None, names, prov)
         return target
     if not any(bool((s._update == KEEP).any()) for s in staged):
         # Nothing to keep: the staged inputs are plain data in all but name (a patch covering

@@ -575,6 +575,13 @@ class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for tensor in tensors:
                 if all(tensor is not t for t in skip):
                     self._read(tensor, func)
+        if len(model_targets) < len(targets):
+            for target, owner in owned:
+                if owner is None:
+                    try:
+                        ledger.index.refuse_aliased(target, f"the loader, with {func},")
+                    except LoaderContractError as error:
+                        ledger.stop("unlearnable", str(error), ledger.loading)
         if not model_targets:
             result = func(*args, **kwargs)
             ledger.derive(tensors, result)

@@ -17,6 +17,8 @@ All spans are byte ranges of a storage, so views of one storage in different dty
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import weakref
 from collections.abc import Mapping
@@ -27,6 +29,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from patchctx._arguments import known_names
+from patchctx._bits import own_dispatch
 from patchctx._errors import LoaderContractError
 from patchctx._recording import Recorder
 from patchctx._routes import Fill, Geometry, Holder
@@ -45,9 +48,10 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
     try:
         storage = tensor.untyped_storage()
+        # (a wrapper subclass, DTensor-like: a storage object whose data pointer is refused)
+        return storage.data_ptr() if storage.nbytes() else None
     except (RuntimeError, NotImplementedError):  # meta, sparse layouts, functional wrappers
         return None
-    return storage.data_ptr() if storage.nbytes() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +86,25 @@ class ModelIndex:
     ) -> None:
         self.tensors = dict(tensors)
         by_key: dict[int, list[Owner]] = {}
+        # Tensors of a subclass with a dispatch of its own (DTensor, torchao's): no storage to
+        # key by; a write into one lands in inner tensors patchctx cannot tell from temporaries.
+        self.wrapped: list[str] = []
         for name, tensor in self.tensors.items():
             key = storage_key(tensor)
             if key is not None:
                 by_key.setdefault(key, []).append(Owner(name, tensor))
+            elif type(tensor) not in (torch.Tensor, torch.nn.Parameter) and own_dispatch(tensor):
+                self.wrapped.append(name)
         self._by_storage: dict[int, Owner] = {key: owners[0] for key, owners in by_key.items()}
+        # The model's storages by byte range (start, end, key), sorted: a tensor whose storage
+        # is not a model tensor's but whose bytes lie in one is an alias made around torch
+        # (numpy, ctypes, from_numpy, frombuffer, DLPack), which no storage key matches.
+        self._ranges = sorted(
+            (key, key + owners[0].tensor.untyped_storage().nbytes(), key)
+            for key, owners in by_key.items()
+        )
+        self._starts = [start for start, _, _ in self._ranges]
+        self._reach = list(itertools.accumulate((stop for _, stop, _ in self._ranges), max))
         # The names of each storage several names share (tied, or views of one flat storage).
         self._sharing = {
             key: [(owner, span_of(owner.tensor, key)) for owner in owners]
@@ -108,6 +126,36 @@ class ModelIndex:
     def owner(self, tensor: torch.Tensor) -> Owner | None:
         key = storage_key(tensor)
         return None if key is None else self._by_storage.get(key)
+
+    def aliased(self, tensor: torch.Tensor) -> Owner | None:
+        """The model tensor whose bytes `tensor`'s storage overlaps, if it is not its own.
+
+        Ownership by byte range, not by the storage's start: an alias of a slice of a weight
+        made around torch (``torch.from_numpy(w[2:].numpy())``, ``frombuffer``, ctypes, DLPack)
+        has a storage of its own that starts inside the weight's.
+        """
+        key = storage_key(tensor)
+        if key is None or key in self._by_storage or not self._ranges:
+            return None
+        end = key + tensor.untyped_storage().nbytes()
+        at = bisect.bisect_left(self._starts, end) - 1  # the last range starting before `end`
+        while at >= 0 and self._reach[at] > key:  # some range up to `at` ends after `key`
+            _, stop, owner_key = self._ranges[at]
+            if stop > key:  # [start, stop) overlaps [key, end)
+                return self._by_storage[owner_key]
+            at -= 1
+        return None
+
+    def refuse_aliased(self, tensor: torch.Tensor, what: str) -> None:
+        """Refuse a write into a model tensor's bytes through an alias of another storage."""
+        owner = self.aliased(tensor)
+        if owner is not None:
+            raise LoaderContractError(
+                f"{what} writes into the bytes of {owner.name!r} through a tensor of another "
+                "storage (an alias made around torch: numpy, ctypes, torch.from_numpy, "
+                "torch.frombuffer, DLPack), which atomic=True cannot undo and protect= cannot "
+                "see; write through the model's own tensor. Nothing was written"
+            )
 
     def sharers(self, tensor: torch.Tensor) -> list[Owner]:
         """The model tensors over bytes of `tensor`, other than its `owner`.
@@ -218,6 +266,8 @@ class WriteLedger:
             if not destination.numel():
                 return False  # nothing is written into an empty tensor (it owns no storage)
             owner = self.index.owner(destination)
+            if owner is None:
+                self.index.refuse_aliased(destination, f"the loader, with {how},")
             if owner is None and dense:
                 return False  # dense data is exact anywhere: a temporary of the loader's
             if owner is None:
@@ -228,6 +278,14 @@ class WriteLedger:
                     "would hold no value there. Copy into the model's own tensors, or make the "
                     "temporary from the staged tensor (w.clone(), torch.empty_like(w)); "
                     "nothing was written"
+                    + (
+                        f". The model holds tensors of a subclass with a dispatch of its own "
+                        f"({', '.join(map(repr, self.index.wrapped[:3]))}...): a write into "
+                        "one lands in its inner tensors, so such a tensor takes dense patches "
+                        "only"
+                        if self.index.wrapped
+                        else ""
+                    )
                 )
             self.index.refuse_protected(destination, f"the patch to {_label(names)}")
             if dense:

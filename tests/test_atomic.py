@@ -559,3 +559,77 @@ def test_a_loader_writing_its_input_in_place_leaves_the_callers_dense_patch_as_s
     load_checkpoint_weight_patches(replica, patches, atomic=atomic, max_chunk_bytes=16)
     assert same_bits(replica.w.detach(), sent * 2)
     assert same_bits(values, sent)
+
+
+class _Aliased(nn.Module):
+    """A weight `w` the patches go to, and a neighbour `o` the loader also writes."""
+
+    def __init__(self, write: Callable[[_Aliased, torch.Tensor], None]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(8.0), requires_grad=False)
+        self.o = nn.Parameter(-torch.arange(8.0), requires_grad=False)
+        self.write = write
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.w.copy_(tensor)
+            self.write(self, tensor)
+        return {"w"}
+
+
+def _alias_of(tensor: torch.Tensor, how: str) -> torch.Tensor:
+    import ctypes
+
+    if how == "numpy":
+        return torch.from_numpy(tensor.detach().numpy())
+    if how == "ctypes":
+        size = tensor.numel() * tensor.element_size()
+        raw = (ctypes.c_char * size).from_address(tensor.data_ptr())
+        return torch.frombuffer(raw, dtype=tensor.dtype)
+    return torch.utils.dlpack.from_dlpack(tensor.detach())
+
+
+@pytest.mark.parametrize("how", ["numpy", "ctypes", "dlpack"])
+@pytest.mark.parametrize("where", ["a slice of the neighbour", "the neighbour's tail byte"])
+@pytest.mark.parametrize("protect", [False, True])
+@pytest.mark.parametrize("atomic", [False, True])
+def test_writes_through_an_alias_of_a_slice_are_refused_by_byte_range(
+    how: str, where: str, protect: bool, atomic: bool
+) -> None:
+    """Ownership is by byte range, not by the storage's start: an alias of part of a model
+    tensor made around torch (its storage starts inside the tensor's) is refused as a write
+    into that tensor, before it happens, so neither atomic=True nor protect= misses it."""
+
+    def write(m: _Aliased, w: torch.Tensor) -> None:
+        part = m.o.data[2:6] if where == "a slice of the neighbour" else m.o.data[7:]
+        _alias_of(part, how).fill_(100.0)
+
+    model = _Aliased(write)
+    before = state(model)
+    patch = CheckpointWeightPatch("w", (8,), torch.float32, torch.tensor([9.0]), torch.tensor([3]))
+    with pytest.raises(LoaderContractError, match=r"bytes of 'o' through a tensor of another"):
+        load_checkpoint_weight_patches(
+            model, [patch], atomic=atomic, protect={"o": "repacked"} if protect else None
+        )
+    assert_same_state(state(model), before)
+
+
+def test_a_storage_resized_in_place_is_refused_and_left_exactly_as_the_error_says() -> None:
+    """``untyped_storage().resize_()`` shows no torch operation, so no undo log can keep what
+    it frees: the call is refused naming the weight, whose size is put back and contents
+    zeroed (never uninitialised memory), with atomic=True too; the other tensors are as
+    before."""
+
+    def shrink(m: _Aliased, w: torch.Tensor) -> None:
+        m.o.untyped_storage().resize_(8)
+
+    for atomic in (False, True):
+        model = _Aliased(shrink)
+        patch = CheckpointWeightPatch(
+            "w", (8,), torch.float32, torch.tensor([9.0]), torch.tensor([3])
+        )
+        with pytest.raises(LoaderContractError, match=r"'o'.*size was put back and it was zeroed"):
+            load_checkpoint_weight_patches(model, [patch], atomic=atomic)
+        assert model.o.untyped_storage().nbytes() == 32
+        assert model.o.tolist() == [0.0] * 8
+        assert torch.equal(model.w, torch.arange(8.0))

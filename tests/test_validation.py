@@ -529,3 +529,136 @@ def test_the_suite_runs_the_way_it_was_asked(request: pytest.FixtureRequest) -> 
     from patchctx import _cpu_passes
 
     assert _cpu_passes.HOST is not request.config.getoption("--accelerators-way")
+
+
+# -- patch tensors changed after validation (a family) -------------------------------------
+#
+# Who changes them: an ordering policy, a chunking policy, or the loader (holding the caller's
+# tensors), before the patch is written; how: ``t.data = x`` and ``set_`` (neither bumps the
+# version counter of what validation read), in place through torch, through a numpy alias
+# (no version counter at all), or the storage resized. Whatever the path (the loader, a route
+# replay, atomic or not), what is written is what validation checked. A dense patch's values
+# are checked for their structure only, and read when written: their rebinding does not
+# reach what is written, and their storage shrunk is refused before it is read.
+
+
+def _mutate(tensor: torch.Tensor, how: str) -> None:
+    other = torch.full((1,), 3, dtype=tensor.dtype)  # a shorter tensor: an attacker's
+    if how == "data=":
+        tensor.data = other
+    elif how == "set_":
+        tensor.set_(other.untyped_storage(), 0, other.shape, other.stride())
+    elif how == "in-place":
+        tensor.fill_(5)
+    elif how == "numpy-alias":
+        tensor.numpy()[...] = 7
+    elif how == "storage-resized":
+        tensor.untyped_storage().resize_(0)
+    else:
+        raise AssertionError(how)
+
+
+MUTATIONS = ["data=", "set_", "in-place", "numpy-alias", "storage-resized"]
+WHO = ["ordering", "chunking", "loader"]
+
+
+def _changed_patches() -> list[CheckpointWeightPatch]:
+    return [
+        CheckpointWeightPatch(
+            "qkv.q_proj.weight",
+            (16, 16),
+            torch.float32,
+            torch.tensor([5.0, -1.0, 2.5]),
+            torch.tensor([0, 17, 200]),
+        ),
+        CheckpointWeightPatch(
+            NAME, SHAPE, torch.float32, torch.tensor([4.0, 8.0]), torch.tensor([1, 127])
+        ),
+        CheckpointWeightPatch(
+            "mlp.gate_proj.weight", (32, 16), torch.float32, torch.arange(512.0) / 7, None
+        ),
+        CheckpointWeightPatch(
+            "mlp.up_proj.weight", (32, 16), torch.float32, -torch.arange(512.0) / 3, None
+        ),
+    ]
+
+
+@pytest.mark.parametrize("how", MUTATIONS)
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("routes", [False, True])
+@pytest.mark.parametrize("atomic", [False, True])
+def test_what_validation_checked_is_written_whatever_changes_the_patch_tensors_after(
+    model: Any, how: str, who: str, routes: bool, atomic: bool
+) -> None:
+    reference = copy.deepcopy(model)
+    cache = RouteCache() if routes else None
+    if cache is not None:  # the sparse names' routes known: the second call replays them
+        load_checkpoint_weight_patches(model, _changed_patches()[:2], routes=cache)
+        load_checkpoint_weight_patches(reference, _changed_patches()[:2])
+    patches = _changed_patches()
+    if how in ("data=", "set_"):
+        targets = [t for p in patches for t in (p.values, p.indices) if t is not None]
+    else:  # a dense patch's contents are read when written; its storage resized: below
+        targets = [t for p in patches[:2] for t in (p.values, p.indices) if t is not None]
+    load_checkpoint_weight_patches(reference, _changed_patches())
+    done: list[int] = []
+
+    def mutate() -> None:
+        if not done:
+            done.append(1)
+            for tensor in targets:
+                assert tensor is not None
+                _mutate(tensor, how)
+
+    class Mutating:
+        def order(self, checked: Any) -> Any:
+            mutate()
+            return list(checked)
+
+    class Chunking:
+        def split_before(self, chunk: Any) -> bool:
+            mutate()
+            return True
+
+    loader = model.load_weights
+
+    def load_weights(weights: Any) -> Any:
+        mutate()
+        return loader(weights)
+
+    kwargs: dict[str, Any] = {"routes": cache, "atomic": atomic}
+    if who == "ordering":
+        kwargs["ordering"] = Mutating()
+    elif who == "chunking":
+        kwargs["chunking"] = Chunking()
+    else:
+        model.load_weights = load_weights
+    load_checkpoint_weight_patches(model, patches, **kwargs)
+    assert done, "the mutation ran"
+    assert_same_state(state(model), state(reference))
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_dense_patch_whose_storage_shrank_after_validation_is_refused_before_it_is_read(
+    model: Any, atomic: bool
+) -> None:
+    before = state(model)
+    dense = _changed_patches()[2]
+
+    class Shrinking:
+        def order(self, checked: Any) -> Any:
+            dense.values.untyped_storage().resize_(0)
+            return list(checked)
+
+    with pytest.raises(InvalidPatchError, match=r"patches\[0\] 'mlp.gate_proj.weight'.*resized"):
+        load_checkpoint_weight_patches(model, [dense], ordering=Shrinking(), atomic=atomic)
+    assert_same_state(state(model), before)
+
+
+def test_checked_patches_show_the_callers_tensors_and_never_validations_copies() -> None:
+    patch = good()
+    (checked,) = _patch.check_patches([patch], strategy=NaNMask())
+    assert checked.patch.values is patch.values and checked.patch.indices is patch.indices
+    assert checked._patch.values.untyped_storage().data_ptr() != (
+        patch.values.untyped_storage().data_ptr()
+    )

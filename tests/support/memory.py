@@ -55,6 +55,8 @@ class AllocationTracker(TorchFunctionMode):
         return result
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return  # a wrapper (patchctx's staged data): its inner tensors are tracked instead
         storage = tensor.untyped_storage()
         key, size = storage.data_ptr(), storage.nbytes()
         if size == 0 or key in self._preexisting:

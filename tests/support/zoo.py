@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import functools
 import io
 import pickle
@@ -346,6 +347,209 @@ entry("staged-clamped-in-place", "masked", "`w.clamp_(-1, 1)`, then `p.data.copy
 def _row_overwritten(m: ZooLayer, w: torch.Tensor) -> None:
     w[0] = 0
     m.weight.data.copy_(w)
+
+
+# -- staged data combined with model state, out of place (a family) -------------------------
+#
+# Every arithmetic form below, with every kind of plain tensor beside the staged one: at a
+# position the patch keeps, a dense load combines the checkpoint's value with that tensor as
+# it is now, which the masked merge (keeping what the model holds) cannot follow. Each is
+# refused before any write (with every index changed, as the hypothesis layer draws, it is the
+# dense truth), whatever the strategy, dtype, atomic or routes.
+
+# A tensor from outside the call (a module global the loader reads).
+_OUTSIDE = torch.linspace(-2, 2, 24).reshape(SHAPE)
+
+
+def _the_weight(m: ZooLayer) -> torch.Tensor:
+    return m.weight
+
+
+def _a_clone_of_the_weight(m: ZooLayer) -> torch.Tensor:
+    return m.weight.detach().clone()
+
+
+def _the_scale_buffer(m: ZooLayer) -> torch.Tensor:
+    return m.scale[:, None]
+
+
+def _a_scale_changed_in_the_call(m: ZooLayer) -> torch.Tensor:
+    m.scale.mul_(2)  # the loader's own write, undone with the refusal
+    return m.scale[:, None]
+
+
+def _the_tied_head(m: ZooLayer) -> torch.Tensor:
+    return m.head
+
+
+def _a_norm_row(m: ZooLayer) -> torch.Tensor:
+    return m.norm.weight
+
+
+def _a_reduction_of_the_weight(m: ZooLayer) -> torch.Tensor:
+    return m.weight.float().mean().to(m.weight.dtype)
+
+
+def _an_outside_tensor(m: ZooLayer) -> torch.Tensor:
+    return _OUTSIDE.to(m.weight.dtype)
+
+
+MODEL_STATE: list[tuple[str, str, Callable[[ZooLayer], torch.Tensor]]] = [
+    ("the-weight", "`p`", _the_weight),
+    ("a-clone-of-the-weight", "`old = p.clone()`", _a_clone_of_the_weight),
+    ("the-scale-buffer", "`scale[:, None]`", _the_scale_buffer),
+    (
+        "a-scale-changed-in-the-call",
+        "`scale.mul_(2)`, then `scale[:, None]`",
+        _a_scale_changed_in_the_call,
+    ),
+    ("the-tied-head", "`head`", _the_tied_head),
+    ("a-norm-row", "`norm.weight`", _a_norm_row),
+    ("a-reduction-of-the-weight", "`p.mean()`", _a_reduction_of_the_weight),
+    ("an-outside-tensor", "a module global", _an_outside_tensor),
+]
+
+
+def _in_place_on_a_clone(m: ZooLayer, w: torch.Tensor, x: torch.Tensor) -> None:
+    staged = w.clone()
+    staged.add_(x)
+    m.weight.data.copy_(staged)
+
+
+def _diagonal(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.diag(torch.broadcast_to(x, w.shape)[0].to(w.dtype))
+
+
+FORMS: list[tuple[str, str, Callable[[ZooLayer, torch.Tensor, torch.Tensor], object]]] = [
+    ("w-plus", "`p.data.copy_(w + X)`", lambda m, w, x: m.weight.data.copy_(w + x)),
+    ("plus-w", "`p.data.copy_(X + w)`", lambda m, w, x: m.weight.data.copy_(x + w)),
+    (
+        "w-times",
+        "`p.data.copy_(w * X)` (a scale folded in)",
+        lambda m, w, x: m.weight.data.copy_(w * x),
+    ),
+    (
+        "lerp",
+        "`p.data.copy_(torch.lerp(X, w, 0.5))`",
+        lambda m, w, x: m.weight.data.copy_(torch.lerp(x, w, 0.5)),
+    ),
+    (
+        "where",
+        "`p.data.copy_(torch.where(X > 0, w, X))`",
+        lambda m, w, x: m.weight.data.copy_(torch.where(x > 0, w, x)),
+    ),
+    (
+        "maximum",
+        "`p.data.copy_(torch.maximum(w, X))`",
+        lambda m, w, x: m.weight.data.copy_(torch.maximum(w, x)),
+    ),
+    (
+        "matmul",
+        "`p.data.copy_(w @ torch.diag(X[0]))`",
+        lambda m, w, x: m.weight.data.copy_(w @ _diagonal(w, x)),
+    ),
+    ("in-place-on-a-clone", "`t = w.clone(); t.add_(X); p.data.copy_(t)`", _in_place_on_a_clone),
+    ("out=", "`torch.add(w, X, out=p.data)`", lambda m, w, x: torch.add(w, x, out=m.weight.data)),
+]
+
+
+def _combined_with(
+    form: Callable[[ZooLayer, torch.Tensor, torch.Tensor], object],
+    source: Callable[[ZooLayer], torch.Tensor],
+) -> Write:
+    return lambda m, w: form(m, w, source(m))
+
+
+for _form, _form_does, _apply in FORMS:
+    for _source, _source_does, _read in MODEL_STATE:
+        entry(
+            f"state-{_form}-{_source}",
+            "refused",
+            f"{_form_does}, X = {_source_does}",
+        )(_combined_with(_apply, _read))
+
+
+@entry(
+    "state-joined-by-cat-then-combined",
+    "refused",
+    "`x = torch.cat([w[:2], head[2:]])`, then `p.data.copy_(x + w)`",
+)
+def _joined_then_combined(m: ZooLayer, w: torch.Tensor) -> None:
+    joined = torch.cat([w[:2], m.head[2:]])
+    m.weight.data.copy_(joined + w)
+
+
+@entry(
+    "state-copied-into-staged-then-combined",
+    "refused",
+    "`t = w.clone(); t[2:] = head[2:]`, then `p.data.copy_(t * w)`",
+)
+def _copied_in_then_combined(m: ZooLayer, w: torch.Tensor) -> None:
+    staged = w.clone()
+    staged[2:] = m.head[2:]
+    m.weight.data.copy_(staged * w)
+
+
+@entry(
+    "state-joined-by-cat-and-copied",
+    "masked",
+    "`p.data.copy_(torch.cat([w[:2], head[2:]]))`: model state copied, combined with nothing",
+)
+def _joined_and_copied(m: ZooLayer, w: torch.Tensor) -> None:
+    m.weight.data.copy_(torch.cat([w[:2], m.head[2:]]))
+
+
+# -- writes through aliases made around torch (a family) -----------------------------------
+#
+# A view of a slice of a model tensor made outside torch's view tracking has a storage of its
+# own that starts inside the weight's (numpy, ctypes, from_numpy, frombuffer, DLPack): its
+# writes would escape the undo log and protect=. Ownership is by byte range, so each such
+# write is refused before it happens, whoever writes (the loader's own fill, staged data).
+
+
+def _bytes_alias(tensor: torch.Tensor, how: str) -> torch.Tensor:
+    """A tensor over the bytes of `tensor` (a slice of a model tensor), made around torch."""
+    if how == "from_numpy":
+        return torch.from_numpy(tensor.detach().numpy())
+    if how == "frombuffer":
+        size = tensor.numel() * tensor.element_size()
+        raw = (ctypes.c_char * size).from_address(tensor.data_ptr())
+        return torch.frombuffer(raw, dtype=tensor.dtype).view(tensor.shape)
+    return torch.utils.dlpack.from_dlpack(tensor.detach())  # a DLPack capsule of the slice
+
+
+ALIASES = ["from_numpy", "frombuffer", "from_dlpack"]
+_NAMES = {"weight": "p", "head": "head", "other": "other"}
+
+
+def _alias_fill(how: str, target: str) -> Write:
+    def write(m: ZooLayer, w: torch.Tensor) -> None:
+        m.weight.data.copy_(w)
+        _bytes_alias(getattr(m, target).data[1:], how).fill_(1)
+
+    return write
+
+
+def _alias_copy(how: str) -> Write:
+    def write(m: ZooLayer, w: torch.Tensor) -> None:
+        m.weight.data[:1].copy_(w[:1])
+        _bytes_alias(m.weight.data[1:], how).copy_(w[1:])
+
+    return write
+
+
+for _how in ALIASES:
+    for _target in ("weight", "head", "other"):
+        entry(
+            f"alias-{_how}-of-a-slice-of-{_target}-filled",
+            "refused",
+            f"`p.data.copy_(w)`, then a `{_how}` alias of `{_NAMES[_target]}[1:]` filled",
+        )(_alias_fill(_how, _target))
+    entry(
+        f"alias-{_how}-of-a-slice-takes-staged-data",
+        "refused",
+        f"`p.data[:1].copy_(w[:1])`, then a `{_how}` alias of `p[1:]` takes `w[1:]`",
+    )(_alias_copy(_how))
 
 
 # -- other in-place writes of staged data into a weight ----------------------------------

@@ -21,6 +21,7 @@ from patchctx._errors import (
     StoredUpdateError,
 )
 from patchctx._load import load_checkpoint_weight_patches
+from patchctx._lowbyte import LowByteDetector
 from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
@@ -62,6 +63,7 @@ __all__ = [
     "InvalidPatchError",
     "InvalidPatchTypeError",
     "LoaderContractError",
+    "LowByteDetector",
     "MaskedCopy",
     "NaNMask",
     "OrderingPolicy",

@@ -42,6 +42,7 @@ import torch
 from patchctx._diff import diff_state_dicts
 from patchctx._errors import InvalidPatchTypeError, PatchProblem, StoredUpdateError
 from patchctx._load import load_checkpoint_weight_patches
+from patchctx._lowbyte import LowByteDetector
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce
 from patchctx._patch import CheckpointWeightPatch, check_patches
@@ -123,6 +124,8 @@ class StoragePublisher:
         keep_anchors: Keep this many anchors and every version after the oldest of them.
         dtype: The receiver's dtype (as for `diff_state_dicts`); `None`: each tensor's own.
         strategy: The receiver's strategy (as for `diff_state_dicts`).
+        lean: Find changes with a `LowByteDetector` (1 byte per element) instead of a copy
+            of what was sent; its misses (see its recall) are repaired by the next anchor.
 
     Examples:
         >>> import tempfile, torch
@@ -145,8 +148,11 @@ class StoragePublisher:
         keep_anchors: int = 2,
         dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
         strategy: CopyStrategy | None = None,
+        lean: bool = False,
     ) -> None:
         self.store = open_store(location, "StoragePublisher")
+        self.lean = bool(lean)
+        self._detector: LowByteDetector | None = None
         self.anchor_every = _positive(anchor_every, "anchor_every")
         self.keep_anchors = _positive(keep_anchors, "keep_anchors")
         self.dtype = dtype
@@ -184,6 +190,9 @@ class StoragePublisher:
                 for name, t in state.items()
             ]
             base = None
+        elif self._detector is not None:
+            patches = self._detector.diff(state)
+            base = self.version
         else:
             assert self._sent is not None
             patches = diff_state_dicts(
@@ -197,9 +206,14 @@ class StoragePublisher:
             target_version=version,
             metadata={"kind": "anchor" if anchor else "delta"},
         )
-        self._sent = {
-            name: t.detach().to(self._receiver(name, t)).clone() for name, t in state.items()
-        }
+        if self.lean:
+            if anchor:
+                self._detector = LowByteDetector(state, dtype=self.dtype, strategy=self.strategy)
+            self._sent = {}  # known to be published; the detector holds what was sent
+        else:
+            self._sent = {
+                name: t.detach().to(self._receiver(name, t)).clone() for name, t in state.items()
+            }
         self.version = version
         if anchor:
             self._last_anchor = version

@@ -28,9 +28,7 @@ from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteCache, RouteStats
 from patchctx._shards import TensorShard
-from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
-from patchctx._warm import WarmReport, WarmRow
-from patchctx.storage import (
+from patchctx._storage import (
     PositionEncoding,
     PreparedUpdate,
     PublishedVersion,
@@ -42,6 +40,8 @@ from patchctx.storage import (
     read_manifest,
     save_patches,
 )
+from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
+from patchctx._warm import WarmReport, WarmRow
 
 __version__ = "0.1.0"
 """The version of this patchctx, a PEP 440 string."""

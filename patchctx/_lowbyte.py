@@ -10,8 +10,9 @@ the mantissa and the lowest exponent bit, so a change between normal numbers of 
 sign is missed only when it multiplies the magnitude by a power of 4 exactly (the same
 mantissa, two binades away): optimizer steps almost never do. A sign flip, or a change to an
 unrelated value, is missed when the low bytes happen to agree: about 1 in 256 of them
-(measured: recall 0.9968 on a million unrelated changes). For float32 (low byte = the 8 lowest mantissa bits), any change of at
-least 256 units in the last place is missed with probability about 1/256. For 1-byte dtypes
+(measured: recall 0.9968 on a million unrelated changes). For float32 (low byte = the 8
+lowest mantissa bits), any change of at least 256 units in the last place is missed with
+probability about 1/256. For 1-byte dtypes
 the byte is the value: recall is exact. A missed element keeps its old value on the receiver
 until it changes again (then its full new value is sent) or until the next dense anchor
 (`StoragePublisher` sends one every ``anchor_every`` versions). Use `diff_state_dicts` with a

@@ -47,15 +47,15 @@ from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce
 from patchctx._patch import CheckpointWeightPatch, check_patches
 from patchctx._routes import RouteCache
-from patchctx._strategies import Auto, CopyStrategy
-from patchctx.storage._files import Store, SubStore, open_store
-from patchctx.storage._format import (
+from patchctx._storage._files import Store, SubStore, open_store
+from patchctx._storage._format import (
     MANIFEST,
     UpdateManifest,
     decode_update,
     manifest_of,
     save_patches,
 )
+from patchctx._strategies import Auto, CopyStrategy
 
 __all__ = ["PreparedUpdate", "PublishedVersion", "StorageFollower", "StoragePublisher"]
 
@@ -200,7 +200,7 @@ class StoragePublisher:
             )
             base = self.version
         manifest = save_patches(
-            self.store_of(version),
+            self._store_of(version),
             patches,
             base_version=base,
             target_version=version,
@@ -229,11 +229,11 @@ class StoragePublisher:
 
     def _is_anchor(self, version: int) -> bool:
         try:
-            return manifest_of(self.store_of(version)).base_version is None
+            return manifest_of(self._store_of(version)).base_version is None
         except StoredUpdateError:  # unpublished or torn: not an anchor a worker can use
             return False
 
-    def store_of(self, version: int) -> SubStore:
+    def _store_of(self, version: int) -> SubStore:
         """The store of one version's folder."""
         return SubStore(self.store, version_folder(version))
 

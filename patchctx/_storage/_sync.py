@@ -390,12 +390,15 @@ class StorageFollower(Generic[_Model]):
         links.reverse()
         return links
 
-    def prepare(self, target: int | None = None) -> PreparedUpdate | None:
+    def prepare(
+        self, target: int | None = None, *, learn_routes: bool = True
+    ) -> PreparedUpdate | None:
         """Fetch, check, decode and merge the chain to `target` (default: `poll`).
 
         Also learns the routes of sparse tensors not seen before (`RouteCache.warm`: a dry run,
-        nothing written). Returns `None` when the model already holds `target` or newer, or
-        nothing is published.
+        nothing written), unless `learn_routes` is false (the caller learns them its own way).
+        Returns `None` when the model already holds `target` or newer, or nothing is
+        published.
 
         Raises:
             StoredUpdateError: A link of the chain is missing, torn, corrupted or mismatched;
@@ -415,7 +418,8 @@ class StorageFollower(Generic[_Model]):
         merged = tuple(
             item.patch for item in Coalesce().order(check_patches(patches, strategy=self.strategy))
         )
-        self._learn(merged)
+        if learn_routes:
+            self._learn(merged)
         first = links[0][1]
         return PreparedUpdate(
             first.base_version,

@@ -40,7 +40,7 @@ from tests.vllm.support.serve import (
 )
 
 
-def rpc(server: Server, method: str, *args: Any) -> list[dict[str, Any]]:
+def rpc(server: Server, method: str, *args: Any) -> list[Any]:
     status, answer = post(f"{server.url}/collective_rpc", {"method": method, "args": list(args)})
     assert status == 200, answer
     results = answer["results"]

@@ -22,15 +22,14 @@ from patchctx._errors import (
     StoredUpdateError,
 )
 from patchctx._load import load_checkpoint_weight_patches
+from patchctx._lowbyte import LowByteDetector
 from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteCache, RouteStats
 from patchctx._shards import TensorShard
-from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
-from patchctx._warm import WarmReport, WarmRow
-from patchctx.storage import (
+from patchctx._storage import (
     PositionEncoding,
     PreparedUpdate,
     PublishedVersion,
@@ -42,6 +41,8 @@ from patchctx.storage import (
     read_manifest,
     save_patches,
 )
+from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
+from patchctx._warm import WarmReport, WarmRow
 
 __version__ = "0.1.0"
 """The version of this patchctx, a PEP 440 string."""
@@ -64,6 +65,7 @@ __all__ = [
     "InvalidPatchTypeError",
     "LoadByName",
     "LoaderContractError",
+    "LowByteDetector",
     "MaskedCopy",
     "NaNMask",
     "OrderingPolicy",

@@ -36,6 +36,7 @@ from patchctx._routes import (
 )
 from patchctx._session import Load, ModelIndex, run_loader
 from patchctx._strategies import Auto, CopyStrategy, as_strategy
+from patchctx._tied import tied_names
 from patchctx._undo import UndoLog
 from patchctx._warm import learn, learn_alone
 
@@ -537,7 +538,11 @@ def load_checkpoint_weight_patches(
             call made before it failed; a refused write is never made.
         aliases: Alias name -> canonical name (tied embeddings). An alias patch is loaded under
             its canonical name, or dropped when the canonical name is patched in the same call
-            with the same update (a different update is refused: one would be lost).
+            with the same update (a different update is refused: one would be lost). Tied
+            parameters the model shows need no entry: a parameter a ``torch.nn.Module``
+            reaches under several names (one storage) has its later names, in module order,
+            as aliases of its first; ``aliases=`` adds to (and overrides) those, and a name
+            mapped to itself is loaded under its own name.
         protect: Qualified names of parameters or buffers that must not be written (with the
             reason), e.g. weights an engine has repacked into another layout; a name that is
             not a parameter or buffer of the model is refused. A write into one,
@@ -577,7 +582,11 @@ def load_checkpoint_weight_patches(
     chosen_strategy = as_strategy(strategy, _DEFAULT_STRATEGY, "load_checkpoint_weight_patches")
     chosen_chunking = _chunking_of(max_chunk_bytes, chunking)
     chosen_ordering = _ordering_of(ordering)
-    alias_map = name_map(aliases, "aliases= maps alias names to canonical names")
+    # Tied parameters the model shows (one storage, two names) first; aliases= adds to them.
+    alias_map = {
+        **tied_names(model),
+        **name_map(aliases, "aliases= maps alias names to canonical names"),
+    }
     protected = name_map(protect, "protect= maps tensor names to the reason they are protected")
     if routes is not None:
         instance_of(routes, RouteCache, "routes=", "one RouteCache() per model")

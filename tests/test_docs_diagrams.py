@@ -94,3 +94,16 @@ def test_the_vllm_diagram_names_what_exists() -> None:
     assert core <= public_names("patchctx/__init__.py")
     assert vllm <= public_names("patchctx/vllm/__init__.py")
     assert '"patchctx.vllm.PatchWorkerExtension"' in text
+
+
+def test_the_storage_timeline_names_what_exists() -> None:
+    import patchctx
+
+    text = (ASSETS / "storage-timeline.svg").read_text(encoding="utf-8")
+    for method in ("StoragePublisher.publish", "StorageFollower.prepare", "StorageFollower.apply"):
+        owner, name = method.split(".")
+        assert method in text or name in text, method
+        assert callable(getattr(getattr(patchctx, owner), name))
+    for name in ("load_checkpoint_weight_patches", 'pause_generation(mode="keep")'):
+        assert name.replace('"', "&quot;") in text or name in text, name
+    assert "resume_generation" in text

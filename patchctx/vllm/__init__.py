@@ -40,6 +40,7 @@ from patchctx.vllm._codec import PatchPayload, decode_patches, decode_payload, e
 from patchctx.vllm._driver import PatchStats, apply_patches, set_weight_version
 from patchctx.vllm._extension import PatchWorkerExtension
 from patchctx.vllm._layout import install_from_environment, keep_checkpoint_layout
+from patchctx.vllm._storage import StorageWorkerExtension, sync_server
 from patchctx.vllm._trainer import (
     HTTPWeightSyncClient,
     LLMWeightSyncClient,
@@ -72,6 +73,7 @@ __all__ = [
     "SendStats",
     "Sender",
     "SharedMemoryTransport",
+    "StorageWorkerExtension",
     "Transport",
     "WeightVersionError",
     "apply_patches",
@@ -81,6 +83,7 @@ __all__ = [
     "encode_patches",
     "keep_checkpoint_layout",
     "set_weight_version",
+    "sync_server",
     "tied_aliases",
     "transformed_weights",
 ]

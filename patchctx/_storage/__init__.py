@@ -1,12 +1,12 @@
 """Delta sync through storage: patch files anyone can read, and version chains over them.
 
 `save_patches` / `load_patches` write and read one update (safetensors files and a manifest,
-`patchctx.storage._format`). The publisher and follower of `patchctx.storage._sync` chain
+`patchctx._storage._format`). The publisher and follower of `patchctx._storage._sync` chain
 updates into versions at a directory or an fsspec URL. Nothing of the core imports this package;
 its public names are re-exported by `patchctx`.
 """
 
-from patchctx.storage._format import (
+from patchctx._storage._format import (
     PositionEncoding,
     StoredPatch,
     UpdateManifest,
@@ -14,7 +14,7 @@ from patchctx.storage._format import (
     read_manifest,
     save_patches,
 )
-from patchctx.storage._sync import (
+from patchctx._storage._sync import (
     PreparedUpdate,
     PublishedVersion,
     StorageFollower,

@@ -50,8 +50,8 @@ from patchctx._errors import (
     StoredUpdateError,
 )
 from patchctx._patch import CheckpointWeightPatch, validate_patches
+from patchctx._storage._files import Store, open_store
 from patchctx._strategies import BoolMask
-from patchctx.storage._files import Store, open_store
 
 __all__ = [
     "FORMAT",

@@ -51,7 +51,7 @@ class LocalStore:
 
     Examples:
         >>> import tempfile
-        >>> from patchctx.storage._files import LocalStore
+        >>> from patchctx._storage._files import LocalStore
         >>> store = LocalStore(tempfile.mkdtemp())
         >>> store.write("v1/a.txt", b"hello")
         >>> store.read("v1/a.txt"), store.listdir("v1")
@@ -116,7 +116,7 @@ class URLStore:
     store one whole-object put is already atomic (the object appears complete or not at all).
 
     Examples:
-        >>> from patchctx.storage._files import URLStore
+        >>> from patchctx._storage._files import URLStore
         >>> store = URLStore("memory://patchctx-doc-store")
         >>> store.write("v1/a.txt", b"hello")
         >>> store.read("v1/a.txt"), store.listdir("v1")
@@ -186,7 +186,7 @@ class SubStore:
 
     Examples:
         >>> import tempfile
-        >>> from patchctx.storage._files import LocalStore, SubStore
+        >>> from patchctx._storage._files import LocalStore, SubStore
         >>> root = LocalStore(tempfile.mkdtemp())
         >>> SubStore(root, "v1").write("a.txt", b"x"); root.read("v1/a.txt")
         b'x'

@@ -42,19 +42,20 @@ import torch
 from patchctx._diff import diff_state_dicts
 from patchctx._errors import InvalidPatchTypeError, PatchProblem, StoredUpdateError
 from patchctx._load import load_checkpoint_weight_patches
+from patchctx._lowbyte import LowByteDetector
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce
 from patchctx._patch import CheckpointWeightPatch, check_patches
 from patchctx._routes import RouteCache
-from patchctx._strategies import Auto, CopyStrategy
-from patchctx.storage._files import Store, SubStore, open_store
-from patchctx.storage._format import (
+from patchctx._storage._files import Store, SubStore, open_store
+from patchctx._storage._format import (
     MANIFEST,
     UpdateManifest,
     decode_update,
     manifest_of,
     save_patches,
 )
+from patchctx._strategies import Auto, CopyStrategy
 
 __all__ = ["PreparedUpdate", "PublishedVersion", "StorageFollower", "StoragePublisher"]
 
@@ -123,6 +124,8 @@ class StoragePublisher:
         keep_anchors: Keep this many anchors and every version after the oldest of them.
         dtype: The receiver's dtype (as for `diff_state_dicts`); `None`: each tensor's own.
         strategy: The receiver's strategy (as for `diff_state_dicts`).
+        lean: Find changes with a `LowByteDetector` (1 byte per element) instead of a copy
+            of what was sent; its misses (see its recall) are repaired by the next anchor.
 
     Examples:
         >>> import tempfile, torch
@@ -145,8 +148,11 @@ class StoragePublisher:
         keep_anchors: int = 2,
         dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
         strategy: CopyStrategy | None = None,
+        lean: bool = False,
     ) -> None:
         self.store = open_store(location, "StoragePublisher")
+        self.lean = bool(lean)
+        self._detector: LowByteDetector | None = None
         self.anchor_every = _positive(anchor_every, "anchor_every")
         self.keep_anchors = _positive(keep_anchors, "keep_anchors")
         self.dtype = dtype
@@ -184,6 +190,9 @@ class StoragePublisher:
                 for name, t in state.items()
             ]
             base = None
+        elif self._detector is not None:
+            patches = self._detector.diff(state)
+            base = self.version
         else:
             assert self._sent is not None
             patches = diff_state_dicts(
@@ -191,15 +200,20 @@ class StoragePublisher:
             )
             base = self.version
         manifest = save_patches(
-            self.store_of(version),
+            self._store_of(version),
             patches,
             base_version=base,
             target_version=version,
             metadata={"kind": "anchor" if anchor else "delta"},
         )
-        self._sent = {
-            name: t.detach().to(self._receiver(name, t)).clone() for name, t in state.items()
-        }
+        if self.lean:
+            if anchor:
+                self._detector = LowByteDetector(state, dtype=self.dtype, strategy=self.strategy)
+            self._sent = {}  # known to be published; the detector holds what was sent
+        else:
+            self._sent = {
+                name: t.detach().to(self._receiver(name, t)).clone() for name, t in state.items()
+            }
         self.version = version
         if anchor:
             self._last_anchor = version
@@ -215,11 +229,11 @@ class StoragePublisher:
 
     def _is_anchor(self, version: int) -> bool:
         try:
-            return manifest_of(self.store_of(version)).base_version is None
+            return manifest_of(self._store_of(version)).base_version is None
         except StoredUpdateError:  # unpublished or torn: not an anchor a worker can use
             return False
 
-    def store_of(self, version: int) -> SubStore:
+    def _store_of(self, version: int) -> SubStore:
         """The store of one version's folder."""
         return SubStore(self.store, version_folder(version))
 
@@ -376,12 +390,15 @@ class StorageFollower(Generic[_Model]):
         links.reverse()
         return links
 
-    def prepare(self, target: int | None = None) -> PreparedUpdate | None:
+    def prepare(
+        self, target: int | None = None, *, learn_routes: bool = True
+    ) -> PreparedUpdate | None:
         """Fetch, check, decode and merge the chain to `target` (default: `poll`).
 
         Also learns the routes of sparse tensors not seen before (`RouteCache.warm`: a dry run,
-        nothing written). Returns `None` when the model already holds `target` or newer, or
-        nothing is published.
+        nothing written), unless `learn_routes` is false (the caller learns them its own way).
+        Returns `None` when the model already holds `target` or newer, or nothing is
+        published.
 
         Raises:
             StoredUpdateError: A link of the chain is missing, torn, corrupted or mismatched;
@@ -401,7 +418,8 @@ class StorageFollower(Generic[_Model]):
         merged = tuple(
             item.patch for item in Coalesce().order(check_patches(patches, strategy=self.strategy))
         )
-        self._learn(merged)
+        if learn_routes:
+            self._learn(merged)
         first = links[0][1]
         return PreparedUpdate(
             first.base_version,

@@ -1,0 +1,143 @@
+"""Delta sync through storage on ``vllm serve``: prepare while generating, apply in a pause.
+
+A real server (a tiny Qwen2 with tied embeddings, TP=1) runs with `StorageWorkerExtension`;
+this process is the trainer (`StoragePublisher` into a directory) and the driver. Requests
+sent while the workers prepare are served, from the old weights; the pause
+(``pause_generation(mode="keep")``) holds only the apply, and a request running across it
+finishes; after the resume, completions equal ``transformers`` on the new checkpoint and
+``/weight_checker`` matches a fresh load of it. A corrupted update is refused with nothing
+applied.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from patchctx import StoragePublisher, StoredUpdateError
+from patchctx.vllm import sync_server
+from tests.vllm.support.checkpoints import (
+    read_checkpoint,
+    write_checkpoint,
+    write_checkpoint_tensors,
+)
+from tests.vllm.support.engine import assert_same_generations, differ, hf_greedy
+from tests.vllm.support.serve import (
+    Server,
+    compare,
+    completions,
+    post,
+    reference_checksums,
+    vllm_serve,
+    write_tokenizer,
+)
+
+
+def rpc(server: Server, method: str, *args: Any) -> list[Any]:
+    status, answer = post(f"{server.url}/collective_rpc", {"method": method, "args": list(args)})
+    assert status == 200, answer
+    results = answer["results"]
+    assert isinstance(results, list)
+    return results
+
+
+def trained(truth: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """A training step: about 3 % of every matrix changes."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {name: tensor.clone() for name, tensor in truth.items()}
+    for tensor in state.values():
+        if tensor.ndim > 1:
+            mask = torch.rand(tensor.shape, generator=generator) < 0.03
+            tensor += mask * torch.randn(tensor.shape, generator=generator)
+    if "lm_head.weight" in state:  # tied: one tensor under two names
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def test_a_sync_prepared_while_serving_and_applied_in_a_short_pause(tmp_path: Path) -> None:
+    source = write_checkpoint("qwen2", tmp_path / "qwen2")
+    write_tokenizer(source)
+    store = tmp_path / "store"
+    truth = read_checkpoint(source)
+    publisher = StoragePublisher(store, anchor_every=100)
+    publisher.publish(truth)  # version 1: an anchor, the checkpoint the server loads
+    extension = ["--worker-extension-cls", "patchctx.vllm.StorageWorkerExtension"]
+    with vllm_serve(source, tmp_path / "server.log", extra_args=extension) as server:
+        first = sync_server(server.url, str(store))
+        assert first["version"] == 1
+        old = completions(server)
+        assert_same_generations(old, hf_greedy(source))
+
+        # Version 2, prepared while the server keeps generating.
+        new_state = trained(truth, seed=3)
+        publisher.publish(new_state)
+        expected = write_checkpoint_tensors(source, new_state, tmp_path / "step-2")
+        (started,) = rpc(server, "patchctx_storage_prepare", str(store))
+        assert started["state"] == "preparing" and started["version"] == 1
+        during = completions(server)  # served while (or after) the workers prepare
+        assert_same_generations(during, old)  # preparing changed no weight
+        while rpc(server, "patchctx_storage_status")[0]["state"] == "preparing":
+            time.sleep(0.01)
+        (status,) = rpc(server, "patchctx_storage_status")
+        assert status["state"] == "prepared" and status["chain"] == [2], status
+
+        # A long request runs across the pause: "keep" freezes it, resume finishes it.
+        long_answer: dict[str, Any] = {}
+
+        def long_request() -> None:
+            long_answer["status"], long_answer["body"] = post(
+                f"{server.url}/v1/completions",
+                {
+                    "model": server.model,
+                    "prompt": [1, 2, 3],
+                    "max_tokens": 48,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            )
+
+        runner = threading.Thread(target=long_request)
+        runner.start()
+        time.sleep(0.2)
+        paused = time.perf_counter()
+        assert post(f"{server.url}/pause?mode=keep", {})[0] == 200
+        (applied,) = rpc(server, "patchctx_storage_apply", 60.0)
+        assert post(f"{server.url}/resume", {})[0] == 200
+        pause_seconds = time.perf_counter() - paused
+        runner.join(timeout=120)
+        assert applied["ok"] and applied["version"] == 2, applied
+        assert applied["replayed"] > 0  # routes learnt while preparing: replayed in the pause
+        assert applied["wait_ms"] < 100  # prepared before the pause: nothing left to wait for
+        apply_seconds = applied["milliseconds"] / 1e3
+        print(
+            f"prepare {status['prepare_seconds'] * 1e3:.1f} ms (background), "
+            f"apply {apply_seconds * 1e3:.1f} ms, paused window {pause_seconds * 1e3:.1f} ms"
+        )
+        assert apply_seconds <= pause_seconds < apply_seconds + 5.0  # HTTP round trips
+        assert long_answer["status"] == 200, long_answer
+        assert long_answer["body"]["usage"]["completion_tokens"] == 48  # not aborted
+
+        after = completions(server)
+        assert_same_generations(after, hf_greedy(expected))
+        assert differ(after, old)
+        result = compare(server, reference_checksums(expected))
+        assert result["match"], result["mismatches"]
+
+        # Version 3 with a corrupted data file: refused, nothing applied, then repaired.
+        publisher.publish(trained(new_state, seed=4))
+        (data,) = (store / "v00000003").glob("*.safetensors")
+        good = data.read_bytes()
+        data.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        with pytest.raises(StoredUpdateError, match="SHA-256"):
+            sync_server(server.url, str(store))
+        assert rpc(server, "patchctx_weight_version") == ["2"]  # the endpoint sends str()
+        assert compare(server, reference_checksums(expected))["match"]
+        data.write_bytes(good)
+        assert sync_server(server.url, str(store))["version"] == 3

@@ -24,6 +24,7 @@ from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
+from patchctx._prepare import prepare
 from patchctx._routes import RouteCache, RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 from patchctx._warm import WarmReport, WarmRow
@@ -71,6 +72,7 @@ __all__ = [
     "load_checkpoint_weight_patches",
     "masked_copy",
     "patch_nbytes",
+    "prepare",
     "validate_patches",
     "wire_encoding",
     "wire_sizes",

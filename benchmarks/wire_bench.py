@@ -21,8 +21,8 @@ Two tables, one process, one torch thread (``torch.set_num_threads(1)``):
    - ``choice``: `diff_state_dicts(old, new, cost=UpdateCost(link_bytes_per_second=B,
      payload_seconds_per_byte=0, diff_seconds_per_element=0))` (this bench does not time the
      data plane or the diff, so its choice leaves them out; ``./dev bench --engine`` times
-     the whole path with the full model), the sparse patches decoded and everything applied with `load_checkpoint_weight_patches`
-     (routes in the steady state).
+     the whole path with the full model), the sparse patches decoded and everything applied
+     with `load_checkpoint_weight_patches` (routes in the steady state).
 
    The total of each is ``wire bytes / B`` (at each ``--bandwidths`` B) plus the measured
    decode and apply time. ``ratio`` is the choice's total over the better of sparse-only and

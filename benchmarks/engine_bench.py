@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         seed = 1
         # The first update of a fresh engine (routes warmed and the one-time costs paid at
-        # start), against the steady median at the same density below.
+        # start), against the steady ones at the same density below.
         new = step(weights, 0.01, seed)
         stats = trainer(calibrated, None).send_state_dict(new)
         assert stats is not None
@@ -389,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\nfirst update of a fresh engine ({first['density']:.0%}): {first['total_ms']:.1f} ms"
-        + (f"; steady median at that density: {steady[0]:.1f} ms" if steady else "")
+        + (
+            f"; steady at that density (min / median): {steady[0]:.1f} / {steady[1]:.1f} ms"
+            if steady
+            else ""
+        )
     )
     print("\nverdict (on each row's fastest update):")
     for line in verdict(report):

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(f"model: {model_line}", flush=True)
     if args.calibrate:
-        calibrated = UpdateCost.calibrate(numel=2**21, dtype=torch.float32, payload=shm_payload)
+        calibrated = UpdateCost.calibrate(numel=2**23, dtype=torch.float32, payload=shm_payload)
     else:
         calibrated = UpdateCost()
     print("cost model (UpdateCost.calibrate here, float32, shm payload):", flush=True)

@@ -157,7 +157,7 @@ def repack_touched(model: torch.nn.Module, written: Iterable[str]) -> list[str]:
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     storages = {_storage(params[name]) for name in written if name in params} - {None}
-    repacked = []
+    repacked: list[str] = []
     if not storages:
         return repacked
     for prefix, module in model.named_modules(remove_duplicate=False):

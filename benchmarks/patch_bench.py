@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from benchmarks.baseline import nan_swap_load, vllm_function
+from benchmarks.machine import other_load, verdict_line
 from benchmarks.realistic import realistic_update
 from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
 from patchctx._model import model_tensors
@@ -565,6 +566,41 @@ def table(rows: list[Row], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def verdict(rows: list[Row]) -> list[str]:
+    """Per dtype and patch set: which way wins and by how much, with a bar per speed-up.
+
+    patchctx with routes (what a worker runs after the first update) against vLLM's function
+    and against a dense reload of the patched tensors, medians; the bar is the speed-up over
+    vLLM's function on a log scale (one ``#`` per doubling).
+    """
+    lines = []
+    groups: dict[tuple[str, str], dict[str, Row]] = {}
+    for row in rows:
+        if row.identical is not None:  # measured rounds, not route recording
+            groups.setdefault((row.dtype, row.scenario), {})[row.method] = row
+    for (dtype, scenario), methods in groups.items():
+        ours, theirs = methods.get("patchctx+routes"), methods.get("baseline")
+        dense = methods.get("dense-reload")
+        if ours is None or theirs is None or dense is None or not ours.median_ms:
+            continue
+        fastest = min(
+            ("patchctx+routes", "baseline", "dense-reload"), key=lambda m: methods[m].median_ms
+        )
+        over_theirs = theirs.median_ms / ours.median_ms
+        over_dense = dense.median_ms / ours.median_ms
+        bar = "#" * max(1, round(math.log2(over_theirs))) if over_theirs > 1 else "-"
+        dense_word = (
+            f"{over_dense:.1f}x faster than"
+            if over_dense >= 1
+            else f"{1 / over_dense:.1f}x slower than"
+        )
+        lines.append(
+            f"{dtype:<5} {scenario:>8}: {fastest} wins; patchctx+routes {over_theirs:6.1f}x "
+            f"faster than vLLM's function, {dense_word} a dense reload  {bar}"
+        )
+    return lines
+
+
 def _patches(row: Row) -> str:
     """The table's `patches` cell: random patches are named by their density column."""
     return "random" if row.scenario.endswith("%") else row.scenario
@@ -710,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
             cli.error(f"--dtypes: unknown {name!r} (choose from {', '.join(DTYPES)})")
     if args.quick:
         args.hidden, args.repeats = 256, 2
+    # The concurrent-load check, in the parent run only (its children are the measurement).
+    before = other_load() if os.environ.get(_RUN) is None else None
     os.environ.setdefault(_T0, str(_STARTED))
     forwarded = sys.argv[1:] if argv is None else list(argv)
     if args.device == "cpu" and args.measure == "both":
@@ -722,12 +760,21 @@ def main(argv: list[str] | None = None) -> int:
             os.execv(sys.executable, [sys.executable, "-m", "benchmarks.patch_bench", *forwarded])
         rows, meta = run(args)
         meta["measured"] = args.measure
+    child = os.environ.get(_RUN) is not None  # one of the two runs of --measure both
+    if before is not None:
+        after = other_load()
+        meta["load"] = [asdict(before), asdict(after)]
+        meta["load_verdict"] = verdict_line(before, after)
     report = json.dumps({"settings": meta, "rows": [asdict(r) for r in rows]}, indent=2)
     if args.json == "-":
         print(report)
     elif not args.quiet:
         print(table(rows, meta))
-    child = os.environ.get(_RUN) is not None  # one of the two runs of --measure both
+        if before is not None:
+            print("\nverdict (medians):")
+            for line in verdict(rows):
+                print("  " + line)
+            print("  " + meta["load_verdict"])
     if args.json not in (None, "-"):
         Path(args.json).write_text(report + "\n")
         if not child:  # a child's JSON is its parent's business

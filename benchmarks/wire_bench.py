@@ -18,9 +18,11 @@ Two tables, one process, one torch thread (``torch.set_num_threads(1)``):
      `load_checkpoint_weight_patches` (what patchctx does with the dense part of a choice:
      every variant's routes are learned first with `RouteCache.warm`, as a vLLM worker's are
      at start, so dense patches follow them);
-   - ``choice``: `diff_state_dicts(old, new, cost=UpdateCost(link_bytes_per_second=B))`, the
-     sparse patches decoded and everything applied with `load_checkpoint_weight_patches`
-     (routes in the steady state).
+   - ``choice``: `diff_state_dicts(old, new, cost=UpdateCost(link_bytes_per_second=B,
+     payload_seconds_per_byte=0, diff_seconds_per_element=0))` (this bench does not time the
+     data plane or the diff, so its choice leaves them out; ``./dev bench --engine`` times
+     the whole path with the full model), the sparse patches decoded and everything applied
+     with `load_checkpoint_weight_patches` (routes in the steady state).
 
    The total of each is ``wire bytes / B`` (at each ``--bandwidths`` B) plus the measured
    decode and apply time. ``ratio`` is the choice's total over the better of sparse-only and
@@ -66,6 +68,11 @@ from patchctx._encoding import decode_positions, encode_positions, positions_sum
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPES = {"1024x1024": (1024, 1024), "4096x4096": (4096, 4096), "11008x4096": (11008, 4096)}
 METHODS = ("sparse-only", "dense-reload", "dense-patchctx", "choice")
+
+
+# This bench times wire, decode and apply only, not the data plane's encode and checksums or the
+# trainer's diff: its choices use the default costs without those two terms.
+APPLY_ONLY = UpdateCost(payload_seconds_per_byte=0.0, diff_seconds_per_element=0.0)
 
 
 def progress(message: str) -> None:
@@ -255,8 +262,13 @@ def _time_density(
         flat[positions] += torch.full((positions.numel(),), 0.5, dtype=dtype)
         new[name] = flat.view(tensor.shape)
     # every tensor sparse (sparse is free) or every tensor dense (sparse costs a second)
-    all_sparse = UpdateCost(sparse_seconds_per_element=0.0, bitmask_seconds_per_element=0.0)
-    all_sparse = replace(all_sparse, sparse_seconds_per_patch=0.0, dense_seconds_per_byte=1.0)
+    all_sparse = replace(
+        APPLY_ONLY,
+        sparse_seconds_per_element=0.0,
+        bitmask_seconds_per_element=0.0,
+        sparse_seconds_per_patch=0.0,
+        dense_seconds_per_byte=1.0,
+    )
     all_dense = UpdateCost(sparse_seconds_per_patch=1.0)
     variants: dict[str, Variant] = {}
     keys: dict[str, str] = {}
@@ -275,7 +287,7 @@ def _time_density(
     keys["dense-patchctx"] = variant(diff_state_dicts(old, new, cost=all_dense))
     assert set(keys["sparse-only"]) == {"s"} and set(keys["dense-patchctx"]) == {"D"}
     for bandwidth in args.bandwidths:
-        cost = UpdateCost(link_bytes_per_second=bandwidth)
+        cost = replace(APPLY_ONLY, link_bytes_per_second=bandwidth)
         keys[f"choice {bandwidth:g}"] = variant(diff_state_dicts(old, new, cost=cost))
     for each in variants.values():
         each.encoded = _encode(each.patches)
@@ -468,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "processor": platform.processor(),
         "repeats": args.repeats,
         "bandwidths": args.bandwidths,
-        "cost": asdict(UpdateCost()),
+        "cost": asdict(APPLY_ONLY),
         "tp": 2,
     }
     brows = [] if args.only == "time" else bytes_rows(args)
@@ -483,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         header = (
             f"patchctx wire bench: torch {torch.__version__}, {torch.get_num_threads()} thread, "
-            f"CPU, TP 2 rank 0, {args.repeats} rounds, UpdateCost defaults "
-            f"{asdict(UpdateCost())}"
+            f"CPU, TP 2 rank 0, {args.repeats} rounds, UpdateCost defaults without the "
+            f"payload and diff terms {asdict(APPLY_ONLY)}"
         )
         parts = [header]
         if brows:

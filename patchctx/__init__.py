@@ -27,6 +27,7 @@ from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
+from patchctx._prepare import prepare
 from patchctx._routes import RouteCache, RouteStats
 from patchctx._shards import TensorShard
 from patchctx._storage import (
@@ -99,6 +100,7 @@ __all__ = [
     "load_patches",
     "masked_copy",
     "patch_nbytes",
+    "prepare",
     "read_manifest",
     "save_patches",
     "validate_patches",

@@ -1,11 +1,13 @@
-"""The cost of one tensor's update, sparse or dense: wire time plus apply time, estimated.
+"""The cost of one tensor's update, sparse or dense: the whole path, estimated.
 
 `UpdateCost` is what `diff_state_dicts(..., cost=...)` weighs per tensor. Both options pay a
-fixed cost per patch and their wire bytes at the link's bandwidth; a sparse patch then costs
-a time per changed element (route replay: an index write of each value), a dense one a time
-per byte of the tensor (a streaming copy through the loader). The defaults were measured on
-the 2-core CPU machine this library is developed on, with one torch thread (see
-`UpdateCost`); `UpdateCost.calibrate` measures them on the caller's machine instead.
+fixed cost per patch, their payload bytes through the data plane (encode, checksum, the
+local transport's copies, decode) and their wire bytes at the link's bandwidth; a sparse
+patch then costs a time per changed element (route replay: an index write of each value), a
+dense one a time per byte of the tensor (a streaming copy through the loader). The trainer's
+diff is paid whichever form a tensor takes, so it does not enter the choice. The defaults
+were measured on the 2-core CPU machine this library is developed on, with one torch thread
+(see `UpdateCost`); `UpdateCost.calibrate` measures them on the caller's machine instead.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from numbers import Real
+from typing import TYPE_CHECKING
 
 import torch
 
 from patchctx._arguments import positive_int
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
+
+if TYPE_CHECKING:
+    from patchctx._patch import CheckpointWeightPatch
 
 __all__ = ["UpdateCost"]
 
@@ -38,10 +44,19 @@ class UpdateCost:
     ``nnz * sparse_seconds_per_element``, plus ``lines * sparse_seconds_per_line`` for the
     64-byte lines of the tensor that hold a change (`lines`: ``touched_lines(nnz, numel,
     element_size)``, for changes spread at random), plus ``numel *
-    bitmask_seconds_per_element`` when the positions are a bitmask, plus ``sparse_bytes /
-    link_bytes_per_second``. The dense estimate is `dense_seconds_per_patch` plus ``numel *
-    element_size * dense_seconds_per_byte`` plus ``numel * element_size /
+    bitmask_seconds_per_element`` when the positions are a bitmask, plus ``sparse_bytes *
+    payload_seconds_per_byte`` plus ``sparse_bytes / link_bytes_per_second``. The dense
+    estimate also pays ``nnz * diff_seconds_per_element`` (the trainer gathers and encodes
+    the positions, which a dense patch does not need). The dense
+    estimate is `dense_seconds_per_patch` plus ``numel * element_size *
+    (dense_seconds_per_byte + payload_seconds_per_byte)`` plus ``numel * element_size /
     link_bytes_per_second``.
+
+    The payload term is what the data plane costs per byte on both sides together: the
+    trainer encodes the patch and checksums it, a local transport copies it (shared memory),
+    the worker checksums and decodes it. On a CPU it is several times a dense apply per byte,
+    so it decides the choice from a few percent up: a tensor whose sparse payload is half the
+    dense one's saves half of it.
 
     A replay's write of one element fetches and writes back its whole cache line: at a few
     percent most changed elements have a line of their own, and each costs about
@@ -57,8 +72,11 @@ class UpdateCost:
     bitmask element at 25 %, 1.0 at 10 %, where numpy's scan mispredicts most; 0.03 and
     0.09 ns per dense byte; the defaults lie between; 22 µs per sparse patch and 8.4 µs per
     dense one, in a call of many), with dense patches following their routes; the link is
-    10 GB/s. They are a 2-core CPU's: on a GPU, or to fit your model and machine, use
-    `calibrate`.
+    10 GB/s. The payload figure, 3.5 ns per byte, is the ``shm`` data plane's of
+    ``patchctx.vllm`` on that machine (SHA-256 on both sides, the payload built as bytes and
+    written to and read from ``/dev/shm``): ``./dev bench --engine`` measures it with
+    `calibrate`. They are a 2-core CPU's: on a GPU, or to fit your model and machine, use
+    `calibrate`; `describe` shows the figures.
 
     Attributes:
         link_bytes_per_second: The bandwidth from trainer to worker (`math.inf`: free).
@@ -68,6 +86,12 @@ class UpdateCost:
         dense_seconds_per_byte: Applying one byte of a dense patch (a copy through the loader).
         sparse_seconds_per_patch: The fixed cost of one more sparse patch in a call.
         dense_seconds_per_patch: The fixed cost of one more dense patch in a call.
+        payload_seconds_per_byte: Carrying one payload byte from the trainer's patch to the
+            worker's decoded one (encode, checksum, local transport, decode), both sides
+            together; the link's own time is `link_bytes_per_second`'s.
+        diff_seconds_per_element: The trainer's work per changed element of a sparse patch
+            beyond what the dense one costs it: gathering the positions and values, and
+            encoding the positions.
 
     Examples:
         >>> from patchctx import UpdateCost
@@ -76,7 +100,7 @@ class UpdateCost:
         >>> sparse_bytes = nnz * (2 + 2)  # values and uint16 gaps
         >>> sparse = cost.sparse_seconds(nnz, sparse_bytes, numel=numel, element_size=2)
         >>> f"{sparse:.4f} s, {cost.dense_seconds(numel, 2):.4f} s"
-        '0.0015 s, 0.0356 s'
+        '0.0064 s, 0.1530 s'
         >>> cost.prefers_sparse(numel=numel, nnz=nnz, element_size=2, sparse_bytes=sparse_bytes)
         True
     """
@@ -88,6 +112,8 @@ class UpdateCost:
     dense_seconds_per_byte: float = 6.0e-11
     sparse_seconds_per_patch: float = 22e-6
     dense_seconds_per_patch: float = 8.4e-6
+    payload_seconds_per_byte: float = 3.5e-9
+    diff_seconds_per_element: float = 15e-9
 
     def __post_init__(self) -> None:
         problems = []
@@ -131,9 +157,10 @@ class UpdateCost:
         """
         return (
             self.sparse_seconds_per_patch
-            + nnz * self.sparse_seconds_per_element
+            + nnz * (self.sparse_seconds_per_element + self.diff_seconds_per_element)
             + touched_lines(nnz, numel, element_size) * self.sparse_seconds_per_line
             + bitmask_numel * self.bitmask_seconds_per_element
+            + sparse_bytes * self.payload_seconds_per_byte
             + sparse_bytes / self.link_bytes_per_second
         )
 
@@ -147,7 +174,7 @@ class UpdateCost:
         nbytes = numel * element_size
         return (
             self.dense_seconds_per_patch
-            + nbytes * self.dense_seconds_per_byte
+            + nbytes * (self.dense_seconds_per_byte + self.payload_seconds_per_byte)
             + nbytes / self.link_bytes_per_second
         )
 
@@ -181,6 +208,7 @@ class UpdateCost:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         repeats: int = 5,
+        payload: Callable[[CheckpointWeightPatch], object] | None = None,
     ) -> UpdateCost:
         """Measure the apply costs here: dense and sparse patches to small models.
 
@@ -196,6 +224,11 @@ class UpdateCost:
         The fixed costs are those of one more patch in a call of 33 small ones (a worker's
         update is a call of many: the call's own cost is paid whichever form a tensor takes):
         a dense patch along its route, and a one-element sparse patch decoded and replayed.
+        With `payload`, a function that carries one patch through the caller's data plane
+        as an update does (encode, checksum, transport, decode: whatever it does counts),
+        dense patches of `numel` and of 256 elements give `payload_seconds_per_byte`;
+        without it, that field keeps its default (the data plane is the caller's, not the
+        library's core).
         Each is the fastest of `repeats` runs, so run it on a quiet machine, with the thread
         count the worker uses. It takes a second or two on a CPU at the defaults.
 
@@ -206,6 +239,8 @@ class UpdateCost:
                 (bool, complex) are measured with `BoolMask`, as a worker must load them.
             device: Where to measure ("cuda" for a GPU worker).
             repeats: Runs per measurement; the fastest counts.
+            payload: Carries a patch through the data plane, end to end (its result is
+                ignored); `None`: `payload_seconds_per_byte` is not measured.
 
         Raises:
             InvalidPatchError: `numel` or `repeats` is not positive.
@@ -224,7 +259,41 @@ class UpdateCost:
         numel = positive_int(numel, "UpdateCost.calibrate(numel=...)")
         repeats = positive_int(repeats, "UpdateCost.calibrate(repeats=...)")
         measured = _measure_costs(numel=numel, dtype=dtype, device=device, repeats=repeats)
+        if payload is not None:
+            measured["payload_seconds_per_byte"] = _measure_payload(
+                payload, numel=numel, dtype=dtype, device=device, repeats=repeats
+            )
         return replace(cls(), link_bytes_per_second=link_bytes_per_second, **measured)
+
+    def describe(self) -> str:
+        """The figures in readable units, one a line (what `calibrate` measured).
+
+        Examples:
+            >>> from patchctx import UpdateCost
+            >>> print(UpdateCost().describe())  # doctest: +NORMALIZE_WHITESPACE
+            link                       10.0 GB/s
+            sparse, per element         1.20 ns
+            sparse, per line written    4.50 ns
+            bitmask, per element        0.70 ns
+            dense apply, per byte      0.060 ns
+            payload, per byte           3.50 ns
+            diff, per sparse element   15.00 ns
+            sparse, per patch          22.0 us
+            dense, per patch            8.4 us
+        """
+        link = self.link_bytes_per_second
+        rows = [
+            ("link", "free" if link == math.inf else f"{link / 1e9:.1f} GB/s"),
+            ("sparse, per element", f"{self.sparse_seconds_per_element * 1e9:.2f} ns"),
+            ("sparse, per line written", f"{self.sparse_seconds_per_line * 1e9:.2f} ns"),
+            ("bitmask, per element", f"{self.bitmask_seconds_per_element * 1e9:.2f} ns"),
+            ("dense apply, per byte", f"{self.dense_seconds_per_byte * 1e9:.3f} ns"),
+            ("payload, per byte", f"{self.payload_seconds_per_byte * 1e9:.2f} ns"),
+            ("diff, per sparse element", f"{self.diff_seconds_per_element * 1e9:.2f} ns"),
+            ("sparse, per patch", f"{self.sparse_seconds_per_patch * 1e6:.1f} us"),
+            ("dense, per patch", f"{self.dense_seconds_per_patch * 1e6:.1f} us"),
+        ]
+        return "\n".join(f"{name:<24} {value:>10}" for name, value in rows)
 
 
 # Bytes of a cache line: what a write of one element fetches and writes back.
@@ -281,6 +350,59 @@ def _fastest(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _measure_payload(
+    payload: Callable[[CheckpointWeightPatch], object],
+    *,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    repeats: int,
+) -> float:
+    """Seconds per byte `payload` takes to carry a dense patch (two sizes, the slope)."""
+    from patchctx._patch import CheckpointWeightPatch
+
+    where = torch.device(device)
+    small, numel = 256, max(numel, 64 * 256)
+
+    def carried(size: int) -> float:
+        values = torch.ones(size, dtype=dtype, device=where)
+        patch = CheckpointWeightPatch("w0", (size,), dtype, values)
+        payload(patch)  # first use (buffers, imports) not counted
+        return _fastest(lambda: payload(patch), where, repeats)
+
+    spent = carried(numel) - carried(small)
+    return max(spent / ((numel - small) * dtype.itemsize), 0.0) + 0.0
+
+
+def _diff_per_element(numel: int, dtype: torch.dtype, where: torch.device, repeats: int) -> float:
+    """The trainer's seconds per changed element of a sparse patch: 10% changed against one.
+
+    Both diffs scan the whole tensor (a scan any choice pays); the difference is gathering
+    the changed positions and values, and encoding the positions.
+    """
+    from patchctx._diff import diff_state_dicts
+    from patchctx._encoding import encode_positions, positions_summary
+
+    generator = torch.Generator().manual_seed(1)
+    old = {"w": torch.zeros(numel, dtype=dtype, device=where)}
+    changed = (torch.rand(numel, generator=generator) < 0.1).to(where)
+    many = {"w": old["w"].masked_fill(changed, 1)}
+    one = {"w": old["w"].clone()}
+    one["w"][numel // 2] = 1
+    nnz = max(int(changed.sum()), 2)
+
+    def sparse(new: dict[str, torch.Tensor]) -> None:
+        [patch] = diff_state_dicts(old, new, cost=None)
+        if patch.indices is not None:
+            summary = positions_summary(patch.indices, numel)
+            encode_positions(patch.indices, summary, summary.smallest()[0])
+
+    spent = _fastest(lambda: sparse(many), where, repeats) - _fastest(
+        lambda: sparse(one), where, repeats
+    )
+    return max(spent, 0.0) / (nnz - 1)
 
 
 def _measure_costs(
@@ -421,6 +543,7 @@ def _measure_costs(
     elif per_element < 0:  # all of it by line
         per_element, per_line = 0.0, t2 / l2
     measured = {
+        "diff_seconds_per_element": _diff_per_element(numel, dtype, where, repeats),
         "sparse_seconds_per_element": per_element,
         "sparse_seconds_per_line": per_line,
         "bitmask_seconds_per_element": per_bit,

@@ -16,9 +16,9 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from patchctx._dispatch_mode import DispatchMode
 from patchctx._errors import LoaderContractError
 from patchctx._staged import (
     StagedTensor,
@@ -84,7 +84,7 @@ def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant 
     return None
 
 
-class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class Guard(DispatchMode):
     """The dispatch mode of one loader call, on the thread that called the loader."""
 
     def __init__(self, ledger: WriteLedger) -> None:

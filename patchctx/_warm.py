@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from patchctx import _swap
 from patchctx._arguments import name_map
+from patchctx._dispatch_mode import DispatchMode
 from patchctx._errors import (
     InvalidPatchError,
     InvalidPatchTypeError,
@@ -541,7 +541,7 @@ def _write_into_plain(
     )
 
 
-class _DryGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _DryGuard(DispatchMode):
     """The loader's plain operations in a dry run (its thread): model writes checked, skipped."""
 
     def __init__(self, ledger: _DryLedger) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from patchctx import (
     Auto,
+    CheckpointWeightPatch,
     InvalidPatchError,
     InvalidPatchTypeError,
     UpdateCost,
@@ -33,6 +34,8 @@ APPLY_ONLY = UpdateCost(
     dense_seconds_per_byte=1e-10,
     sparse_seconds_per_patch=0.0,
     dense_seconds_per_patch=0.0,
+    payload_seconds_per_byte=0.0,
+    diff_seconds_per_element=0.0,
 )
 
 
@@ -58,9 +61,15 @@ def test_estimates_are_the_documented_formulas() -> None:
         dense_seconds_per_byte=3e-10,
         sparse_seconds_per_patch=5e-6,
         dense_seconds_per_patch=7e-6,
+        payload_seconds_per_byte=4e-9,
+        diff_seconds_per_element=6e-9,
     )
-    assert cost.sparse_seconds(1000, 4000) == pytest.approx(5e-6 + 1000 * 2e-9 + 4000 / 1e9)
-    assert cost.dense_seconds(10_000, 2) == pytest.approx(7e-6 + 20_000 * 3e-10 + 20_000 / 1e9)
+    assert cost.sparse_seconds(1000, 4000) == pytest.approx(
+        5e-6 + 1000 * (2e-9 + 6e-9) + 4000 * 4e-9 + 4000 / 1e9
+    )
+    assert cost.dense_seconds(10_000, 2) == pytest.approx(
+        7e-6 + 20_000 * (3e-10 + 4e-9) + 20_000 / 1e9
+    )
     assert cost.prefers_sparse(numel=10_000, nnz=1000, element_size=2, sparse_bytes=4000) == (
         cost.sparse_seconds(1000, 4000) < cost.dense_seconds(10_000, 2)
     )
@@ -81,6 +90,7 @@ def test_a_replay_pays_for_the_lines_it_writes_into() -> None:
         sparse_seconds_per_element=1e-9,
         sparse_seconds_per_line=4e-9,
         sparse_seconds_per_patch=0.0,
+        diff_seconds_per_element=0.0,
     )
 
     def per_element(nnz: int) -> float:
@@ -247,19 +257,34 @@ def test_the_choice_never_returns_to_sparse_as_changes_grow(
         assert best_case[more] or not actual
 
 
-def test_the_defaults_cross_between_half_a_percent_and_a_third() -> None:
-    """The calibrated defaults, with a free link: sparse at 0.5%, dense at 33% (bf16 and
-    fp32), for a tensor of 16M elements (a hidden-4096 projection)."""
+def test_the_defaults_cross_between_a_fifth_and_a_half() -> None:
+    """The calibrated defaults, with a free link: sparse at 0.5% and 10%, dense at 50% (bf16
+    and fp32), for a tensor of 16M elements (a hidden-4096 projection). The payload's cost
+    per byte keeps 10% sparse (its payload is a sixth of the dense one's)."""
     cost = UpdateCost(link_bytes_per_second=math.inf)
     numel = 4096 * 4096
     for element in (2, 4):
-        for density, sparse in ((0.005, True), (0.33, False)):
+        for density, sparse in ((0.005, True), (0.1, True), (0.5, False)):
             nnz = round(numel * density)
-            size = sparse_nbytes(nnz, numel, element, 0)
             assert (
-                cost.prefers_sparse(numel=numel, nnz=nnz, element_size=element, sparse_bytes=size)
-                is sparse
+                choose_sparse(nnz, numel, element, escapes=0, cost=cost, dense_above=None) is sparse
             ), (element, density)
+
+
+def test_the_payload_and_the_diff_enter_the_choice() -> None:
+    # 10% of a bf16 tensor: apply alone prefers dense; a data plane that costs per byte
+    # prefers the smaller payload; a trainer that pays dearly per changed element, dense.
+    numel, nnz = 2**22, 2**22 // 10
+    apply_only = replace(APPLY_ONLY, sparse_seconds_per_element=3e-9)
+    choices = [
+        choose_sparse(nnz, numel, 2, escapes=0, cost=cost, dense_above=None)
+        for cost in (
+            apply_only,
+            replace(apply_only, payload_seconds_per_byte=3e-9),
+            replace(apply_only, payload_seconds_per_byte=3e-9, diff_seconds_per_element=50e-9),
+        )
+    ]
+    assert choices == [False, True, False]
 
 
 @pytest.mark.parametrize(
@@ -283,7 +308,8 @@ def test_invalid_costs_are_refused(
 
 def test_a_free_link_and_integers_are_accepted() -> None:
     cost = UpdateCost(link_bytes_per_second=math.inf, dense_seconds_per_patch=0)
-    assert cost.dense_seconds(10, 2) == pytest.approx(10 * 2 * cost.dense_seconds_per_byte)
+    per_byte = cost.dense_seconds_per_byte + cost.payload_seconds_per_byte
+    assert cost.dense_seconds(10, 2) == pytest.approx(10 * 2 * per_byte)
 
 
 def test_diff_state_dicts_refuses_a_cost_that_is_not_an_update_cost() -> None:
@@ -344,3 +370,23 @@ def test_calibrate_measures_every_field_here() -> None:
         assert 0 <= value < 1.0, name
     # One more patch in a call, measured as a difference: no more than its call of one.
     assert cost.sparse_seconds_per_patch < 1e-3 and cost.dense_seconds_per_patch < 1e-3
+
+
+def test_calibrate_measures_the_payload_it_is_given() -> None:
+    carried: list[int] = []
+
+    def copy_twice(patch: CheckpointWeightPatch) -> None:  # a data plane of two copies
+        carried.append(patch.values.numel())
+        patch.values.clone().clone()
+
+    measured = UpdateCost.calibrate(numel=2**18, repeats=2, payload=copy_twice)
+    assert 0 <= measured.payload_seconds_per_byte < 1e-6
+    assert {2**18, 256} <= set(carried)  # dense patches of the two sizes, as documented
+    without = UpdateCost.calibrate(numel=2**16, repeats=1)
+    assert without.payload_seconds_per_byte == UpdateCost().payload_seconds_per_byte
+
+
+def test_describe_shows_every_figure() -> None:
+    text = UpdateCost(link_bytes_per_second=math.inf, payload_seconds_per_byte=2e-9).describe()
+    assert len(text.splitlines()) == len(fields(UpdateCost))
+    assert "link" in text and "free" in text and "payload, per byte           2.00 ns" in text

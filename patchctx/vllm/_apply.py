@@ -32,6 +32,7 @@ from patchctx import (
 from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
 from patchctx._model import SupportsLoadWeights, read_names
 from patchctx.vllm._aliases import tied_aliases
+from patchctx.vllm._layout import repack_touched
 from patchctx.vllm._transformed import refusing_transformed, transformed_weights
 
 __all__ = ["UNKNOWN", "WorkerPatcher", "audit_model", "check_version"]
@@ -348,6 +349,13 @@ class WorkerPatcher:
             if not atomic:
                 self.version = UNKNOWN  # part of the patches may have been written
             raise
+        try:
+            # The layers vLLM prepacked after loading compute from their own copy: their
+            # post-load step again, on the layers written (`repack_touched`).
+            repacked = repack_touched(model, loaded)
+        except BaseException:
+            self.version = UNKNOWN  # written, but some kernels may still hold the old copy
+            raise
         self.consumed.update(patch.name for patch in patches)
         self.version = target_version
         after = self.routes.stats
@@ -362,6 +370,7 @@ class WorkerPatcher:
             "version": self.version,
             "atomic": atomic,
             "protected": len(protect),
+            "repacked": len(repacked),
         }
 
 

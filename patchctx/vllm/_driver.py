@@ -47,6 +47,8 @@ class PatchStats:
         atomic: Whether the update was atomic (asked for, or forced because the model has
             weights the engine transformed).
         protected: How many parameters were refused as transformed by the engine.
+        repacked: How many layers vLLM's CPU backend prepacked were repacked after the
+            update (their post-load step run again on the layers it wrote).
 
     Examples:
         >>> from patchctx.vllm import PatchStats
@@ -68,6 +70,7 @@ class PatchStats:
     version: str | int | None
     atomic: bool
     protected: int
+    repacked: int = 0
 
     @classmethod
     def from_worker(cls, result: Mapping[str, Any]) -> PatchStats:
@@ -83,6 +86,7 @@ class PatchStats:
             version=result["version"],
             atomic=bool(result["atomic"]),
             protected=int(result["protected"]),
+            repacked=int(result.get("repacked", 0)),
         )
 
 

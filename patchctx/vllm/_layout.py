@@ -1,18 +1,43 @@
-"""The switch that keeps vLLM's CPU backend from prepacking dense weights (patchable engines)."""
+"""How vLLM's CPU backend lays out dense weights after loading, in engines that take patches.
+
+vLLM's CPU backend prepacks every unquantized linear weight for its GEMM after loading
+(``dispatch_cpu_unquantized_gemm``) and drops the checkpoint-layout weight. patchctx replaces
+that one function, once per process, with a version that decides per layer:
+
+- **repacked** (the default for engines that take patches: the ``patchctx`` weight-transfer
+  backend or a `PatchWorkerExtension` worker extension): vLLM's own dispatch runs, but the
+  weight is kept in checkpoint layout next to the prepacked copy. A patch writes the kept
+  weight, and `repack_touched` runs vLLM's dispatch again on the layers the patch wrote
+  (their own post-load step), so the engine computes with vLLM's own kernels at vLLM's own
+  speed. The price: each dense linear weight is held twice (its checkpoint layout and the
+  kernel's), and each patched layer is repacked (about the time of a copy of its weight).
+  ``PATCHCTX_VLLM_REPACK=0`` turns it off: such weights are then refused, as before.
+- **kept in checkpoint layout** (`keep_checkpoint_layout`, ``PATCHCTX_VLLM_KEEP_CHECKPOINT_
+  LAYOUT=1``): no prepacking at all, ``torch.nn.functional.linear`` on the live weight (the
+  slower GEMM; one copy of each weight).
+- otherwise vLLM's own handling.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["KEEP_LAYOUT_ENV", "keep_checkpoint_layout", "layout_kept"]
+__all__ = [
+    "KEEP_LAYOUT_ENV",
+    "REPACK_ENV",
+    "keep_checkpoint_layout",
+    "layout_kept",
+    "repack_touched",
+]
 
 KEEP_LAYOUT_ENV = "PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT"
+REPACK_ENV = "PATCHCTX_VLLM_REPACK"
 
 _lock = threading.Lock()
 
@@ -34,6 +59,9 @@ def _utils() -> Any:
 
 
 _MARK = "_patchctx_keeps_checkpoint_layout"
+# Set on a layer whose weight is kept next to vLLM's prepacked copy: vLLM's dispatch, to run
+# again after a patch writes the weight.
+REPACK_MARK = "_patchctx_repack"
 
 
 class _State:
@@ -44,6 +72,32 @@ class _State:
     installed = False
 
 
+def _takes_patches() -> bool:
+    """Whether the engine being loaded now takes patches (the backend or the extension)."""
+    if os.environ.get(REPACK_ENV, "1") == "0":
+        return False
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - depends on the vLLM version
+        return False
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return False
+    transfer = getattr(config, "weight_transfer_config", None)
+    if getattr(transfer, "backend", None) == "patchctx":
+        return True
+    extension = getattr(getattr(config, "parallel_config", None), "worker_extension_cls", "")
+    if not isinstance(extension, str) or "." not in extension:
+        return False
+    module_name, _, class_name = extension.rpartition(".")
+    try:
+        cls = getattr(__import__(module_name, fromlist=[class_name]), class_name)
+        from patchctx.vllm._extension import PatchWorkerExtension
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, PatchWorkerExtension)
+
+
 def _keeps(layer: Any) -> bool:
     return _State.forever or _State.depth > 0 or bool(getattr(layer, _MARK, False))
 
@@ -51,12 +105,14 @@ def _keeps(layer: Any) -> bool:
 def _keeping(original: Callable[..., None]) -> Callable[..., None]:
     def keep_layout(layer: Any, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
-        if (
-            not _keeps(layer)
-            or not isinstance(weight, torch.Tensor)
-            or weight.is_meta
-            or weight.ndim != 2
-        ):
+        dense = isinstance(weight, torch.Tensor) and not weight.is_meta and weight.ndim == 2
+        if dense and not _keeps(layer) and (repackable(layer) or _takes_patches()):
+            # vLLM's own kernel, the weight kept for patches (see the module); vLLM calls
+            # this again when it reloads weights: the layer stays repackable.
+            original(layer, False)
+            setattr(layer, REPACK_MARK, original)
+            return
+        if not _keeps(layer) or not dense:
             original(layer, remove_weight)  # not kept, or not a dense matrix: vLLM's own
             return
         # The layer keeps its layout for its whole life: vLLM calls this again when it
@@ -66,6 +122,51 @@ def _keeping(original: Callable[..., None]) -> Callable[..., None]:
 
     keep_layout.__patchctx_keeps_layout__ = True  # type: ignore[attr-defined]
     return keep_layout
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+def repackable(module: torch.nn.Module) -> bool:
+    """Whether `module` keeps its weight next to vLLM's prepacked copy (see the module)."""
+    return callable(getattr(module, REPACK_MARK, None))
+
+
+def repack_touched(model: torch.nn.Module, written: Iterable[str]) -> list[str]:
+    """Run vLLM's post-load GEMM dispatch again on the repackable layers a patch wrote.
+
+    Args:
+        model: The vLLM model.
+        written: Names of the parameters written (what ``load_weights`` reported). A layer
+            is repacked when its weight is one of them or shares its storage (a tied LM
+            head computes from its own prepacked copy of the embedding).
+
+    Returns:
+        The qualified names of the layers repacked, in model order.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx.vllm._layout import repack_touched
+        >>> repack_touched(torch.nn.Linear(2, 2), ["weight"])  # nothing vLLM prepacked
+        []
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    storages = {_storage(params[name]) for name in written if name in params} - {None}
+    repacked: list[str] = []
+    if not storages:
+        return repacked
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dispatch = getattr(module, REPACK_MARK, None)
+        weight = getattr(module, "weight", None)
+        if callable(dispatch) and isinstance(weight, torch.Tensor) and _storage(weight) in storages:
+            dispatch(module, False)
+            repacked.append(prefix)
+    return repacked
 
 
 def layout_kept() -> bool:
@@ -136,7 +237,14 @@ def keep_checkpoint_layout() -> Iterator[None]:
 
 
 def install_from_environment() -> None:
-    """Install the switch for the process's lifetime when ``KEEP_LAYOUT_ENV=1`` is set."""
-    if os.environ.get(KEEP_LAYOUT_ENV) == "1" and not _State.forever:
+    """Install the replacement (repacking engines that take patches, see the module).
+
+    With ``KEEP_LAYOUT_ENV=1``, every engine of the process keeps checkpoint layout instead.
+    Without a vLLM that has the replaced function, nothing is installed.
+    """
+    try:
         _install()
+    except ImportError:  # pragma: no cover - depends on the vLLM version
+        return
+    if os.environ.get(KEEP_LAYOUT_ENV) == "1":
         _State.forever = True

@@ -8,7 +8,8 @@ Three signals, read from the live model:
 
 1. Known kernels: a fused-MoE layer whose experts run on vLLM's CPU MoE kernel (``w13_weight``
    and ``w2_weight`` are in the kernel's layout), and a linear or LM-head module whose
-   ``cpu_linear`` computes from its own prepacked copy (every name bound to that weight).
+   ``cpu_linear`` computes from its own prepacked copy (every name bound to that weight),
+   unless patchctx kept its weight to repack it after each patch (`patchctx.vllm._layout`).
 2. vLLM's own load-time record: ``initialize_model`` keeps meta copies of every parameter as
    created (``LAYERWISE_INFO[module].restore_metadata``); a live parameter whose shape,
    strides, dtype or class differs, or that lost recorded attributes (``replace_parameter``
@@ -27,12 +28,15 @@ import torch
 
 from patchctx._errors import LoaderContractError
 from patchctx._staged import StagedTensor
+from patchctx.vllm._layout import repackable
 
 __all__ = ["refusing_transformed", "transformed_weights"]
 
 _MISSING = object()
 _KEEP = (
-    "to keep it in checkpoint layout, start the engine with "
+    "patchctx repacks such layers after each patch in engines started with the patchctx "
+    "backend or worker extension, unless PATCHCTX_VLLM_REPACK=0; or, to keep it in "
+    "checkpoint layout, start the engine with "
     "PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1 in its environment (vllm serve, multi-process "
     "engines), or inside patchctx.vllm.keep_checkpoint_layout() (in-process engines)"
 )
@@ -144,7 +148,8 @@ def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
         cpu_linear = getattr(module, "cpu_linear", None)
         weight = getattr(module, "weight", None)
         if (
-            cpu_linear is not None
+            not repackable(module)  # its kept weight takes patches; repacked after them
+            and cpu_linear is not None
             and cpu_linear is not torch.nn.functional.linear
             and isinstance(module, linear_classes)
             and isinstance(weight, torch.Tensor)

@@ -9,7 +9,9 @@ model's loaders, nothing written). The first sparse update then already replays 
 A checkpoint without safetensors files (``.bin``, GGUF, a repository not in the local cache)
 gives no names: routes are then learnt by the first update, as before. So does a trainer that
 sends another dtype than the file holds: a patch of another dtype drops the route and
-records its own. ``PATCHCTX_VLLM_WARM=0`` in the engine's environment turns the warm-up off.
+records its own. The warm-up also pays the process's one-time cost of a first patch load
+(`patchctx.prepare`), with or without names. ``PATCHCTX_VLLM_WARM=0`` in the engine's
+environment turns the warm-up off, and leaves that cost to the first update.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from patchctx import WarmReport
+from patchctx import WarmReport, prepare
 
 __all__ = ["checkpoint_specs", "warm_at_start"]
 
@@ -130,6 +132,9 @@ def warm_at_start(
         return None
     started = time.perf_counter()
     try:
+        # The process's one-time cost of a first patch load, here rather than in an update.
+        device = next((p.device for p in model.parameters() if not p.is_meta), None)
+        prepare(device if device is not None else "cpu")
         specs = checkpoint_specs(vllm_config)
         if not specs:
             logger.info(

@@ -20,6 +20,7 @@ from patchctx.vllm import (
     set_weight_version,
     transformed_weights,
 )
+from patchctx.vllm._layout import REPACK_ENV
 from tests.vllm.support.checkpoints import read_checkpoint, write_checkpoint_tensors
 from tests.vllm.support.engine import (
     assert_same_generations,
@@ -65,8 +66,14 @@ def expected_reason(name: str, tied: bool) -> str | None:
     ],
 )
 def test_default_cpu_engine_refuses_patches_into_transformed_weights(
-    checkpoints: dict[str, Path], tmp_path: Path, arch: str, hazard: str
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    arch: str,
+    hazard: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # vLLM's own layout: patchctx's repacking turned off (PATCHCTX_VLLM_REPACK=0).
+    monkeypatch.setenv(REPACK_ENV, "0")
     model_dir = checkpoints[arch]
     checkpoint = read_checkpoint(model_dir)
     patch = sparse(hazard, tuple(checkpoint[hazard].shape), density=0.3, seed=7)
@@ -225,3 +232,43 @@ def test_the_layout_switch_outlives_start_up_and_vllms_reload(
         apply_patches(llm, patches, base_version=0, target_version=1)
         after = vllm_greedy(llm)
     assert_same_generations(after, hf_greedy(patched_checkpoint(model_dir, patches, tmp_path)))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_prepacked_layers_are_repacked_after_the_patches_that_write_them(
+    checkpoints: dict[str, Path], tmp_path: Path, arch: str
+) -> None:
+    """An engine with vLLM's CPU prepacking (no layout switch): patches write the weights kept
+    next to the prepacked copies, the layers they wrote are repacked, and greedy generations
+    follow ``transformers`` on the patched checkpoint; MoE experts stay refused."""
+    model_dir = checkpoints[arch]
+    first, second = update(model_dir, seed=21), update(model_dir, seed=600)
+    second = [p for p in second if p.indices is not None]  # sparse only: replayed
+    checkpoint = read_checkpoint(model_dir)
+    with running_engine(model_dir) as llm:
+        assert llm.collective_rpc("patchctx_test_layout_kept") == [False]
+        found = llm.apply_model(transformed_weights)[0]
+        # Only the MoE experts are left transformed; every dense weight takes patches.
+        assert all(name.endswith(("_experts.w13_weight", "_experts.w2_weight")) for name in found)
+        before = vllm_greedy(llm)
+        set_weight_version(llm, 0)
+        [one] = apply_patches(llm, first, base_version=0, target_version=1)
+        after_one = vllm_greedy(llm)
+        [two] = apply_patches(llm, second, base_version=1, target_version=2)
+        after_two = vllm_greedy(llm)
+        if arch == "qwen3_moe":
+            name = "model.layers.1.mlp.experts.2.down_proj.weight"
+            expert = sparse(name, tuple(checkpoint[name].shape), density=0.1, seed=3)
+            with pytest.raises(LoaderContractError, match="repacked by the CPU MoE kernel"):
+                apply_patches(llm, [second[0], expert], base_version=2, target_version=3)
+            assert_same_generations(vllm_greedy(llm), after_two, atol=1e-6)
+    # Every linear layer and the LM head (tied to the patched embedding) repacked once each.
+    linear = sum(1 for p in first if p.name.endswith(".weight") and p.indices is not None)
+    assert one.repacked > 0 and two.repacked > 0 and one.repacked <= linear + 1
+    assert two.replayed == len(second) and two.loader_calls == 0, two
+    assert_same_generations(before, hf_greedy(model_dir))
+    truth_one = hf_greedy(patched_checkpoint(model_dir, first, tmp_path / "one"))
+    truth_two = hf_greedy(patched_checkpoint(model_dir, first + second, tmp_path / "two"))
+    assert differ(before, truth_one) and differ(truth_one, truth_two)
+    assert_same_generations(after_one, truth_one)
+    assert_same_generations(after_two, truth_two)

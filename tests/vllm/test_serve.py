@@ -101,7 +101,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("serve")
     source = write_checkpoint("qwen2", root / "qwen2")
     write_tokenizer(source)
-    with vllm_serve(source, root / "server.log") as server:
+    # As the docs start it: no layout switch (vLLM's prepacked kernels, repacked after patches).
+    with vllm_serve(source, root / "server.log", keep_layout=False) as server:
         yield Served(
             server=server,
             source=source,

@@ -47,7 +47,10 @@ def server_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
     root = tmp_path_factory.mktemp("serve-tp2")
     source = write_checkpoint("qwen2", root / "qwen2", seed=3)
     write_tokenizer(source)
-    with vllm_serve(source, root / "server.log", tensor_parallel_size=2) as server:
+    # No layout switch: both workers keep vLLM's prepacked kernels and repack after patches.
+    with vllm_serve(
+        source, root / "server.log", tensor_parallel_size=2, keep_layout=False
+    ) as server:
         yield server, source
 
 

@@ -91,15 +91,20 @@ def vllm_serve(
     *,
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
+    keep_layout: bool = True,
 ) -> Iterator[Server]:
-    """Start ``vllm serve`` on `model_dir` at 127.0.0.1 and stop it (its whole process group)."""
+    """Start ``vllm serve`` on `model_dir` at 127.0.0.1 and stop it (its whole process group).
+
+    `keep_layout`: with ``PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1`` (no CPU prepacking); without
+    it, vLLM's prepacked kernels, repacked after each patch (the default of patchctx engines).
+    """
     port = free_port()
     env = {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TORCHDYNAMO_DISABLE": "1",
-        "PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT": "1",
+        "PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT": "1" if keep_layout else "0",
         "VLLM_DIST_IDENT": f"patchctx-serve-{port}",
         "OMP_NUM_THREADS": "1",
         # Binding each worker's threads to its own NUMA node fails at TP=2 on a one-node

@@ -11,9 +11,11 @@ from patchctx._cost import UpdateCost
 from patchctx._diff import diff_state_dicts, patch_nbytes
 from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
 from patchctx._errors import (
+    CastKindError,
     InvalidPatchError,
     InvalidPatchTypeError,
     LoaderContractError,
+    LoaderError,
     PatchError,
     PatchProblem,
     RegionError,
@@ -37,6 +39,7 @@ __all__ = [
     "Auto",
     "BoolMask",
     "ByteBudget",
+    "CastKindError",
     "CheckedPatch",
     "CheckpointWeightPatch",
     "ChunkState",
@@ -48,6 +51,7 @@ __all__ = [
     "InvalidPatchError",
     "InvalidPatchTypeError",
     "LoaderContractError",
+    "LoaderError",
     "MaskedCopy",
     "NaNMask",
     "OrderingPolicy",

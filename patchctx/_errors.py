@@ -301,7 +301,7 @@ class WeightVersionError(PatchError, ValueError):
         self.found = found
 
 
-class UpdateConflictError(PatchError, RuntimeError):
+class UpdateConflictError(PatchError, RuntimeError):  # public as patchctx.vllm's
     """A weight update's owner, order or state does not allow the step; nothing changed.
 
     An update belongs to the trainer that opened it (its update id is on every chunk): another

@@ -65,6 +65,8 @@ class LoadResult:
     # Names that only sharing the call with other names and constant fills kept from a route:
     # a call of their own would settle them (`patchctx._recording`).
     alone: frozenset[str] = frozenset()
+    # The names whose data reached a model tensor (or whose values the loader read out).
+    consumed: frozenset[str] = frozenset()
 
 
 def _tensor_for(load: Load, ledger: WriteLedger, *, atomic: bool) -> torch.Tensor:
@@ -223,6 +225,17 @@ def run_loader(
         changed = call.snapshot.restore()
         if changed:
             raise _rebound(changed)
+        weights.clear()  # the staged tensors die here unless the loader kept them
+        kept = call.kept()
+        if kept:
+            gc.collect()  # a reference cycle may be all that keeps a temporary alive
+            kept = call.kept()
+        if kept:
+            raise LoaderContractError(
+                f"the loader kept staged data of {', '.join(map(repr, kept))} in an object "
+                "that outlives the load (a cache, an attribute, a global): it holds 'keep' "
+                "marks, not weights. Copy what you need into the model's own tensors"
+            )
         if strict:
             skipped = [
                 load
@@ -243,17 +256,6 @@ def run_loader(
                         for load in skipped
                     ]
                 )
-        weights.clear()  # the staged tensors die here unless the loader kept them
-        kept = call.kept()
-        if kept:
-            gc.collect()  # a reference cycle may be all that keeps a temporary alive
-            kept = call.kept()
-        if kept:
-            raise LoaderContractError(
-                f"the loader kept staged data of {', '.join(map(repr, kept))} in an object "
-                "that outlives the load (a cache, an attribute, a global): it holds 'keep' "
-                "marks, not weights. Copy what you need into the model's own tensors"
-            )
         done = True
     except BaseException:
         call.rollback()
@@ -278,4 +280,11 @@ def run_loader(
         tensor_names=frozenset(index.tensors),
     )
     recorder = call.recorder
-    return LoadResult(names, routes, recorder.segments, recorder.reasons, frozenset(recorder.alone))
+    return LoadResult(
+        names,
+        routes,
+        recorder.segments,
+        recorder.reasons,
+        frozenset(recorder.alone),
+        frozenset(call.ledger.consumed),
+    )

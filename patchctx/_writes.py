@@ -40,6 +40,11 @@ __all__ = ["Constant", "ModelIndex", "Span", "WriteLedger", "span_of", "storage_
 Constant: TypeAlias = bool | int | float | complex
 
 
+# The attribute that carries, on a tensor the loader computed from a dense patch's plain data,
+# which patches it comes from (`WriteLedger.plain_sources`).
+_SOURCES = "_patchctx_dense_sources"
+
+
 def storage_key(tensor: torch.Tensor) -> int | None:
     """The data pointer of `tensor`'s storage, or `None` (meta, empty, no storage)."""
     if isinstance(tensor, StagedTensor):
@@ -192,7 +197,9 @@ class WriteLedger:
         # Dense data handed to the loader as plain tensors (no ``atomic``): their storages, and
         # the tensors the loader computed from them in its thread, with their names.
         self.sources: dict[int, set[str]] = {}
-        self.from_sources: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # (On the computed tensors themselves, under this call's own token: no weak
+        # references, whose callbacks an interrupt could hit.)
+        self._token = object()
         self.log_plain = log_plain  # save old values of plain writes (sparse calls, atomic)
         # Masked writes: save the old values at the changed positions only (O(changed), what
         # atomic=True promises to hold until the call returns), or the whole written view (one
@@ -290,7 +297,9 @@ class WriteLedger:
             key = storage_key(tensor)
             if key is not None and key in self.sources:
                 found |= self.sources[key]
-            found |= self.from_sources.get(tensor, frozenset())  # type: ignore[no-untyped-call]
+            mark = getattr(tensor, _SOURCES, None)
+            if mark is not None and mark[0] is self._token:
+                found |= mark[1]
         return frozenset(found)
 
     def plain_sources(
@@ -311,8 +320,8 @@ class WriteLedger:
                     self._reached(target, owner.name, names)
             return
         for output in _tensors(result):
-            if self.index.owner(output) is None:
-                self.from_sources[output] = names
+            if self.index.owner(output) is None and not isinstance(output, StagedTensor):
+                setattr(output, _SOURCES, (self._token, names))
 
     def log_masked(
         self,

@@ -225,15 +225,15 @@ class WorkerPatcher:
                 ) from error
         refused: dict[str, str] = {}
         for row in rows:
-            if row.status == "unsupported":
-                if row.reason.startswith(_LOADER_RAISED):  # an unknown name, a wrong shape
-                    refused[row.name] = f"the model's loader refuses it ({row.reason[:300]})"
-                # else: a transformed weight, refused with its reason by the load itself
-            elif _WRITES_NOTHING in row.reason:
+            if _WRITES_NOTHING in row.reason:
                 refused[row.name] = (
                     "no loader of this model consumes it (the model skips or does not know "
                     "the name)"
                 )
+            elif row.status == "unsupported":
+                if row.reason.startswith(_LOADER_RAISED):  # an unknown name, a wrong shape
+                    refused[row.name] = f"the model's loader refuses it ({row.reason[:300]})"
+                # else: a transformed weight, refused with its reason by the load itself
             else:
                 self.consumed.add(row.name)
         if refused:
@@ -341,6 +341,9 @@ class WorkerPatcher:
                     atomic=atomic,
                     aliases=tied_aliases(model),
                     protect=protect,
+                    # A name no loader of this rank consumes is refused (above, or by the
+                    # load); with pipeline parallelism another stage holds it.
+                    strict=self.check_consumed,
                 )
         except InvalidPatchError:
             raise  # raised before any write

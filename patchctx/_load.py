@@ -700,11 +700,10 @@ def load_checkpoint_weight_patches(
         CastKindError: A patch would change kind on its way into a weight (``kind_casts``).
         LoaderContractError: The loader wrote staged data in a way the strategy cannot mask.
         LoaderError: The model's ``load_weights`` raised (its exception is the
-            ``__cause__``).
-
-        Every error is a `PatchError` naming the patches and the reason. With ``atomic``,
-        the model is as it was; without it, a failure leaves what earlier loader calls and
-        replays wrote, and the error says which names (`PatchError.written`).
+            ``__cause__``). Every error is a `PatchError` naming the patches and the
+            reason. With ``atomic``, the model is as it was; without it, a failure leaves
+            what earlier loader calls and replays wrote, and the error says which names
+            (`PatchError.written`).
 
     Examples:
         >>> import torch

@@ -268,15 +268,20 @@ class WriteLedger:
     def _reached(self, destination: torch.Tensor, owner: str, names: frozenset[str]) -> None:
         """Data of `names` is about to be written into the model tensor `destination`.
 
-        Kinds compare against the model tensor's own dtype: a view of it as bytes or as
-        integers of the same width (a bit-exact reinterpretation) is not a cast.
+        Kinds compare against the model tensor's own dtype and the view's: a view of it as
+        bytes or as integers of the same width (a bit-exact reinterpretation), or the real
+        part of a complex one, is not a cast.
         """
         if not self.kind_casts:
             found = self.index.owner(destination)
             weight = destination.dtype if found is None else found.tensor.dtype
             for name in sorted(names):
                 dtype = self.dtypes.get(name)
-                if dtype is not None and not same_kind(dtype, weight):
+                if (
+                    dtype is not None
+                    and not same_kind(dtype, weight)
+                    and not same_kind(dtype, destination.dtype)  # (.imag, .real of a complex)
+                ):
                     raise CastKindError(
                         f"the patch to {name!r} ({str(dtype).removeprefix('torch.')}) would be "
                         f"cast into a {kind_of(weight)} weight ({owner!r}, "

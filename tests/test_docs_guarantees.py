@@ -50,6 +50,7 @@ GUARANTEE_FILES: dict[str, str | None] = {
     "tests/test_changes.py": "docs/guarantees.md",
     "tests/test_replay_inputs.py": "docs/guarantees.md",
     "tests/test_kernel.py": "docs/guarantees.md",
+    "tests/test_accounting.py": "docs/guarantees.md",
     "tests/test_load.py": None,
 }
 

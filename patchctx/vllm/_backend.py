@@ -504,6 +504,8 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         """The connected trainer (the last ``init_weight_transfer_engine``), `None`: anonymous."""
         self.served: list[str | int | None] = [VLLM_START_VERSION]
         """Every version this worker's weights have been at, in order: versions never repeat."""
+        self.commits: list[tuple[str, str | None, str | int | None]] = []
+        """Every update applied: (update id, trainer id, target version), in order."""
         self._started = False  # a session is open (vLLM's own flag, when there is no worker)
         self.last_stats: dict[str, Any] | None = None
         self.applier = "patchctx"
@@ -892,6 +894,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             atomic=True,
         )
         self.served.append(open_update.target)
+        self.commits.append((open_update.update_id, open_update.trainer, open_update.target))
         self.last_stats = {"rank": self.rank, "chunks": len(chunks), **stats}
         logger.info(
             "patchctx: rank %d applied update %r (%d patches, %d replayed, %d loader calls) "

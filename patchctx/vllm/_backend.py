@@ -100,9 +100,9 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
             (`WeightVersionError`): a trainer resumed from an older checkpoint would send
             differences against weights the engine no longer holds. `None`: not checked.
         adopt_version: Take `weight_version` as the worker's own version instead of checking
-            it: the weights were reloaded outside patchctx (vLLM's ``reload_weights``), or
-            the worker's version is unknown after a failed update. Say so only when it is
-            true.
+            it, starting a new line of versions: the weights were reloaded outside patchctx
+            (vLLM's ``reload_weights``), or the worker's version is unknown after a failed
+            update. Say so only when it is true.
         trainer_id: The connecting trainer's id (1-64 of ``[A-Za-z0-9_.-]``). The worker
             then refuses chunks of any other trainer, and only this trainer or a takeover
             may end an update it opened. `None`: an anonymous trainer.
@@ -619,9 +619,9 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
                 self.transport.sweep(previous)  # files a trainer died before sending
             self.transport.close()
             self.transport = None
-        if info.adopt_version:
+        if info.adopt_version:  # declared by whoever reloaded the weights: a new line
             self.patcher.version = info.weight_version
-            self.served.append(info.weight_version)
+            self.served = [info.weight_version]
         self.trainer_id = info.trainer_id
         self.applier = info.apply
         if info.transport == "shm":

@@ -308,13 +308,19 @@ class SharedMemoryTransport:
                 f"the payload file {str(path)!r} cannot be read ({error.strerror}): the trainer "
                 "may have died before writing it; nothing was written"
             ) from None
+        try:
+            info = os.fstat(fd)
+            regular = stat.S_ISREG(info.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise InvalidPatchError(
+                f"the payload file {str(path)!r} is not a regular file (a FIFO, a device, "
+                "a directory); nothing was read or written"
+            )
         with os.fdopen(fd, "rb", buffering=0) as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise InvalidPatchError(
-                    f"the payload file {str(path)!r} is not a regular file (a FIFO, a device, "
-                    "a directory); nothing was read or written"
-                )
             if info.st_size != nbytes:
                 raise InvalidPatchError(
                     f"the payload is truncated or corrupt: the file {str(path)!r} holds "

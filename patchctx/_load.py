@@ -5,7 +5,7 @@ validate -> resolve aliases -> order -> replay known routes | chunk -> stage -> 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import cast
 
@@ -631,6 +631,7 @@ def load_checkpoint_weight_patches(
     protect: Mapping[str, str] | None = None,
     strict: bool = True,
     kind_casts: bool = False,
+    verify: Callable[[], object] | None = None,
 ) -> set[str]:
     """Apply dense and sparse patches through the model's own ``load_weights``.
 
@@ -690,6 +691,9 @@ def load_checkpoint_weight_patches(
             Refused by default (`CastKindError`): the patch's values against its dtype before
             any write, the patch's dtype against the weight's at the write. Casts between
             floating dtypes (float32 into bfloat16) always happen, as in a dense load.
+        verify: Called once every patch is written, before the call returns (a read-back of
+            what landed, say); an exception it raises fails the call like a failed write:
+            with ``atomic=True`` every write of the call is undone.
 
     Returns:
         The union of the names the model's ``load_weights`` calls reported.
@@ -736,6 +740,10 @@ def load_checkpoint_weight_patches(
         instance_of(routes, RouteCache, "routes=", "one RouteCache() per model")
     if protected:
         known_names(protected, model_tensors(model), "protect=")
+    if verify is not None and not callable(verify):
+        raise InvalidPatchTypeError(
+            [PatchProblem(None, "", f"verify= takes a callable or None, got {verify!r}", True)]
+        )
     for flag, value in (("strict", strict), ("kind_casts", kind_casts)):
         if not isinstance(value, bool):
             raise InvalidPatchTypeError(
@@ -773,6 +781,8 @@ def load_checkpoint_weight_patches(
             for at in range(len(items)):
                 loader.add(at)
             loader.flush()
+            if verify is not None:
+                verify()
         except PatchError as error:
             loader.note_written(error)
             raise

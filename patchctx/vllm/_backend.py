@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -476,6 +477,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         >>> payload = encode_patches([patch], base_version="default", target_version="1")
         >>> engine.start_weight_update()
         >>> engine.update_weights({"nbytes": len(payload), "sha256": digest(payload),
+        ...                        "update_id": "u1",
         ...                        "inline": __import__("base64").b64encode(payload).decode()})
         >>> engine.finish_weight_update()
         >>> engine.model.w.tolist(), engine.patcher.version
@@ -507,6 +509,9 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         self.commits: list[tuple[str, str | None, str | int | None]] = []
         """Every update applied: (update id, trainer id, target version), in order."""
         self._started = False  # a session is open (vLLM's own flag, when there is no worker)
+        # Read back what each update wrote before committing it (`WorkerPatcher.read_back`);
+        # PATCHCTX_VLLM_VERIFY_LANDING=0 turns it off.
+        self.verify_landing = os.environ.get("PATCHCTX_VLLM_VERIFY_LANDING", "1") != "0"
         self.last_stats: dict[str, Any] | None = None
         self.applier = "patchctx"
         tensor_parallel = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
@@ -892,6 +897,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             base_version=open_update.base,
             target_version=open_update.target,  # None: a version nobody named
             atomic=True,
+            verify_landing=self.verify_landing,
         )
         self.served.append(open_update.target)
         self.commits.append((open_update.update_id, open_update.trainer, open_update.target))

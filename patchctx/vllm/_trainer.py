@@ -363,7 +363,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         >>> sent = {"w": torch.zeros(8)}
         >>> engine.remember(sent)
         >>> stats = engine.send_state_dict({"w": torch.tensor([0, 0, 1.0, 0, 0, 0, 0, 0])})
-        >>> stats.patches, stats.transport, stats.version, client.calls[-3:]
+        >>> stats.patches, stats.transport, stats.version, client.calls[-4:-1]
         (1, 'inline', '1', ['start_weight_update', 'update_weights', 'finish_weight_update'])
     """
 

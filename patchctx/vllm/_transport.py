@@ -256,7 +256,7 @@ class SharedMemoryTransport:
         >>> import tempfile
         >>> from patchctx.vllm._transport import SharedMemoryTransport, digest
         >>> sender = SharedMemoryTransport(tempfile.mkdtemp())
-        >>> descriptor = sender.describe(b"payload")
+        >>> descriptor = {**sender.describe(b"payload"), "nbytes": 7}
         >>> SharedMemoryTransport(sender.directory).receive(descriptor)
         b'payload'
         >>> sender.release()  # the file is gone

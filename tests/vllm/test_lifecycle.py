@@ -279,3 +279,35 @@ def test_a_chunk_out_of_order_or_after_the_last_is_refused() -> None:
     with pytest.raises(UpdateConflictError, match="is complete"):
         trainer.send_weight_chunk(chunks_of("B", 1)[0], last=True)
     assert not worker.model.w.any()
+
+
+def test_proof_of_landing_reads_back_and_a_mismatch_rolls_the_update_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before committing, the worker reads back through the routes what each patch wrote and
+    compares it with what was sent: a write no guard sees (here a replay kernel that writes
+    other values) fails the finish, the update is undone and the version stays."""
+    from patchctx import _load
+
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    assert trainer.send_weights(chunks_of("A", 1)[0]) is not None  # learns the route of w
+    assert worker.last_stats is not None
+    assert worker.last_stats["landing"] == {"verified": 1, "elements": 1, "unverified": 0}
+    before = worker.model.w.detach().clone()
+    real = _load.replay
+
+    def wrong_kernel(route: Any, indices: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
+        return real(route, indices, values * 2, *args, **kwargs)
+
+    monkeypatch.setattr(_load, "replay", wrong_kernel)
+    with pytest.raises(PatchError, match=r"proof of landing failed.*'w'"):
+        trainer.send_weights(chunks_of("B", 2)[0])
+    assert torch.equal(worker.model.w.detach(), before)
+    assert client.get_weight_version() == worker.patcher.version == "1"
+    monkeypatch.undo()
+    assert trainer.send_weights(chunks_of("B", 2)[0]) is not None
+    assert client.get_weight_version() == worker.patcher.version == "2"

@@ -346,7 +346,9 @@ def test_one_owner_per_update_over_http_and_a_trainer_killed_before_its_finish(
         served.trainer()
     unchanged()
     second = served.trainer(takeover=True)
-    with pytest.raises(UpdateConflictError):
+    # The first trainer's session ended with the takeover: vLLM refuses its chunk itself
+    # (were a session open, the worker would: not the connected trainer).
+    with pytest.raises((UpdateConflictError, RuntimeError), match=r"start_weight_update|connect"):
         first.send_weight_chunk([dense(norm, served.shape(norm), seed=22)], last=True)
     unchanged()
     patches = [sparse(qkv, served.shape(qkv), density=0.05, seed=23)]

@@ -408,14 +408,16 @@ class WorkerPatcher:
             values = patch.values.detach().reshape(-1).to(patch.dtype)
             if patch.indices is None:
                 indices = torch.arange(values.numel(), device=values.device)
+                ordered = True
             else:
                 indices = patch.indices.detach().to(device=values.device, dtype=torch.long)
+                ordered = indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
             for segment in route.segments:
                 live = tensors.get(segment.tensor_name)
                 if live is None:
                     differ.append(f"{patch.name!r} (its weight {segment.tensor_name!r} is gone)")
                     break
-                found, picked = segment.positions(indices.to(live.device), sorted_unique=False)
+                found, picked = segment.positions(indices.to(live.device), sorted_unique=ordered)
                 flat = storage_flat(live.detach().view(segment.dtype))
                 got = flat[found]
                 want = values.to(live.device)[picked].to(segment.dtype)

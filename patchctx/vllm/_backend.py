@@ -28,10 +28,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from patchctx import (
+    CastKindError,
     CheckpointWeightPatch,
     InvalidPatchError,
     InvalidPatchTypeError,
     LoaderContractError,
+    LoaderError,
     PatchError,
 )
 from patchctx._errors import (  # public as patchctx.vllm.WeightVersionError, ...
@@ -81,6 +83,8 @@ _CLASSES: dict[str, type[PatchError]] = {
         LoaderContractError,
         WeightVersionError,
         UpdateConflictError,
+        CastKindError,
+        LoaderError,
     )
 }
 _MARK = re.compile(r"\[patchctx rank (\d+): (\w+)\] ")

@@ -490,3 +490,27 @@ def test_every_transport_carries_every_position_encoding(tmp_path: Any) -> None:
             assert (got.indices is None) == (sent.indices is None)
             if got.indices is not None and sent.indices is not None:
                 assert torch.equal(got.indices, sent.indices), got.name
+
+
+def test_bool_and_integer_patches_into_float_weights_are_refused_float64_is_cast() -> None:
+    """The issue's case: int32, float64 and bool patches into a float weight were applied
+    with a cast (a bool patch set a norm to all 1.0). Casts across kinds are refused with
+    nothing written; a float-to-float cast is made as a dense load makes it."""
+    from patchctx import CastKindError
+
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    flags = CheckpointWeightPatch("b", (4,), torch.bool, torch.ones(4, dtype=torch.bool))
+    codes = CheckpointWeightPatch("b", (4,), torch.int32, torch.arange(4, dtype=torch.int32))
+    for patch in (flags, codes):
+        with pytest.raises(CastKindError, match=r"\[patchctx rank 0: CastKindError\].*'b'"):
+            trainer.send_weights([patch])
+        assert not worker.model.b.any() and client.get_weight_version() == "default"
+    wide = CheckpointWeightPatch(
+        "b", (4,), torch.float64, torch.tensor([0.1, 0.2, 0.3, 0.4]).double()
+    )
+    assert trainer.send_weights([wide]) is not None
+    assert torch.equal(worker.model.b.detach(), torch.tensor([0.1, 0.2, 0.3, 0.4]).double().float())

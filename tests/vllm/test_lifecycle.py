@@ -287,7 +287,7 @@ def test_proof_of_landing_reads_back_and_a_mismatch_rolls_the_update_back(
     """Before committing, the worker reads back through the routes what each patch wrote and
     compares it with what was sent: a write no guard sees (here a replay kernel that writes
     other values) fails the finish, the update is undone and the version stays."""
-    from patchctx import _load
+    from patchctx import _load, _routes
 
     worker = worker_engine()
     client = LocalClient(worker)
@@ -298,7 +298,7 @@ def test_proof_of_landing_reads_back_and_a_mismatch_rolls_the_update_back(
     assert worker.last_stats is not None
     assert worker.last_stats["landing"] == {"verified": 1, "elements": 1, "unverified": 0}
     before = worker.model.w.detach().clone()
-    real = _load.replay
+    real = _routes.replay  # the replay the load runs; the stand-in below is a bad kernel
 
     def wrong_kernel(route: Any, indices: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
         return real(route, indices, values * 2, *args, **kwargs)

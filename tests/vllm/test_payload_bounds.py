@@ -90,6 +90,7 @@ def send(payload: bytes, *, intent: list[str] | None) -> BaseException | None:
 # Structured mutations of every header field and block: (what, edit of the header).
 def _mutations() -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
+    value: Any
 
     def at(*path: Any) -> Any:
         def edit(value: Any) -> Any:

@@ -675,7 +675,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         """
         error = None
         descriptor: dict[str, Any] = {}
-        keep_open = False
+        keep_open = True  # a chunk nobody can tell the owner of never ends the open update
         try:
             info = self.parse_update_info(update_info)
             descriptor = info.descriptor()

@@ -326,15 +326,7 @@ class SharedMemoryTransport:
                     f"the payload is truncated or corrupt: the file {str(path)!r} holds "
                     f"{info.st_size} bytes, {nbytes} announced; nothing was read or written"
                 )
-            data = bytearray(nbytes)
-            view = memoryview(data)
-            done = 0
-            while done < nbytes:
-                count = file.readinto(view[done:])
-                if not count:
-                    break
-                done += count
-        return bytes(data) if done == nbytes else bytes(data[:done])
+            return file.read(nbytes)  # (a regular file: what it holds, at most nbytes)
 
     def consume(self, descriptor: Mapping[str, Any]) -> None:
         """Delete the file ``descriptor["shm"]`` names, once every worker has read it."""

@@ -311,3 +311,28 @@ def test_proof_of_landing_reads_back_and_a_mismatch_rolls_the_update_back(
     monkeypatch.undo()
     assert trainer.send_weights(chunks_of("B", 2)[0]) is not None
     assert client.get_weight_version() == worker.patcher.version == "2"
+
+
+def test_a_foreign_or_unreadable_chunk_leaves_the_open_update_as_it_was() -> None:
+    worker = worker_engine()
+    client = LocalClient(worker)
+    owner = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    client.start_weight_update()
+    owner.send_weight_chunk(chunks_of("A", 2)[0], last=False)
+    held = worker.pending
+    for foreign in (
+        {"nbytes": "garbage"},  # cannot even be read: its owner is unknown
+        {"nbytes": 0, "sha256": "", "update_id": "other", "trainer_id": "intruder"},
+        {"nbytes": 0, "sha256": "", "update_id": "other", "trainer_id": owner.trainer_id + "x"},
+    ):
+        if not client.active:  # (vLLM ended the session at the previous refusal)
+            client.start_weight_update()
+        with pytest.raises(PatchError):
+            client.update_weights(foreign)
+        assert worker.pending == held  # the open update is untouched
+    client.start_weight_update()  # its owner sends the rest in a new session
+    owner.send_weight_chunk(chunks_of("A", 2)[1], last=True)
+    client.finish_weight_update(owner.version)
+    assert torch.equal(worker.model.w.detach(), applied([chunks_of("A", 2)]))

@@ -336,10 +336,12 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     """The ``patchctx`` backend's trainer engine: diffs, encodes and sends updates.
 
     Built with ``trainer_init`` (or vLLM's ``WeightTransferTrainerFactory.trainer_init``,
-    which dispatches on ``PatchctxTrainerInitInfo.backend``). It declares vLLM's current
-    weight version to the workers (``/weight_info`` when the client can read it), so every
-    update names the version it was computed against and the workers refuse it if their
-    weights are elsewhere.
+    which dispatches on ``PatchctxTrainerInitInfo.backend``). It declares its base to the
+    workers (``base_version``, or else the version ``/weight_info`` reports), so every update
+    names the version it was computed against and the workers refuse it if their weights are
+    elsewhere. Every chunk carries the trainer's id and the update's; the workers apply an
+    update whole at its ``finish_weight_update``, and the engine then checks that
+    ``/weight_info`` names its version.
 
     - ``send_weights(patches)``: send `CheckpointWeightPatch` objects as one update
       (``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update(version)``).
@@ -396,11 +398,12 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         client: Any,
         source: WeightSource | None = None,
     ) -> PatchctxTrainerEngine:
-        """Connect: open the transport, declare vLLM's weight version to every worker.
+        """Connect: open the transport, declare the trainer's base version to every worker.
 
-        An update a previous trainer left open (it died between ``start_weight_update`` and
-        ``finish_weight_update``) is ended by the workers at ``init_weight_transfer_engine``;
-        its chunks were never applied.
+        Refused while another trainer's update is open (it died between
+        ``start_weight_update`` and ``finish_weight_update``, or is still sending), unless
+        ``takeover``: the workers then roll it back whole (none of it was applied). Refused
+        too when the declared base is not the version the workers' weights are at.
         """
         engine = cls(
             client=client, source=source, is_sender=init_info.is_sender, init_info=init_info

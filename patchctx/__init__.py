@@ -12,9 +12,11 @@ from patchctx._cost import UpdateCost
 from patchctx._diff import diff_state_dicts, patch_nbytes
 from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
 from patchctx._errors import (
+    CastKindError,
     InvalidPatchError,
     InvalidPatchTypeError,
     LoaderContractError,
+    LoaderError,
     PatchError,
     PatchProblem,
     RegionError,
@@ -54,6 +56,7 @@ __all__ = [
     "Auto",
     "BoolMask",
     "ByteBudget",
+    "CastKindError",
     "CheckedPatch",
     "CheckpointWeightPatch",
     "ChunkState",
@@ -67,6 +70,7 @@ __all__ = [
     "LoadByName",
     "LoaderContractError",
     "LowByteDetector",
+    "LoaderError",
     "MaskedCopy",
     "NaNMask",
     "OrderingPolicy",

@@ -170,8 +170,15 @@ def _audit_one(
         return AuditRow(name, "unsupported", f"the loader raised {type(error).__name__}: {error}")
     finally:
         undo.restore()
+    if name not in result.consumed:
+        # Nothing of it reached the model: a patch to it is refused (strict), or changes
+        # nothing (strict=False); never a route.
+        return AuditRow(
+            name,
+            "unsupported",
+            "the loader writes nothing for it (on this rank: it skips the name, unknown or "
+            "held by another rank); a patch to it is refused unless strict=False",
+        )
     if name in result.routes:
-        if not result.segments.get(name):
-            return AuditRow(name, "replayable", "the loader writes nothing for it (on this rank)")
         return AuditRow(name, "replayable")
     return AuditRow(name, "masked", result.unprovable.get(name, ""))

@@ -6,14 +6,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "CastKindError",
     "InvalidPatchError",
     "InvalidPatchTypeError",
     "LoaderContractError",
+    "LoaderError",
     "PatchError",
     "PatchProblem",
     "RegionError",
     "RegionTimeoutError",
     "StoredUpdateError",
+    "UpdateConflictError",
     "WeightVersionError",
 ]
 
@@ -34,6 +37,11 @@ class PatchError(Exception):
         ...     print(type(error).__name__, isinstance(error, ValueError))
         InvalidPatchError True
     """
+
+    written: tuple[str, ...] = ()
+    """The names whose patches a failed call without ``atomic`` left written (earlier loader
+    calls and replays, and the dense patches of the failing loader call); also said in the
+    error's notes. Empty when the call left nothing written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +166,81 @@ class LoaderContractError(PatchError, NotImplementedError):
     """
 
 
+class CastKindError(LoaderContractError, TypeError):
+    """A patch's values would change kind on their way into a weight; nothing was written.
+
+    A cast between floating dtypes (float32 into bfloat16, fp8 into float32) rounds, as a
+    dense load does. A cast that changes what kind of number a value is (a bool or an integer
+    into a floating weight, a floating value into an integer or bool weight) is almost always
+    a mistake: a bool patch into a norm weight sets it to 1.0. Such casts are refused, at
+    validation (the values against the patch's dtype) or at the write (the patch's dtype
+    against the weight's), unless the call passes ``kind_casts=True``. Both a
+    `LoaderContractError` and a `TypeError`.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CastKindError, CheckpointWeightPatch
+        >>> from patchctx import load_checkpoint_weight_patches
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm = torch.nn.Parameter(torch.full((3,), 0.5), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             self.norm.copy_(tensor)
+        ...         return {"norm"}
+        >>> model = Model()
+        >>> mask = CheckpointWeightPatch("norm", (3,), torch.bool, torch.ones(3, dtype=torch.bool))
+        >>> try:
+        ...     load_checkpoint_weight_patches(model, [mask])
+        ... except CastKindError as error:
+        ...     print(str(error)[:68], model.norm.tolist())
+        the patch to 'norm' (bool) would be cast into a float weight ('norm' [0.5, 0.5, 0.5]
+    """
+
+
+class LoaderError(PatchError, RuntimeError):
+    """The model's own ``load_weights`` raised while loading patches.
+
+    The loader's exception is the `__cause__` (a `KeyError` for a name it does not know, a
+    torch `RuntimeError` for a tensor of the wrong shape...). The message names the patches of
+    the failing loader call and says what the call left written.
+
+    Attributes:
+        names: The checkpoint names of the loader call that failed.
+        written: The names whose patches stand written after the failure: earlier loader
+            calls and replays of a call without ``atomic`` (empty when nothing was left
+            written).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch, LoaderError
+        >>> from patchctx import load_checkpoint_weight_patches
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         params = dict(self.named_parameters())
+        ...         for name, tensor in weights:
+        ...             params[name].copy_(tensor)  # a KeyError for a name it does not know
+        ...         return {"w"}
+        >>> typo = CheckpointWeightPatch("w_typo", (3,), torch.float32, torch.ones(3))
+        >>> try:
+        ...     load_checkpoint_weight_patches(Model(), [typo])
+        ... except LoaderError as error:
+        ...     print(type(error.__cause__).__name__, error.names)
+        KeyError ('w_typo',)
+    """
+
+    def __init__(
+        self, message: str, *, names: Sequence[str] = (), written: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message)
+        self.names = tuple(names)
+        self.written = tuple(written)
+
+
 class RegionError(PatchError, RuntimeError):
     """A masked region could not be entered in time, or was left out of order.
 
@@ -240,3 +323,18 @@ class StoredUpdateError(PatchError, ValueError):
     def __init__(self, message: str, *, path: str = "") -> None:
         super().__init__(message)
         self.path = path
+class UpdateConflictError(PatchError, RuntimeError):  # public as patchctx.vllm's
+    """A weight update's owner, order or state does not allow the step; nothing changed.
+
+    An update belongs to the trainer that opened it (its update id is on every chunk): another
+    trainer's ``init_weight_transfer_engine``, chunks or a finish of an incomplete update are
+    refused with this error, and the open update stays as it was (a takeover init rolls it
+    back whole instead). Also raised for chunks out of order, a chunk after the last one, and
+    a finish before the last chunk. Raised by `patchctx.vllm`'s weight-transfer backend.
+
+    Examples:
+        >>> from patchctx._errors import PatchError, UpdateConflictError
+        >>> error = UpdateConflictError("update 'a1' of trainer 'A' is open")
+        >>> isinstance(error, PatchError), isinstance(error, RuntimeError)
+        (True, True)
+    """

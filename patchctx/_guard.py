@@ -134,7 +134,11 @@ class Guard(DispatchMode):
         if not model_targets:
             result = func(*args, **kwargs)
             ledger.derive(tensors, result)
+            if ledger.sources:
+                ledger.plain_sources(tensors, [], result)  # dense data carried on
             return result
+        if ledger.sources:
+            ledger.plain_sources(tensors, model_targets, None)  # before the write: kinds
         for target in model_targets:
             owner = ledger.index.owner(target)
             assert owner is not None

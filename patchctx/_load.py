@@ -5,7 +5,7 @@ validate -> resolve aliases -> order -> replay known routes | chunk -> stage -> 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import cast
 
@@ -14,8 +14,17 @@ import torch
 from patchctx._arguments import instance_of, known_names, name_map, positive_int
 from patchctx._bits import bit_view
 from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState
-from patchctx._errors import InvalidPatchError, LoaderContractError, PatchProblem
+from patchctx._errors import (
+    CastKindError,
+    InvalidPatchError,
+    InvalidPatchTypeError,
+    LoaderContractError,
+    LoaderError,
+    PatchError,
+    PatchProblem,
+)
 from patchctx._grad import without_grad
+from patchctx._kinds import kind_of, same_kind
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
 from patchctx._ordering import InputOrder, OrderingPolicy
 from patchctx._patch import (
@@ -92,7 +101,7 @@ def _resolve_aliases(items: list[CheckedPatch], aliases: Mapping[str, str]) -> l
             problems.append(
                 PatchProblem(
                     item.position,
-                    item.patch.name,
+                    item._patch.name,
                     f"is an alias of {canonical!r} (tied weights), which the call also patches, "
                     "with a different update; one of them would be lost. Send the tied tensor "
                     "once, or send identical patches to both names",
@@ -162,6 +171,28 @@ def _apply_ordering(
     return [item for item in result if item is not None]
 
 
+def _refuse_kind_casts(items: list[CheckedPatch]) -> None:
+    """Before any write: values whose kind is not their patch dtype's (`CastKindError`)."""
+    problems = []
+    for item in items:
+        patch = item._patch
+        if not same_kind(patch.values.dtype, patch.dtype):
+            problems.append(
+                PatchProblem(
+                    item.position,
+                    patch.name,
+                    f"its values are {kind_of(patch.values.dtype)} "
+                    f"({str(patch.values.dtype).removeprefix('torch.')}) and its dtype is "
+                    f"{kind_of(patch.dtype)} ({str(patch.dtype).removeprefix('torch.')}): "
+                    "a cast across kinds changes what the values mean. Send values of the "
+                    "patch's kind, or pass kind_casts=True",
+                    is_type_error=True,
+                )
+            )
+    if problems:
+        raise CastKindError(str(InvalidPatchError(problems)))
+
+
 class _Loader:
     """Runs the ordered patches: route replay where known, loader calls in chunks elsewhere.
 
@@ -178,8 +209,14 @@ class _Loader:
         *,
         atomic: bool,
         items: list[CheckedPatch],
+        strict: bool = True,
+        kind_casts: bool = False,
     ) -> None:
         self.model, self.chunking = model, chunking
+        self.strict, self.kind_casts = strict, kind_casts
+        # The names whose patches stand written (loader calls and replays that finished), for
+        # the error of a call without `atomic` that fails later.
+        self.written: list[str] = []
         # The call's patches in order, as read: an entry is replaced by a copy
         # (`_copy_readers`) when an earlier write of the call would change what it reads.
         self.items = items
@@ -255,6 +292,28 @@ class _Loader:
             else:
                 routes._learnt_nothing(*specs[name])
 
+    def refuse_kind_cast_routes(self, items: list[CheckedPatch]) -> None:
+        """Before any write: a known route into a weight of another kind than its patch's."""
+        if self.routes is None:
+            return
+        refused = []
+        for item in items:
+            patch = item._patch
+            usable = self.routes._usable(patch.name, patch.shape, patch.dtype, self.tensors)
+            for target in usable[1] if usable is not None else ():
+                if not same_kind(patch.dtype, target.dtype):
+                    refused.append(
+                        f"patches[{item.position}] {patch.name!r} "
+                        f"({str(patch.dtype).removeprefix('torch.')}) -> a "
+                        f"{str(target.dtype).removeprefix('torch.')} weight"
+                    )
+                    break
+        if refused:
+            raise CastKindError(
+                "patches would be cast across kinds into weights (pass kind_casts=True to "
+                "allow it); nothing was written: " + "; ".join(refused)
+            )
+
     def refuse_protected_routes(self, items: list[CheckedPatch]) -> None:
         """Before any write: every known route that would reach a protected tensor."""
         if self.routes is None or not self.protect:
@@ -321,6 +380,58 @@ class _Loader:
         self.chunk.append(at)
         self.chunk_names.add(name)
         self.chunk_nbytes += size
+
+    def note_written(self, error: PatchError, loads: Sequence[Load] = ()) -> None:
+        """Say on `error` what a call without `atomic` leaves written (`PatchError.written`)."""
+        if self.atomic or isinstance(error, LoaderError):
+            return
+        written = list(dict.fromkeys(self.written))
+        unwritten = {p.name for p in getattr(error, "problems", ())}  # (strict: none of theirs)
+        partly = [
+            load.name for load in loads if load.indices is None and load.name not in unwritten
+        ]
+        if not written and not partly:
+            return
+        error.written = (*written, *partly)
+        if written:
+            error.add_note(
+                "atomic=False: written by earlier loader calls or replays and left so: "
+                + ", ".join(map(repr, written))
+            )
+        if partly:
+            error.add_note(
+                "atomic=False: the failing loader call may have written part of its dense "
+                "patches: " + ", ".join(map(repr, partly))
+            )
+
+    def loader_error(self, loads: list[Load], error: Exception) -> LoaderError:
+        """The loader's own exception `error` as a `LoaderError` naming the call's patches."""
+        named = ", ".join(
+            f"patches[{load.position}] {load.name!r}"
+            if load.position is not None
+            else repr(load.name)
+            for load in loads
+        )
+        dense = all(load.indices is None for load in loads)
+        if self.atomic:
+            state = "nothing was written (atomic=True: every write of the call was undone)"
+        elif dense:
+            state = "this loader call may have written part of its patches (dense, atomic=False)"
+        else:
+            state = "this loader call was undone"
+        written = list(dict.fromkeys(self.written)) if not self.atomic else []
+        if written:
+            state += "; written by earlier loader calls or replays and left so: " + ", ".join(
+                map(repr, written)
+            )
+        elif not self.atomic:
+            state += "; no earlier loader call or replay wrote anything"
+        return LoaderError(
+            f"the model's load_weights raised {type(error).__name__} loading {named}: "
+            f"{str(error)[:500]}; {state}",
+            names=[load.name for load in loads],
+            written=written + ([load.name for load in loads] if dense and not self.atomic else []),
+        )
 
     def _pending_writes(self) -> set[str]:
         """The tensors the pending replays write, by name (kept up to date from now on)."""
@@ -399,6 +510,7 @@ class _Loader:
                 )
             names |= route.reported
             stats.replayed += 1
+            self.written.append(patch.name)
 
     def _input_storages(self) -> set[int]:
         """The storages the call's patches read (values and indices), by data pointer.
@@ -454,15 +566,35 @@ class _Loader:
             if patch.indices is None:
                 readable(item)
             loads.append(
-                Load(patch.name, tuple(patch.shape), patch.dtype, patch.values, patch.indices)
+                Load(
+                    patch.name,
+                    tuple(patch.shape),
+                    patch.dtype,
+                    patch.values,
+                    patch.indices,
+                    item.position,
+                )
             )
         if self.routes is not None:
             self.routes.stats.loader_calls += 1
-        result = run_loader(
-            self.module, loads, index=self.index, undo=self.undo, atomic=self.atomic
-        )
+        try:
+            result = run_loader(
+                self.module,
+                loads,
+                index=self.index,
+                undo=self.undo,
+                atomic=self.atomic,
+                strict=self.strict,
+                kind_casts=self.kind_casts,
+            )
+        except PatchError as error:
+            self.note_written(error, loads)
+            raise
+        except Exception as error:  # the loader's own: named, with what the call left
+            raise self.loader_error(loads, error) from error
         if not self.atomic:
             self.undo.forget()  # this call stands; its old values are not needed any more
+        self.written += [load.name for load in loads]
         self.names |= result.names
         if self.routes is None:
             return
@@ -475,6 +607,8 @@ class _Loader:
                 # in a dry run of the name alone (no write, nothing staged).
                 spec = (load.name, load.shape, load.dtype)
                 new = learn_alone(self.module, self.index, spec, result.segments[load.name])
+            if new is not None and not new.segments and not new.fills:
+                new = None  # "writes nothing" is no route: the next patch asks the loader again
             if old is not None:
                 self.routes._verified(load.name, old, new)
             if new is not None:
@@ -497,6 +631,9 @@ def load_checkpoint_weight_patches(
     atomic: bool = False,
     aliases: Mapping[str, str] | None = None,
     protect: Mapping[str, str] | None = None,
+    strict: bool = True,
+    kind_casts: bool = False,
+    verify: Callable[[], object] | None = None,
 ) -> set[str]:
     """Apply dense and sparse patches through the model's own ``load_weights``.
 
@@ -549,13 +686,34 @@ def load_checkpoint_weight_patches(
             by the loader or by a route, raises `LoaderContractError` before it happens; known
             routes are checked before the first write of the call. With ``atomic=True`` a
             refusal found mid-call leaves the model as it was.
+        strict: Every patch must be consumed: a loader call whose ``load_weights`` writes
+            none of a patch's data into a parameter or buffer (it skips the name: unknown,
+            misspelt, held by another pipeline stage) is refused with `InvalidPatchError`
+            naming the patch, and that loader call is undone (a dense one only with
+            ``atomic=True``). Pass ``False`` for a loader that legitimately skips names:
+            such patches then change nothing, and no route is ever kept for them.
+        kind_casts: Allow casts that change the kind of a value: bool or integer values
+            into a floating patch or weight, floating ones into an integer or bool one.
+            Refused by default (`CastKindError`): the patch's values against its dtype before
+            any write, the patch's dtype against the weight's at the write. Casts between
+            floating dtypes (float32 into bfloat16) always happen, as in a dense load.
+        verify: Called once every patch is written, before the call returns (a read-back of
+            what landed, say); an exception it raises fails the call like a failed write:
+            with ``atomic=True`` every write of the call is undone.
 
     Returns:
         The union of the names the model's ``load_weights`` calls reported.
 
     Raises:
-        InvalidPatchError: An argument or patch is invalid; nothing was written.
+        InvalidPatchError: An argument or patch is invalid, or (``strict``) no loader call
+            consumed a patch.
+        CastKindError: A patch would change kind on its way into a weight (``kind_casts``).
         LoaderContractError: The loader wrote staged data in a way the strategy cannot mask.
+        LoaderError: The model's ``load_weights`` raised (its exception is the
+            ``__cause__``). Every error is a `PatchError` naming the patches and the
+            reason. With ``atomic``, the model is as it was; without it, a failure leaves
+            what earlier loader calls and replays wrote, and the error says which names
+            (`PatchError.written`).
 
     Examples:
         >>> import torch
@@ -592,23 +750,64 @@ def load_checkpoint_weight_patches(
         instance_of(routes, RouteCache, "routes=", "one RouteCache() per model")
     if protected:
         known_names(protected, model_tensors(model), "protect=")
+    if verify is not None and not callable(verify):
+        raise InvalidPatchTypeError(
+            [PatchProblem(None, "", f"verify= takes a callable or None, got {verify!r}", True)]
+        )
+    for flag, value in (("strict", strict), ("kind_casts", kind_casts)):
+        if not isinstance(value, bool):
+            raise InvalidPatchTypeError(
+                [PatchProblem(None, "", f"{flag}= takes a bool, got {value!r}", True)]
+            )
 
     items = check_patches(
         patches, strategy=chosen_strategy, validate_unique_indices=validate_unique_indices
     )
+    if not kind_casts:
+        _refuse_kind_casts(items)
     items = _resolve_aliases(items, alias_map)
     items = _apply_ordering(chosen_ordering, items, chosen_strategy, validate_unique_indices)
     if routes is not None:
         routes._bind(model)
     undo = UndoLog()
-    loader = _Loader(model, chosen_chunking, routes, undo, protected, atomic=atomic, items=items)
+    loader = _Loader(
+        model,
+        chosen_chunking,
+        routes,
+        undo,
+        protected,
+        atomic=atomic,
+        items=items,
+        strict=strict,
+        kind_casts=kind_casts,
+    )
     loader.learn_dense_routes(items)
     loader.refuse_protected_routes(items)
+    if not kind_casts:
+        loader.refuse_kind_cast_routes(items)
     done = False
     try:
-        for at in range(len(items)):
-            loader.add(at)
-        loader.flush()
+        try:
+            for at in range(len(items)):
+                loader.add(at)
+            loader.flush()
+            if verify is not None:
+                verify()
+        except PatchError as error:
+            loader.note_written(error)
+            raise
+        except Exception as error:  # not the loader's (that is a LoaderError): a replay's
+            written = [] if atomic else list(dict.fromkeys(loader.written))
+            raise PatchError(
+                f"applying the patches failed ({type(error).__name__}: {str(error)[:300]}); "
+                + (
+                    "every write of the call was undone (atomic=True)"
+                    if atomic
+                    else "written and left so (atomic=False): " + ", ".join(map(repr, written))
+                    if written
+                    else "nothing was left written"
+                )
+            ) from error
         done = True
     except BaseException:
         if atomic:

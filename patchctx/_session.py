@@ -52,6 +52,7 @@ class Load:
     dtype: torch.dtype
     values: torch.Tensor
     indices: torch.Tensor | None
+    position: int | None = None  # in the caller's sequence, for messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,8 @@ class LoadResult:
     # Names that only sharing the call with other names and constant fills kept from a route:
     # a call of their own would settle them (`patchctx._recording`).
     alone: frozenset[str] = frozenset()
+    # The names whose data reached a model tensor (or whose values the loader read out).
+    consumed: frozenset[str] = frozenset()
 
 
 def _tensor_for(load: Load, ledger: WriteLedger, *, atomic: bool) -> torch.Tensor:
@@ -84,6 +87,8 @@ def _tensor_for(load: Load, ledger: WriteLedger, *, atomic: bool) -> torch.Tenso
             and ledger.index.owner(data) is None  # values that are a weight: the model's own
         ):
             ledger.inputs.add(shared)  # the loader's in-place writes into it are undone
+        if shared is not None:
+            ledger.dense_source(shared, load.name)  # to see which weight it reaches
         return data
     try:
         return stage(
@@ -119,7 +124,14 @@ class _Call:
     """The state of one call that every exit path needs (see `run_loader`)."""
 
     def __init__(
-        self, model: Any, index: ModelIndex, undo: UndoLog, loads: list[Load], *, atomic: bool
+        self,
+        model: Any,
+        index: ModelIndex,
+        undo: UndoLog,
+        loads: list[Load],
+        *,
+        atomic: bool,
+        kind_casts: bool,
     ) -> None:
         self.model = model
         self.recorder = Recorder()
@@ -130,6 +142,8 @@ class _Call:
             log_plain=atomic or any(load.indices is not None for load in loads),
             compact=atomic,
             loading=frozenset(load.name for load in loads),
+            dtypes={load.name: load.dtype for load in loads},
+            kind_casts=kind_casts,
         )
         self.undo = undo
         self.mark = undo.mark()
@@ -172,6 +186,8 @@ def run_loader(
     index: ModelIndex,
     undo: UndoLog,
     atomic: bool,
+    strict: bool = False,
+    kind_casts: bool = True,
 ) -> LoadResult:
     """Call ``model.load_weights`` once with `loads` staged; return or roll back.
 
@@ -182,14 +198,20 @@ def run_loader(
         undo: Receives the old values of every logged write; entries of this call are
             restored on failure (and kept for the caller's own rollback on success).
         atomic: Log dense writes too (sparse calls always log theirs).
+        strict: Refuse the call (`InvalidPatchError`) when the data of one of `loads` reached
+            no model tensor: the loader skipped the name.
+        kind_casts: Allow writes into a weight whose dtype is of another kind than the
+            load's (`CastKindError` otherwise).
 
     Raises:
+        InvalidPatchError: `strict`, and the loader consumed no data of a load; the model is
+            as it was before the call (except for dense writes when `atomic` is false).
         LoaderContractError: A write was refused; the model is as it was before the call.
         BaseException: Whatever the loader raised; the model is as it was before the call
             (except for dense writes when `atomic` is false).
     """
     sparse = [load for load in loads if load.indices is not None]
-    call = _Call(model, index, undo, loads, atomic=atomic)
+    call = _Call(model, index, undo, loads, atomic=atomic, kind_casts=kind_casts)
     done = False
     try:
         weights = [(load.name, _tensor_for(load, call.ledger, atomic=atomic)) for load in loads]
@@ -233,6 +255,26 @@ def run_loader(
                 "that outlives the load (a cache, an attribute, a global): it holds 'keep' "
                 "marks, not weights. Copy what you need into the model's own tensors"
             )
+        if strict:
+            skipped = [
+                load
+                for load in loads
+                if load.name not in call.ledger.consumed and 0 not in load.shape  # (empty: 0)
+            ]
+            if skipped:
+                raise InvalidPatchError(
+                    [
+                        PatchProblem(
+                            load.position,
+                            load.name,
+                            "no loader call consumed it: the model's load_weights wrote none "
+                            "of its data into a parameter or buffer (it skips the name: unknown, "
+                            "misspelt, or held by another rank). Fix the name, or pass "
+                            "strict=False for a loader that legitimately skips names",
+                        )
+                        for load in skipped
+                    ]
+                )
         done = True
     except BaseException:
         call.rollback()
@@ -257,4 +299,11 @@ def run_loader(
         tensor_names=frozenset(index.tensors),
     )
     recorder = call.recorder
-    return LoadResult(names, routes, recorder.segments, recorder.reasons, frozenset(recorder.alone))
+    return LoadResult(
+        names,
+        routes,
+        recorder.segments,
+        recorder.reasons,
+        frozenset(recorder.alone),
+        frozenset(call.ledger.consumed),
+    )

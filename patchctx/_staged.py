@@ -367,6 +367,9 @@ class StagedTensor(torch.Tensor):
             )
         if self._prov.ledger is not None:
             self._prov.ledger.unprovable(self._prov.names, f"the loader read values with {what}")
+            consumed = getattr(self._prov.ledger, "consumed", None)
+            if consumed is not None:  # the loader took the values (to write them itself)
+                consumed |= self._prov.names
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StagedTensor:
         result = self.clone()

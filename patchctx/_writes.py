@@ -30,7 +30,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from patchctx._arguments import known_names
 from patchctx._bits import own_dispatch
-from patchctx._errors import LoaderContractError
+from patchctx._errors import CastKindError, LoaderContractError
+from patchctx._kinds import kind_of, same_kind
 from patchctx._recording import Recorder
 from patchctx._routes import Fill, Geometry, Holder
 from patchctx._staged import StagedTensor, _tensors
@@ -40,6 +41,11 @@ __all__ = ["Constant", "ModelIndex", "Span", "WriteLedger", "span_of", "storage_
 
 # The value of a constant fill (``fill_`` with a Python scalar; ``zero_`` fills 0).
 Constant: TypeAlias = bool | int | float | complex
+
+
+# The attribute that carries, on a tensor the loader computed from a dense patch's plain data,
+# which patches it comes from (`WriteLedger.plain_sources`).
+_SOURCES = "_patchctx_dense_sources"
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:
@@ -225,9 +231,23 @@ class WriteLedger:
         log_plain: bool,
         compact: bool = True,
         loading: frozenset[str] = frozenset(),
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        kind_casts: bool = True,
     ) -> None:
         self.index, self.undo, self.recorder = index, undo, recorder
         self.loading = loading  # the checkpoint names of this call, for messages
+        # The call's accounting: each name's checkpoint dtype (a write into a weight of
+        # another kind is refused unless `kind_casts`), and the names whose data reached a
+        # model tensor (a name that reaches none was skipped by the loader).
+        self.dtypes = dict(dtypes or {})
+        self.kind_casts = kind_casts
+        self.consumed: set[str] = set()
+        # Dense data handed to the loader as plain tensors (no ``atomic``): their storages, and
+        # the tensors the loader computed from them in its thread, with their names.
+        self.sources: dict[int, set[str]] = {}
+        # (On the computed tensors themselves, under this call's own token: no weak
+        # references, whose callbacks an interrupt could hit.)
+        self._token = object()
         self.log_plain = log_plain  # save old values of plain writes (sparse calls, atomic)
         # Masked writes: save the old values at the changed positions only (O(changed), what
         # atomic=True promises to hold until the call returns), or the whole written view (one
@@ -288,6 +308,7 @@ class WriteLedger:
                     )
                 )
             self.index.refuse_protected(destination, f"the patch to {_label(names)}")
+            self._reached(destination, owner.name, names)
             if dense:
                 return True
             span = span_of(destination, storage_key(destination) or 0)
@@ -301,6 +322,69 @@ class WriteLedger:
                         "was written"
                     )
             return True
+
+    def _reached(self, destination: torch.Tensor, owner: str, names: frozenset[str]) -> None:
+        """Data of `names` is about to be written into the model tensor `destination`.
+
+        Kinds compare against the model tensor's own dtype and the view's: a view of it as
+        bytes or as integers of the same width (a bit-exact reinterpretation), or the real
+        part of a complex one, is not a cast.
+        """
+        if not self.kind_casts:
+            found = self.index.owner(destination)
+            weight = destination.dtype if found is None else found.tensor.dtype
+            for name in sorted(names):
+                dtype = self.dtypes.get(name)
+                if (
+                    dtype is not None
+                    and not same_kind(dtype, weight)
+                    and not same_kind(dtype, destination.dtype)  # (.imag, .real of a complex)
+                ):
+                    raise CastKindError(
+                        f"the patch to {name!r} ({str(dtype).removeprefix('torch.')}) would be "
+                        f"cast into a {kind_of(weight)} weight ({owner!r}, "
+                        f"{str(weight).removeprefix('torch.')}): a cast across kinds changes "
+                        "what the values mean. Send it in the weight's kind, or pass "
+                        "kind_casts=True; nothing was written"
+                    )
+        self.consumed |= names
+
+    def dense_source(self, key: int, name: str) -> None:
+        """A dense patch's plain data, in the storage with data pointer `key`."""
+        self.sources.setdefault(key, set()).add(name)
+
+    def source_names(self, tensors: list[torch.Tensor]) -> frozenset[str]:
+        """The dense patches `tensors` view or were computed from (in the loader's thread)."""
+        found: set[str] = set()
+        for tensor in tensors:
+            key = storage_key(tensor)
+            if key is not None and key in self.sources:
+                found |= self.sources[key]
+            mark = getattr(tensor, _SOURCES, None)
+            if mark is not None and mark[0] is self._token:
+                found |= mark[1]
+        return frozenset(found)
+
+    def plain_sources(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], result: object
+    ) -> None:
+        """An operation of the loader's on plain tensors: follow the dense patches' data.
+
+        Into model tensors (`targets`), their names are consumed (after the kind check);
+        into anything else, the result carries them on.
+        """
+        names = self.source_names(inputs)
+        if not names:
+            return
+        if targets:
+            for target in targets:
+                owner = self.index.owner(target)
+                if owner is not None:
+                    self._reached(target, owner.name, names)
+            return
+        for output in _tensors(result):
+            if self.index.owner(output) is None and not isinstance(output, StagedTensor):
+                setattr(output, _SOURCES, (self._token, names))
 
     def log_masked(
         self,
@@ -398,6 +482,8 @@ class WriteLedger:
 
     def host_read(self, tensor: torch.Tensor) -> None:
         """The loader reads `tensor` out of torch (``.item()``): the model tensors it is of."""
+        if self.sources:  # a dense patch's values, taken by the loader (to write itself)
+            self.consumed |= self.source_names([tensor])
         sources = self._sources([tensor])
         if sources:
             with self._lock:

@@ -49,6 +49,7 @@ GUARANTEE_FILES: dict[str, str | None] = {
     "tests/test_cost.py": "docs/guarantees.md",
     "tests/test_changes.py": "docs/guarantees.md",
     "tests/test_replay_inputs.py": "docs/guarantees.md",
+    "tests/test_accounting.py": "docs/guarantees.md",
     "tests/test_load.py": None,
 }
 

@@ -1534,24 +1534,26 @@ class Skipping(nn.Module):
         return {name for name, _ in weights if name in params}
 
 
-def test_a_route_that_writes_nothing_holds_only_while_the_model_holds_the_same_tensors() -> None:
-    """A name the loader wrote nothing for gets a route that writes nothing. Once the model
-    holds a tensor of that name (registered between calls), its patch goes through the
-    loader, which writes it."""
+def test_writes_nothing_is_refused_by_default_and_never_kept_as_a_route() -> None:
+    """A name the loader writes nothing for is refused (strict), with nothing changed. With
+    ``strict=False`` it changes nothing and is never replayed: once the model holds a tensor
+    of that name (registered between calls), its patch goes through the loader, which
+    writes it."""
     model, routes = Skipping(), RouteCache()
-
     patch = partial(one_element, "bias", (4,))
-
-    load_checkpoint_weight_patches(model, [patch(1.0, 0)], routes=routes)
-    load_checkpoint_weight_patches(model, [patch(2.0, 1)], routes=routes)
-    assert routes.stats.replayed == 1  # nothing to write, and nothing written
+    before = state(model)
+    with pytest.raises(InvalidPatchError, match=r"patches\[0\] 'bias': no loader call consumed"):
+        load_checkpoint_weight_patches(model, [patch(1.0, 0)], routes=routes)
+    assert_same_state(state(model), before)
+    load_checkpoint_weight_patches(model, [patch(1.0, 0)], routes=routes, strict=False)
+    load_checkpoint_weight_patches(model, [patch(2.0, 1)], routes=routes, strict=False)
+    assert "bias" not in routes and routes.stats.replayed == 0  # asked the loader each time
     model.bias = nn.Parameter(torch.zeros(4), requires_grad=False)
     reference = copy.deepcopy(model)
     load_checkpoint_weight_patches(reference, [patch(3.0, 2)])  # the loader path
     load_checkpoint_weight_patches(model, [patch(3.0, 2)], routes=routes)
     assert_same_state(state(model), state(reference))
     assert model.bias.tolist() == [0.0, 0.0, 3.0, 0.0]
-    assert routes.stats.replayed == 1 and routes.stats.invalidated == 1
 
 
 class FlaggedSlots(Experts):

@@ -28,7 +28,7 @@ if importlib.util.find_spec("vllm") is None:
         name="vllm",
     )
 
-from patchctx._errors import WeightVersionError
+from patchctx._errors import UpdateConflictError, WeightVersionError
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._apply import audit_model
 from patchctx.vllm._backend import (
@@ -75,6 +75,7 @@ __all__ = [
     "SharedMemoryTransport",
     "StorageWorkerExtension",
     "Transport",
+    "UpdateConflictError",
     "WeightVersionError",
     "apply_patches",
     "audit_model",

@@ -29,8 +29,10 @@ from patchctx import (
     load_checkpoint_weight_patches,
     validate_patches,
 )
+from patchctx._bits import bit_view
 from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
-from patchctx._model import SupportsLoadWeights, read_names
+from patchctx._model import SupportsLoadWeights, model_tensors, read_names
+from patchctx._undo import storage_flat
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._layout import repack_touched
 from patchctx.vllm._transformed import refusing_transformed, transformed_weights
@@ -226,15 +228,15 @@ class WorkerPatcher:
                 ) from error
         refused: dict[str, str] = {}
         for row in rows:
-            if row.status == "unsupported":
-                if row.reason.startswith(_LOADER_RAISED):  # an unknown name, a wrong shape
-                    refused[row.name] = f"the model's loader refuses it ({row.reason[:300]})"
-                # else: a transformed weight, refused with its reason by the load itself
-            elif _WRITES_NOTHING in row.reason:
+            if _WRITES_NOTHING in row.reason:
                 refused[row.name] = (
                     "no loader of this model consumes it (the model skips or does not know "
                     "the name)"
                 )
+            elif row.status == "unsupported":
+                if row.reason.startswith(_LOADER_RAISED):  # an unknown name, a wrong shape
+                    refused[row.name] = f"the model's loader refuses it ({row.reason[:300]})"
+                # else: a transformed weight, refused with its reason by the load itself
             else:
                 self.consumed.add(row.name)
         if refused:
@@ -312,6 +314,7 @@ class WorkerPatcher:
         atomic: bool = True,
         max_chunk_bytes: int | None = None,
         validate_unique_indices: bool = True,
+        verify_landing: bool = False,
     ) -> dict[str, Any]:
         """Check, then apply `patches` to `model`; return statistics (see the extension).
 
@@ -323,6 +326,7 @@ class WorkerPatcher:
         """
         started = time.perf_counter()
         self.check_base(base_version)
+        landing: dict[str, int] = {}
         if layerwise_reload_active(model):
             return self._apply_in_layerwise_reload(model, patches, target_version, started)
         protect = transformed_weights(model)
@@ -342,6 +346,14 @@ class WorkerPatcher:
                     atomic=atomic,
                     aliases=tied_aliases(model),
                     protect=protect,
+                    # A name no loader of this rank consumes is refused (above, or by the
+                    # load); with pipeline parallelism another stage holds it.
+                    strict=self.check_consumed,
+                    verify=(
+                        (lambda: landing.update(self.read_back(model, patches)))
+                        if verify_landing
+                        else None
+                    ),
                 )
         except InvalidPatchError:
             raise  # raised before any write
@@ -371,7 +383,66 @@ class WorkerPatcher:
             "atomic": atomic,
             "protected": len(protect),
             "repacked": len(repacked),
+            **({"landing": landing} if verify_landing else {}),
         }
+
+    def read_back(
+        self, model: torch.nn.Module, patches: Sequence[CheckpointWeightPatch]
+    ) -> dict[str, int]:
+        """Proof of landing: read back what each patch wrote, through its route, O(changed).
+
+        For every patch whose name has a route (learnt at start, by an earlier patch, or by
+        this very call), the values at the storage positions the route maps its indices to
+        (every element for a dense patch) must be the patch's values as ``copy_`` casts them
+        into the weight, bit for bit. This sees what no guard does: a custom kernel, another
+        process, a stale route. Raises `PatchError` naming the names that differ (the call is
+        then undone when atomic).
+
+        Returns:
+            ``{"verified": patches read back, "elements": elements compared, "unverified":
+            patches without a route (through the loader's masked path, checked by the guard)}``.
+        """
+        aliases = tied_aliases(model)
+        tensors = model_tensors(cast("SupportsLoadWeights", model))
+        final: dict[str, CheckpointWeightPatch] = {}
+        for patch in patches:  # the last patch to each name is checked: it is what stands
+            final[aliases.get(patch.name, patch.name)] = patch
+        differ: list[str] = []
+        verified = elements = unverified = 0
+        for name, patch in final.items():
+            route = self.routes._route(name)
+            if route is None or not route.segments:
+                unverified += 1
+                continue
+            values = patch.values.detach().reshape(-1).to(patch.dtype)
+            if patch.indices is None:
+                indices = torch.arange(values.numel(), device=values.device)
+                ordered = True
+            else:
+                indices = patch.indices.detach().to(device=values.device, dtype=torch.long)
+                ordered = indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
+            for segment in route.segments:
+                live = tensors.get(segment.tensor_name)
+                if live is None:
+                    differ.append(f"{patch.name!r} (its weight {segment.tensor_name!r} is gone)")
+                    break
+                found, picked = segment.positions(indices.to(live.device), sorted_unique=ordered)
+                flat = storage_flat(live.detach().view(segment.dtype))
+                got = flat[found]
+                want = values.to(live.device)[picked].to(segment.dtype)
+                elements += int(found.numel())
+                if not torch.equal(bit_view(got), bit_view(want)):
+                    differ.append(f"{patch.name!r} (in {segment.tensor_name!r})")
+                    break
+            else:
+                verified += 1
+        if differ:
+            raise PatchError(
+                "proof of landing failed: what the weights hold after the update is not what "
+                "was sent, for " + ", ".join(differ) + " (a kernel, another process or a "
+                "stale route wrote them); the update is undone"
+            )
+        return {"verified": verified, "elements": elements, "unverified": unverified}
 
 
 def _in_layerwise_reload_stats(

@@ -8,13 +8,16 @@ chunks) -> ``finish_weight_update``, from ``vllm serve``'s HTTP endpoints, ``LLM
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import math
+import os
 import re
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,30 +28,41 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from patchctx import (
+    CastKindError,
     CheckpointWeightPatch,
     InvalidPatchError,
     InvalidPatchTypeError,
     LoaderContractError,
+    LoaderError,
     PatchError,
 )
-from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
+from patchctx._errors import (  # public as patchctx.vllm.WeightVersionError, ...
+    PatchProblem,
+    UpdateConflictError,
+    WeightVersionError,
+)
 from patchctx._model import read_names
+from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._apply import WorkerPatcher
 from patchctx.vllm._codec import PatchPayload, decode_payload
 from patchctx.vllm._transport import (
+    OWNER,
     InlineTransport,
     NCCLTransport,
     SharedMemoryTransport,
     Transport,
     check_received,
+    check_size,
+    payload_limit,
 )
-from patchctx.vllm._warmup import warm_at_start
+from patchctx.vllm._warmup import checkpoint_specs, warm_at_start
 
 __all__ = [
     "VLLM_START_VERSION",
     "PatchctxInitInfo",
     "PatchctxUpdateInfo",
     "PatchctxWeightTransferEngine",
+    "patch_digest",
     "worker_error",
 ]
 
@@ -68,6 +82,9 @@ _CLASSES: dict[str, type[PatchError]] = {
         InvalidPatchTypeError,
         LoaderContractError,
         WeightVersionError,
+        UpdateConflictError,
+        CastKindError,
+        LoaderError,
     )
 }
 _MARK = re.compile(r"\[patchctx rank (\d+): (\w+)\] ")
@@ -83,9 +100,20 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
         transport: ``"shm"`` (default: a file per update in `shm_dir`, on this host),
             ``"nccl"`` (a broadcast over a NCCL group with the trainer, CUDA) or
             ``"inline"`` (only inline payloads, below the workers' size limit).
-        weight_version: The version of the weights the engine holds now (what
-            ``/weight_info`` says), declared by the trainer so that base versions are
-            checked against vLLM's; `None` keeps the worker's record.
+        weight_version: The version the connecting trainer's remembered state is at (its
+            base). A worker whose weights are at another version refuses the init
+            (`WeightVersionError`): a trainer resumed from an older checkpoint would send
+            differences against weights the engine no longer holds. `None`: not checked.
+        adopt_version: Take `weight_version` as the worker's own version instead of checking
+            it, starting a new line of versions: the weights were reloaded outside patchctx
+            (vLLM's ``reload_weights``), or the worker's version is unknown after a failed
+            update. Say so only when it is true.
+        trainer_id: The connecting trainer's id (1-64 of ``[A-Za-z0-9_.-]``). The worker
+            then refuses chunks of any other trainer, and only this trainer or a takeover
+            may end an update it opened. `None`: an anonymous trainer.
+        takeover: Roll back an update another trainer left open (it died mid-update) and
+            connect. Without it, an init while another trainer's update is open is refused
+            (`UpdateConflictError`) and nothing changes.
         shm_dir: The shared-memory directory (``"shm"``).
         master_address: Rendezvous address of the NCCL group (``"nccl"``).
         master_port: Rendezvous port (``"nccl"``).
@@ -109,6 +137,9 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
 
     transport: str = "shm"
     weight_version: str | None = None
+    adopt_version: bool = False
+    trainer_id: str | None = None
+    takeover: bool = False
     shm_dir: str = "/dev/shm"
     master_address: str | None = None
     master_port: int | None = None
@@ -122,6 +153,15 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
             raise ValueError(f"transport={self.transport!r}: one of {TRANSPORTS}")
         if self.weight_version is not None and not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a str, got {self.weight_version!r}")
+        if self.trainer_id is not None and (
+            not isinstance(self.trainer_id, str) or not OWNER.fullmatch(self.trainer_id)
+        ):
+            raise ValueError(f"trainer_id is 1-64 of [A-Za-z0-9_.-], got {self.trainer_id!r}")
+        for flag in ("adopt_version", "takeover"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.adopt_version and self.weight_version is None:
+            raise ValueError("adopt_version needs the weight_version to adopt")
         if self.transport == "nccl" and (
             self.master_address is None or self.master_port is None or self.world_size is None
         ):
@@ -135,18 +175,27 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
     Attributes:
         nbytes: The payload's size in bytes (an `encode_patches` payload).
         sha256: Its SHA-256, hex; a payload that does not match is refused.
+        update_id: The update this chunk belongs to (1-64 of ``[A-Za-z0-9_.-]``), the same
+            on every chunk of one update. A chunk of another update while one is open is
+            refused (`UpdateConflictError`), unless its trainer opened the open one (it
+            started over: the open one is dropped, nothing of it was applied).
+        trainer_id: The sending trainer's id, as given at init.
+        chunk: The chunk's position in its update (0, 1, ...); out of order is refused.
+        intent: One `patch_digest` per patch, as the trainer computed them from the values
+            it meant to send: a payload that decodes to anything else (retyped, re-encoded
+            with a new checksum) is refused, naming the patches that differ.
         inline: The payload itself, base64 (below the workers' inline limit); `None`: fetch
             it through the transport chosen at init.
         shm: The payload file's name (``"shm"`` transport).
         last: Whether this chunk completes the update. Chunks are checked as they arrive
-            and held; the last one applies them all in one atomic call, so an update whose
-            last chunk never comes (a trainer that died) changes nothing.
+            and held; ``finish_weight_update`` applies them all in one atomic call, so an
+            update whose trainer died before finishing changes nothing.
 
     Examples:
         >>> from patchctx.vllm import PatchctxUpdateInfo
-        >>> PatchctxUpdateInfo(nbytes=96, sha256="0" * 64, shm="patchctx-1").last
+        >>> PatchctxUpdateInfo(nbytes=96, sha256="0" * 64, update_id="u1", shm="patchctx-1").last
         True
-        >>> PatchctxUpdateInfo(nbytes=-1, sha256="")
+        >>> PatchctxUpdateInfo(nbytes=-1, sha256="", update_id="u1")
         Traceback (most recent call last):
         ...
         ValueError: nbytes must be a non-negative int, got -1
@@ -154,6 +203,10 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
 
     nbytes: int
     sha256: str
+    update_id: str | None = None
+    trainer_id: str | None = None
+    chunk: int | None = None
+    intent: list[str] | None = None
     inline: str | None = None
     shm: str | None = None
     last: bool = True
@@ -165,6 +218,24 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
             raise ValueError(f"sha256 must be hex text, got {self.sha256!r}")
         if not isinstance(self.last, bool):
             raise ValueError(f"last must be a bool, got {self.last!r}")
+        for what in ("update_id", "trainer_id"):
+            value = getattr(self, what)
+            if value is not None and (not isinstance(value, str) or not OWNER.fullmatch(value)):
+                raise ValueError(f"{what} is 1-64 of [A-Za-z0-9_.-], got {value!r:.80}")
+        if self.update_id is None:
+            raise ValueError(
+                "update_id is missing: every chunk names its update (PatchctxTrainerEngine "
+                "does this)"
+            )
+        if self.chunk is not None and (
+            not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk < 0
+        ):
+            raise ValueError(f"chunk must be a non-negative int, got {self.chunk!r}")
+        if self.intent is not None and (
+            not isinstance(self.intent, list)
+            or not all(isinstance(d, str) and len(d) <= 128 for d in self.intent)
+        ):
+            raise ValueError("intent must be a list of hex digests")
 
     def descriptor(self) -> dict[str, Any]:
         """The fields a transport reads."""
@@ -174,6 +245,37 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
             "inline": self.inline,
             "shm": self.shm,
         }
+
+
+def patch_digest(patch: CheckpointWeightPatch) -> str:
+    """A digest of what a patch means: name, shape, dtype, its values in that dtype, positions.
+
+    The trainer computes it from the patches it means to send; the worker from the patches
+    it decoded. Equal digests: the worker holds exactly what the trainer meant, whatever the
+    wire did (a payload retyped and re-encoded with a new checksum decodes to other values).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch
+        >>> from patchctx.vllm._backend import patch_digest
+        >>> a = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([1.0]),
+        ...                           torch.tensor([2]))
+        >>> b = a._replace(values=torch.tensor([1.0], dtype=torch.float64))
+        >>> patch_digest(a) == patch_digest(b), patch_digest(a) == patch_digest(a._replace(
+        ...     indices=torch.tensor([3])))
+        (True, False)
+    """
+    from patchctx.vllm._codec import _host_bytes
+
+    digest = hashlib.sha256()
+    digest.update(repr((patch.name, tuple(int(d) for d in patch.shape), str(patch.dtype))).encode())
+    values = patch.values.detach().to(patch.dtype)
+    digest.update(_host_bytes(values).numpy().data)
+    if patch.indices is None:
+        digest.update(b"dense")
+    else:
+        digest.update(_host_bytes(patch.indices.detach().to(torch.int64)).numpy().data)
+    return digest.hexdigest()[:32]
 
 
 def worker_error(error: BaseException, rank: int) -> PatchError:
@@ -379,6 +481,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         >>> payload = encode_patches([patch], base_version="default", target_version="1")
         >>> engine.start_weight_update()
         >>> engine.update_weights({"nbytes": len(payload), "sha256": digest(payload),
+        ...                        "update_id": "u1",
         ...                        "inline": __import__("base64").b64encode(payload).decode()})
         >>> engine.finish_weight_update()
         >>> engine.model.w.tolist(), engine.patcher.version
@@ -401,50 +504,70 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         )
         self.inline = InlineTransport()
         self.transport: Transport | None = None
-        self.pending: list[PatchPayload] = []
+        self.update: OpenUpdate | None = None
+        """The update being received (chunks held, nothing applied), or `None`."""
+        self.trainer_id: str | None = None
+        """The connected trainer (the last ``init_weight_transfer_engine``), `None`: anonymous."""
+        self.served: list[str | int | None] = [VLLM_START_VERSION]
+        """Every version this worker's weights have been at, in order: versions never repeat."""
+        self.commits: list[tuple[str, str | None, str | int | None]] = []
+        """Every update applied: (update id, trainer id, target version), in order."""
+        self._started = False  # a session is open (vLLM's own flag, when there is no worker)
+        # Read back what each update wrote before committing it (`WorkerPatcher.read_back`);
+        # PATCHCTX_VLLM_VERIFY_LANDING=0 turns it off.
+        self.verify_landing = os.environ.get("PATCHCTX_VLLM_VERIFY_LANDING", "1") != "0"
         self.last_stats: dict[str, Any] | None = None
         self.applier = "patchctx"
+        tensor_parallel = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self.tensor_parallel = tensor_parallel
+        self.model_bytes = sum(
+            t.numel() * t.element_size()
+            for t in [*model.parameters(), *model.buffers()]
+            if t.device.type != "meta"
+        )
+        self.max_payload = payload_limit(self.model_bytes, tensor_parallel)
+        # The checkpoint's tensors (names, shapes, dtypes), read from its files: what a
+        # payload may declare. Empty when unknown (bounded by the model's size then).
+        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            name: (shape, dtype) for name, shape, dtype in _specs(vllm_config)
+        }
         # Every checkpoint name's route, learnt now by a dry run of the loaders (nothing is
         # written), so the first update already replays in O(nnz); `None` if not warmed.
         self.warm_report = warm_at_start(self.patcher, model, vllm_config, self.rank)
         # vLLM's worker, to keep its "update in progress" flag the same on every worker when
-        # only the last one raises (see `agree`), and to let a new trainer close an update a
-        # dead one left open. `None` when not created by a vLLM worker.
+        # only the last one raises (see `agree`), and to end a session a finish refused.
+        # `None` when not created by a vLLM worker.
         self.worker = _calling_worker()
+
+    @property
+    def pending(self) -> list[PatchPayload]:
+        """The chunks of the open update held so far (nothing of them applied)."""
+        return [] if self.update is None else list(self.update.chunks)
 
     def _end_vllm_update(self) -> None:
         """Mark the update ended on vLLM's worker, as vLLM does on the worker that raises."""
+        self._started = False
         if self.worker is not None and getattr(self.worker, "_weight_update_active", False):
             self.worker._weight_update_active = False
+
+    def _session_open(self) -> bool:
+        if self.worker is not None:
+            return bool(getattr(self.worker, "_weight_update_active", False))
+        return self._started
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: PatchctxInitInfo) -> None:
-        """Open the transport; end an update a dead trainer left open.
+        """Connect a trainer: check it may, roll back what it takes over, open the transport.
 
-        Its chunks, never applied, are dropped, so the new trainer can start its own.
+        Refused, with nothing changed, when another trainer's update is open (unless
+        ``takeover``) and when the trainer's declared base (``weight_version``) is not the
+        version the worker's weights are at (unless ``adopt_version``).
         """
         error = None
         try:
-            self._discard("a new trainer connection was initialised")
-            self._end_vllm_update()
-            if self.transport is not None:
-                self.transport.close()
-                self.transport = None
-            if init_info.weight_version is not None:
-                self.patcher.version = init_info.weight_version
-            self.applier = init_info.apply
-            if init_info.transport == "shm":
-                self.transport = SharedMemoryTransport(init_info.shm_dir)
-            elif init_info.transport == "nccl":
-                assert init_info.master_address is not None
-                assert init_info.master_port is not None and init_info.world_size is not None
-                self.transport = NCCLTransport.for_worker(
-                    master_address=init_info.master_address,
-                    master_port=init_info.master_port,
-                    world_size=init_info.world_size,
-                    parallel_config=self.parallel_config,
-                )
+            self._check_init(init_info)
+            self._connect(init_info)
         except Exception as caught:
             error = worker_error(caught, self.rank)
         outcome = agree(error)
@@ -452,9 +575,86 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             assert outcome.error is not None
             raise outcome.error
 
+    def _owner(self) -> str | None:
+        return self.update.trainer if self.update is not None else self.trainer_id
+
+    def _check_init(self, info: PatchctxInitInfo) -> None:
+        """Every refusal of an init, before anything changes."""
+        busy = self.update is not None or self._session_open()
+        owner = self._owner()
+        mine = info.trainer_id is not None and info.trainer_id == owner
+        if busy and not mine and not info.takeover:
+            what = (
+                f"update {self.update.update_id!r} ({len(self.update.chunks)} chunk(s) held, "
+                f"{'complete' if self.update.complete else 'not complete'})"
+                if self.update is not None
+                else "a weight-update session (started, no chunk yet)"
+            )
+            raise UpdateConflictError(
+                f"{what} of trainer {owner!r} is open: trainer {info.trainer_id!r} cannot "
+                "connect while it is. Wait for it to finish, or pass takeover=True to roll "
+                "it back whole (none of it is applied) and connect; nothing changed"
+            )
+        declared = info.weight_version
+        if declared is not None and not info.adopt_version and declared != self.patcher.version:
+            raise WeightVersionError(
+                f"the trainer declares its state at weight version {declared!r}; this worker's "
+                f"weights are at {self.patcher.version!r}. Its differences would be applied "
+                "to other weights than they were computed from (a trainer resumed from an "
+                "older checkpoint?): send a full update from the served weights, or declare "
+                "adopt_version=True only if the weights really are at that version; nothing "
+                "changed",
+                expected=declared,
+                found=self.patcher.version,
+            )
+
+    def _connect(self, info: PatchctxInitInfo) -> None:
+        if self.update is not None or self._session_open():
+            dropped = self.update
+            self.update = None
+            self._end_vllm_update()
+            logger.warning(
+                "patchctx: rank %d rolled back %s of trainer %r for trainer %r (%s); none of "
+                "it was applied",
+                self.rank,
+                f"update {dropped.update_id!r}" if dropped is not None else "an empty session",
+                dropped.trainer if dropped is not None else self.trainer_id,
+                info.trainer_id,
+                "takeover" if info.takeover else "its own init again",
+            )
+        previous = self.trainer_id
+        if self.transport is not None:
+            if isinstance(self.transport, SharedMemoryTransport) and previous != info.trainer_id:
+                self.transport.sweep(previous)  # files a trainer died before sending
+            self.transport.close()
+            self.transport = None
+        if info.adopt_version:  # declared by whoever reloaded the weights: a new line
+            self.patcher.version = info.weight_version
+            self.served = [info.weight_version]
+        self.trainer_id = info.trainer_id
+        self.applier = info.apply
+        if info.transport == "shm":
+            self.transport = SharedMemoryTransport(info.shm_dir, limit=self.max_payload)
+            self.transport.sweep(info.trainer_id)  # its own, from an earlier life
+        elif info.transport == "nccl":
+            assert info.master_address is not None
+            assert info.master_port is not None and info.world_size is not None
+            self.transport = NCCLTransport.for_worker(
+                master_address=info.master_address,
+                master_port=info.master_port,
+                world_size=info.world_size,
+                parallel_config=self.parallel_config,
+                limit=self.max_payload,
+            )
+
     def start_weight_update(self) -> None:
-        """Start an update: no chunk is held."""
-        self._discard("a new update was started")
+        """Start a session. An update left open by an ended session stays open for its trainer.
+
+        vLLM refuses a start while a session is active; a session ended by a refused chunk
+        keeps the open update, so that another trainer's chunk cannot end it: its own trainer
+        sends the rest (or starts over), or a takeover init rolls it back.
+        """
+        self._started = True
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> PatchctxUpdateInfo:
         """Build the typed update info; `InvalidPatchError` (a `ValueError`) if malformed."""
@@ -466,62 +666,101 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             raise InvalidPatchError(f"invalid update_info: {error}") from None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one chunk; the last one applies the update. Errors name class and rank.
+        """Receive and check one chunk, and hold it. Errors name class and rank.
 
-        Two steps, each agreed by every worker of the engine (`agree`): fetch and check
-        (nothing written: a refusal on any worker is a refusal on all), then apply (atomic
-        on each worker; if one worker fails after others applied, the workers now differ,
-        and every worker's version becomes unknown).
+        Nothing is written: ``finish_weight_update`` applies a complete update. Every
+        worker of the engine agrees on the outcome (`agree`): a refusal on any worker is a
+        refusal on all. A refusal of the open update's own chunk drops that update (nothing
+        of it was applied); a refused chunk of another update leaves the open one as it was.
         """
-        ready: list[PatchPayload] | None = None
         error = None
+        descriptor: dict[str, Any] = {}
+        keep_open = True  # a chunk nobody can tell the owner of never ends the open update
         try:
-            ready = self._receive(self.parse_update_info(update_info))
+            info = self.parse_update_info(update_info)
+            descriptor = info.descriptor()
+            keep_open = self._foreign(info)
+            self._receive(info)
         except Exception as caught:
             error = worker_error(caught, self.rank)
-        checked = agree(error)
+        checked = agree(error)  # every worker has read the payload now
+        if descriptor and isinstance(self.transport, SharedMemoryTransport):
+            self.transport.consume(descriptor)  # nothing stays in /dev/shm once read
         if checked.error is not None:
+            if not keep_open:
+                self.update = None
             self._fail(checked)
-            return
-        if ready is None:
-            return  # a chunk held for the last one
-        try:
-            self._apply(ready)
-        except Exception as caught:
-            error = worker_error(caught, self.rank)
-        applied = agree(error)
-        if applied.error is not None:
-            if applied.failed < applied.workers:  # some workers applied the update
-                self.patcher.version = None
-                applied.error.args = (
-                    f"{applied.error}; {applied.workers - applied.failed} of "
-                    f"{applied.workers} workers applied the update, the others did not: "
-                    "their weights differ now; reload the weights, then declare the "
-                    "version (init_weight_transfer_engine)",
-                )
-            self._fail(applied)
-            return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
     def _fail(self, outcome: Outcome) -> None:
-        """End the update on this worker; raise the agreed error on the last worker only."""
-        self.pending = []
+        """End the session on this worker; raise the agreed error on the last worker only."""
         if outcome.raise_here:
             assert outcome.error is not None
+            self._started = False  # vLLM ends its own flag on the worker that raises
             raise outcome.error
         self._end_vllm_update()  # vLLM does this on the worker that raises
 
     def receive_weights(self, update_info: PatchctxUpdateInfo) -> None:
-        """Receive, check and (on the last chunk) apply, on this worker alone."""
-        ready = self._receive(update_info)
-        if ready is not None:
-            self._apply(ready)
+        """Receive and check one chunk on this worker alone; the last one applies the update.
 
-    def _receive(self, update_info: PatchctxUpdateInfo) -> list[PatchPayload] | None:
-        """Fetch, check and hold one chunk; on the last, every held chunk (checked)."""
-        descriptor = update_info.descriptor()
-        if update_info.inline is not None:
+        (vLLM's base engine API: one call per chunk, no separate finish.)
+        """
+        self._receive(update_info)
+        if update_info.last:
+            self._commit()
+
+    def _foreign(self, info: PatchctxUpdateInfo) -> bool:
+        """Whether the chunk belongs to another update than the open one, or another trainer."""
+        open_update = self.update
+        if open_update is None or open_update.update_id == info.update_id:
+            return False
+        return info.trainer_id is None or info.trainer_id != open_update.trainer
+
+    def _receive(self, info: PatchctxUpdateInfo) -> None:
+        """Fetch, check and hold one chunk; on the last, check the whole update."""
+        if (
+            self.trainer_id is not None
+            and info.trainer_id != self.trainer_id
+            and (self.update is None or self._foreign(info))
+        ):
+            raise UpdateConflictError(
+                f"a chunk of trainer {info.trainer_id!r}, but trainer {self.trainer_id!r} is "
+                "the one connected (the last init_weight_transfer_engine): connect first; "
+                "nothing changed"
+            )
+        open_update = self.update
+        if open_update is not None and open_update.update_id != info.update_id:
+            if self._foreign(info):
+                raise UpdateConflictError(
+                    f"update {open_update.update_id!r} of trainer {open_update.trainer!r} is "
+                    f"open ({len(open_update.chunks)} chunk(s) held): a chunk of update "
+                    f"{info.update_id!r} cannot join or replace it. It stays open for its "
+                    "trainer; a takeover init rolls it back; nothing changed"
+                )
+            logger.warning(
+                "patchctx: rank %d: trainer %r started update %r over its own open update %r "
+                "(%d chunk(s) dropped, none applied)",
+                self.rank,
+                info.trainer_id,
+                info.update_id,
+                open_update.update_id,
+                len(open_update.chunks),
+            )
+            self.update = open_update = None
+        if open_update is not None and open_update.complete:
+            raise UpdateConflictError(
+                f"update {info.update_id!r} is complete (its last chunk arrived): a further "
+                "chunk is refused; finish it, or start another update"
+            )
+        expected = 0 if open_update is None else len(open_update.chunks)
+        if info.chunk is not None and info.chunk != expected:
+            raise UpdateConflictError(
+                f"chunk {info.chunk} of update {info.update_id!r} arrived where chunk "
+                f"{expected} was due (a chunk lost or sent twice); the update is dropped, "
+                "nothing of it was applied"
+            )
+        check_size(info.nbytes, self.max_payload)
+        descriptor = info.descriptor()
+        if info.inline is not None:
             data = self.inline.receive(descriptor)
         elif self.transport is None:
             raise InvalidPatchError(
@@ -530,47 +769,148 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         else:
             data = self.transport.receive(descriptor)
         payload = decode_payload(check_received(data, descriptor))
-        if self.pending:
-            first = self.pending[0]
-            if (payload.base_version, payload.target_version) != (
-                first.base_version,
-                first.target_version,
-            ):
-                raise InvalidPatchError(
-                    "the chunks of one update name different versions: "
-                    f"{first.base_version!r} -> {first.target_version!r} and "
-                    f"{payload.base_version!r} -> {payload.target_version!r}"
-                )
-        else:
+        self._check_intent(payload.patches, info.intent)
+        self._bound(payload.patches)
+        if open_update is None:
             self.patcher.check_base(payload.base_version)
-        self.pending.append(payload)
-        if not update_info.last:
-            return None
-        chunks, self.pending = self.pending, []
-        patches = [p for chunk in chunks for p in chunk.patches]
-        if self.applier == "patchctx":
-            self.patcher.check(self.model, patches)  # before any write, on every worker
-        return chunks
+            self._check_target(payload.base_version, payload.target_version)
+            open_update = OpenUpdate(
+                info.update_id or "",
+                info.trainer_id,
+                payload.base_version,
+                payload.target_version,
+            )
+        elif (payload.base_version, payload.target_version) != (
+            open_update.base,
+            open_update.target,
+        ):
+            raise InvalidPatchError(
+                "the chunks of one update name different versions: "
+                f"{open_update.base!r} -> {open_update.target!r} and "
+                f"{payload.base_version!r} -> {payload.target_version!r}"
+            )
+        chunks = [*open_update.chunks, payload]
+        if info.last:
+            patches = [p for chunk in chunks for p in chunk.patches]
+            if self.applier == "patchctx":
+                self.patcher.check(self.model, patches)  # before any write, on every worker
+        open_update.chunks = chunks
+        open_update.complete = info.last
+        self.update = open_update
 
-    def _apply(self, chunks: list[PatchPayload]) -> None:
+    def _check_intent(
+        self, patches: Sequence[CheckpointWeightPatch], intent: list[str] | None
+    ) -> None:
+        """The decoded patches are what the trainer meant (`patch_digest`), if it said."""
+        if intent is None:
+            return
+        if len(intent) != len(patches):
+            raise InvalidPatchError(
+                f"the trainer meant {len(intent)} patches; the payload decodes to "
+                f"{len(patches)}; nothing was written"
+            )
+        problems = [
+            PatchProblem(
+                i,
+                patch.name,
+                "decodes to other values, positions, shape or dtype than the trainer meant "
+                "(its digest differs: the payload was altered after it was made); nothing "
+                "was written",
+            )
+            for i, (patch, meant) in enumerate(zip(patches, intent, strict=True))
+            if patch_digest(patch) != meant
+        ]
+        if problems:
+            raise InvalidPatchError(problems)
+
+    def _bound(self, patches: Sequence[CheckpointWeightPatch]) -> None:
+        """Every declared name, shape and dtype is one the worker knows, before any staging.
+
+        With the checkpoint's specs (read from its files): the name (tied aliases resolved)
+        must be one of its tensors, with its shape. Without them: no patch may declare more
+        bytes than the model holds (times the tensor-parallel size). Either way, nothing
+        checkpoint-sized is allocated for a name or shape the payload only declares.
+        """
+        problems = []
+        aliases = tied_aliases(self.model) if self.specs else {}
+        limit = self.model_bytes * self.tensor_parallel
+        for i, patch in enumerate(patches):
+            shape = tuple(int(d) for d in patch.shape)
+            if self.specs:
+                name = aliases.get(patch.name, patch.name)
+                known = self.specs.get(name) or self.specs.get(patch.name)
+                if known is None:
+                    problems.append(
+                        PatchProblem(
+                            i,
+                            patch.name,
+                            "is not a tensor of the checkpoint this engine loaded; nothing "
+                            "was written",
+                        )
+                    )
+                elif known[0] != shape:
+                    problems.append(
+                        PatchProblem(
+                            i,
+                            patch.name,
+                            f"declares shape {list(shape)}; the checkpoint's tensor is "
+                            f"{list(known[0])}; nothing was written",
+                        )
+                    )
+                continue
+            nbytes = math.prod(shape) * patch.dtype.itemsize
+            if nbytes > limit:
+                problems.append(
+                    PatchProblem(
+                        i,
+                        patch.name,
+                        f"declares {list(shape)} {patch.dtype} ({nbytes} bytes), more than the "
+                        f"whole model holds ({limit} bytes); nothing was written",
+                    )
+                )
+        if problems:
+            raise InvalidPatchError(problems)
+
+    def _check_target(self, base: str | int | None, target: str | int | None) -> None:
+        """Versions never repeat: the target is none the weights have been at."""
+        if target is not None and target in self.served:
+            raise WeightVersionError(
+                f"the update's target version {target!r} is one these weights were at before "
+                f"(versions served: {self.served[-8:]!r}): a version names one set of weights "
+                "only; nothing was written",
+                expected=base,
+                found=self.patcher.version,
+            )
+
+    def _commit(self) -> None:
+        """Apply the open, complete update in one atomic call; its target is the new version."""
+        open_update = self.update
+        assert open_update is not None and open_update.complete
+        self.update = None
+        chunks = open_update.chunks
         patches: list[CheckpointWeightPatch] = [p for chunk in chunks for p in chunk.patches]
         if self.applier != "patchctx":
             self.last_stats = compare_apply(self.applier, self.model, patches, self.vllm_config)
             self.last_stats["rank"] = self.rank
-            self.patcher.version = chunks[0].target_version
+            self.patcher.version = open_update.target
+            self.served.append(open_update.target)
             return
         stats = self.patcher.apply(
             self.model,
             patches,
-            base_version=chunks[0].base_version,
-            target_version=chunks[0].target_version,  # None: a version nobody named
+            base_version=open_update.base,
+            target_version=open_update.target,  # None: a version nobody named
             atomic=True,
+            verify_landing=self.verify_landing,
         )
+        self.served.append(open_update.target)
+        self.commits.append((open_update.update_id, open_update.trainer, open_update.target))
         self.last_stats = {"rank": self.rank, "chunks": len(chunks), **stats}
         logger.info(
-            "patchctx: rank %d applied %d patches (%d replayed, %d loader calls) in %.1f ms; "
-            "weights now at version %r",
+            "patchctx: rank %d applied update %r (%d patches, %d replayed, %d loader calls) "
+            "in %.1f ms; weights now at version %r",
             self.rank,
+            open_update.update_id,
             len(patches),
             stats["replayed"],
             stats["loader_calls"],
@@ -579,28 +919,81 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         )
 
     def finish_weight_update(self) -> None:
-        """End the update. Chunks held without their last one are dropped (and logged).
+        """Apply the open update whole, or refuse: vLLM then records no version.
 
-        Nothing of such an update was written, and the worker's version stays where it was,
-        so an update computed against the version ``finish_weight_update`` then names is
-        refused: the weights are not at it.
+        vLLM sets the version ``finish_weight_update`` names only when this returns, so the
+        version ``/weight_info`` reports always names applied weights. A finish without a
+        complete update (no chunk, or not the last one yet) is refused and applies nothing;
+        an incomplete update stays open for its trainer. If applying fails, every weight is
+        as before (atomic) and the update is dropped.
         """
-        self._discard("the update was finished before its last chunk")
+        error = None
+        try:
+            if self.update is None or not self.update.complete:
+                raise UpdateConflictError(
+                    "no complete update to finish: "
+                    + (
+                        "no chunk arrived in this session"
+                        if self.update is None
+                        else f"update {self.update.update_id!r} has {len(self.update.chunks)} "
+                        "chunk(s), not its last one yet (it stays open for its trainer)"
+                    )
+                    + "; nothing was applied, and no version is recorded"
+                )
+            self._commit()
+        except Exception as caught:
+            error = worker_error(caught, self.rank)
+        applied = agree(error)
+        if applied.error is not None:
+            if (
+                0 < applied.failed < applied.workers
+                and isinstance(applied.error, PatchError)
+                and not isinstance(applied.error, UpdateConflictError)
+            ):
+                self.patcher.version = None  # some workers applied the update, others not
+                applied.error.args = (
+                    f"{applied.error}; {applied.workers - applied.failed} of "
+                    f"{applied.workers} workers applied the update, the others did not: "
+                    "their weights differ now; reload the weights, then declare the "
+                    "version (init_weight_transfer_engine, adopt_version=True)",
+                )
+            self._end_vllm_update()  # vLLM keeps its session open when finish raises
+            if applied.raise_here:
+                raise applied.error
+            return
+        self._started = False
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
     def shutdown(self) -> None:
-        """Close the transport."""
-        self._discard("shutdown")
+        """Close the transport (an open update is dropped: none of it was applied)."""
+        if self.update is not None:
+            logger.warning(
+                "patchctx: rank %d dropped update %r at shutdown; nothing of it was written",
+                self.rank,
+                self.update.update_id,
+            )
+            self.update = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
 
-    def _discard(self, why: str) -> None:
-        if self.pending:
-            logger.warning(
-                "patchctx: rank %d dropped %d chunk(s) of an unfinished update (%s); nothing "
-                "of it was written",
-                self.rank,
-                len(self.pending),
-                why,
-            )
-            self.pending = []
+
+@dataclass
+class OpenUpdate:
+    """An update being received: its owner, versions and the chunks held (none applied)."""
+
+    update_id: str
+    trainer: str | None
+    base: str | int | None
+    target: str | int | None
+    chunks: list[PatchPayload] = field(default_factory=list)
+    complete: bool = False
+
+
+def _specs(vllm_config: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The checkpoint's tensors, or none (a config without a local checkpoint)."""
+    try:
+        return checkpoint_specs(vllm_config)
+    except Exception:  # unreadable files: bounded by the model's size instead
+        return []

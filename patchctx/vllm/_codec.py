@@ -29,6 +29,7 @@ size (sorted and unique for ``gaps`` and ``bitmask``, in `index_dtype`), and rai
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -348,8 +349,15 @@ def _version(value: object, where: str) -> str | int | None:
     raise _fail(f"{where} must be a string, an integer or null, got {value!r}")
 
 
+Ranges = list[tuple[int, int, str]]  # the data bytes each block holds: [start, end), where
+
+
 def _tensor(
-    entry: object, where: str, data: torch.Tensor, allowed: Sequence[str] | None = None
+    entry: object,
+    where: str,
+    data: torch.Tensor,
+    allowed: Sequence[str] | None = None,
+    ranges: Ranges | None = None,
 ) -> torch.Tensor:
     block = _object(entry, ("dtype", "offset", "numel"), where)
     name = block["dtype"]
@@ -365,6 +373,8 @@ def _tensor(
     end = offset + numel * itemsize
     if end > data.numel():
         raise _fail(f"{where} reaches byte {end} of a data section of {data.numel()} bytes")
+    if ranges is not None and end > offset:
+        ranges.append((offset, end, where))
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     raw = data[offset:end]
@@ -374,7 +384,7 @@ def _tensor(
 
 
 def _positions(
-    entry: object, where: str, data: torch.Tensor, numel: int, count: int
+    entry: object, where: str, data: torch.Tensor, numel: int, count: int, ranges: Ranges
 ) -> torch.Tensor:
     """A version-2 positions block, decoded (see `patchctx._encoding` for the formats)."""
     block = _object(entry, ("encoding", "offset", "nbytes"), where)
@@ -389,14 +399,28 @@ def _positions(
     end = offset + nbytes
     if end > data.numel():
         raise _fail(f"{where} reaches byte {end} of a data section of {data.numel()} bytes")
+    if end > offset:
+        ranges.append((offset, end, where))
     try:
         return decode_positions(data[offset:end], numel, count, _ENCODINGS[name], dtype=dtype)
     except MalformedPositions as error:
         raise _fail(f"{where} ({name}): {error}") from None
 
 
+def _refuse_overlaps(ranges: Ranges) -> None:
+    """Every block holds bytes of its own: two that share one are a forged payload."""
+    ordered = sorted(ranges)
+    for (_, end, where), (start, _, other) in itertools.pairwise(ordered):
+        if start < end:
+            raise _fail(f"{other} overlaps {where} (bytes from {start} to {end})")
+
+
 def _patch(
-    entry: object, where: str, data: torch.Tensor, version: int = FORMAT_VERSION
+    entry: object,
+    where: str,
+    data: torch.Tensor,
+    version: int = FORMAT_VERSION,
+    ranges: Ranges | None = None,
 ) -> CheckpointWeightPatch:
     fields = _object(entry, ("name", "shape", "dtype", "values", "indices"), where)
     name = fields["name"]
@@ -413,7 +437,8 @@ def _patch(
     dtype_name = fields["dtype"]
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise _fail(f"{where}.dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
-    values = _tensor(fields["values"], f"{where}.values", data)
+    ranges = [] if ranges is None else ranges
+    values = _tensor(fields["values"], f"{where}.values", data, ranges=ranges)
     if fields["indices"] is None:
         if values.numel() != numel:
             raise _fail(
@@ -422,11 +447,13 @@ def _patch(
             )
         indices = None
     elif version == 1:
-        indices = _tensor(fields["indices"], f"{where}.indices", data, _INDEX_DTYPES)
+        indices = _tensor(fields["indices"], f"{where}.indices", data, _INDEX_DTYPES, ranges)
         if indices.numel() != values.numel():
             raise _fail(f"{where}: {indices.numel()} indices for {values.numel()} values")
     else:
-        indices = _positions(fields["indices"], f"{where}.indices", data, numel, values.numel())
+        indices = _positions(
+            fields["indices"], f"{where}.indices", data, numel, values.numel(), ranges
+        )
     return CheckpointWeightPatch(name, dims, DTYPES[dtype_name], values, indices)
 
 
@@ -469,9 +496,12 @@ def _decode(data: object) -> PatchPayload:
     base = _version(header["base_version"], "base_version")
     target = _version(header["target_version"], "target_version")
     data_section = torch.frombuffer(buffer, dtype=torch.uint8)[start:]
+    ranges: Ranges = []
     patches = tuple(
-        _patch(entry, f"patches[{i}]", data_section, version) for i, entry in enumerate(entries)
+        _patch(entry, f"patches[{i}]", data_section, version, ranges)
+        for i, entry in enumerate(entries)
     )
+    _refuse_overlaps(ranges)
     return PatchPayload(patches, base, target)
 
 
@@ -480,10 +510,10 @@ def decode_payload(data: bytes | bytearray | memoryview) -> PatchPayload:
 
     Every field is checked before a tensor is built: the prefix, the header (strict JSON,
     exactly the known keys, no duplicates), names, shapes, dtypes (from a fixed list), that
-    each tensor block lies inside the data section and is aligned, that counts match the
-    shapes, and that the payload ends where the header says. Tensors are read with
-    ``torch.frombuffer`` from one copy of the payload (they share it); nothing is unpickled
-    and no code runs.
+    each tensor block lies inside the data section and is aligned, that no two blocks share a
+    byte, that counts match the shapes, and that the payload ends where the header says.
+    Tensors are read with ``torch.frombuffer`` from one copy of the payload (they share it);
+    nothing is unpickled and no code runs.
 
     Args:
         data: The payload.

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from patchctx._errors import (
+    CastKindError,
     InvalidPatchError,
     InvalidPatchTypeError,
     LoaderContractError,
+    LoaderError,
     PatchError,
     WeightVersionError,
 )
@@ -26,6 +28,8 @@ _ERRORS: dict[str, type[PatchError]] = {
         InvalidPatchTypeError,
         LoaderContractError,
         WeightVersionError,
+        CastKindError,
+        LoaderError,
         PatchError,
     )
 }

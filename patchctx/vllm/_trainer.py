@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +33,8 @@ from patchctx import (
     diff_state_dicts,
     patch_nbytes,
 )
-from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
+from patchctx._errors import UpdateConflictError
+from patchctx.vllm._backend import VLLM_START_VERSION, patch_digest, raise_worker_error
 from patchctx.vllm._codec import encode_patches
 from patchctx.vllm._transport import (
     InlineTransport,
@@ -214,6 +217,19 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
             defaults assume a 10 GB/s link and this library's 2-core CPU: pass
             ``UpdateCost(link_bytes_per_second=...)`` for your link, or
             ``UpdateCost.calibrate(...)`` measured on a worker. `None`: by wire bytes alone.
+        base_version: The weight version of the state this trainer remembers (what its next
+            diff starts from): a trainer resumed from a checkpoint passes the version that
+            checkpoint was sent as, and the workers refuse it if they serve another one.
+            `None`: the trainer cannot know, and takes the version the server reports
+            (``/weight_info``), which is right only when its remembered state is what the
+            server serves (a fresh trainer that `remember` s the served weights).
+        adopt_version: Make the workers take `base_version` (or the server's version) as
+            theirs, unchecked: after the weights were reloaded outside patchctx (vLLM's
+            ``reload_weights``), or when a failed update left their version unknown.
+        takeover: Roll back an update another trainer left open (it died mid-update) and
+            connect; without it, connecting while one is open is refused.
+        trainer_id: This trainer's id (1-64 of ``[A-Za-z0-9_.-]``): its chunks carry it, and
+            the workers refuse another trainer's chunks. `None`: a random one.
         rank: This trainer process's rank; rank 0 sends.
 
     Examples:
@@ -234,6 +250,10 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
     dtype: torch.dtype | None = None
     chunk_bytes: int | None = None
     cost: UpdateCost | None = field(default_factory=UpdateCost)
+    base_version: str | None = None
+    adopt_version: bool = False
+    takeover: bool = False
+    trainer_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -270,14 +290,28 @@ class SendStats:
 
 
 def next_version(version: str | None) -> str:
-    """The version after `version`: the next integer, or ``"1"`` after a non-integer.
+    """The version after `version`; never one that came before it in its line.
+
+    The next integer after an integer; ``"1"`` after vLLM's start version (``"default"``) or
+    none; after any other name ``NAME`` (a reload's ``"reloaded"``, ``"step-12"``),
+    ``"NAME.1"``, then ``"NAME.2"``... (the workers also refuse a version their weights were
+    at before).
 
     Examples:
         >>> from patchctx.vllm._trainer import next_version
-        >>> next_version("default"), next_version("41")
-        ('1', '42')
+        >>> next_version("default"), next_version("41"), next_version("reloaded")
+        ('1', '42', 'reloaded.1')
+        >>> next_version("reloaded.1"), next_version("step-12")
+        ('reloaded.2', 'step-12.1')
     """
-    return str(int(version) + 1) if version is not None and version.isdecimal() else "1"
+    if version is None or version == VLLM_START_VERSION:
+        return "1"
+    if version.isdecimal():
+        return str(int(version) + 1)
+    numbered = re.fullmatch(r"(.*)\.(\d+)", version)
+    if numbered is not None:
+        return f"{numbered.group(1)}.{int(numbered.group(2)) + 1}"
+    return f"{version}.1"
 
 
 def _chunks(
@@ -302,10 +336,12 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     """The ``patchctx`` backend's trainer engine: diffs, encodes and sends updates.
 
     Built with ``trainer_init`` (or vLLM's ``WeightTransferTrainerFactory.trainer_init``,
-    which dispatches on ``PatchctxTrainerInitInfo.backend``). It declares vLLM's current
-    weight version to the workers (``/weight_info`` when the client can read it), so every
-    update names the version it was computed against and the workers refuse it if their
-    weights are elsewhere.
+    which dispatches on ``PatchctxTrainerInitInfo.backend``). It declares its base to the
+    workers (``base_version``, or else the version ``/weight_info`` reports), so every update
+    names the version it was computed against and the workers refuse it if their weights are
+    elsewhere. Every chunk carries the trainer's id and the update's; the workers apply an
+    update whole at its ``finish_weight_update``, and the engine then checks that
+    ``/weight_info`` names its version.
 
     - ``send_weights(patches)``: send `CheckpointWeightPatch` objects as one update
       (``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update(version)``).
@@ -329,7 +365,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         >>> sent = {"w": torch.zeros(8)}
         >>> engine.remember(sent)
         >>> stats = engine.send_state_dict({"w": torch.tensor([0, 0, 1.0, 0, 0, 0, 0, 0])})
-        >>> stats.patches, stats.transport, stats.version, client.calls[-3:]
+        >>> stats.patches, stats.transport, stats.version, client.calls[-4:-1]
         (1, 'inline', '1', ['start_weight_update', 'update_weights', 'finish_weight_update'])
     """
 
@@ -350,6 +386,9 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         self.version: str | None = None
         self.sent: dict[str, torch.Tensor] = {}
         self._ended_by_workers = False  # the current update's update_weights raised
+        self.trainer_id = self.init_info.trainer_id or uuid.uuid4().hex[:16]
+        # The update a caller-owned session (`send_weight_chunk`) is sending, and its next chunk.
+        self._session: tuple[str, int] | None = None
 
     @classmethod
     def trainer_init(
@@ -359,11 +398,12 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         client: Any,
         source: WeightSource | None = None,
     ) -> PatchctxTrainerEngine:
-        """Connect: open the transport, declare vLLM's weight version to every worker.
+        """Connect: open the transport, declare the trainer's base version to every worker.
 
-        An update a previous trainer left open (it died between ``start_weight_update`` and
-        ``finish_weight_update``) is ended by the workers at ``init_weight_transfer_engine``;
-        its chunks were never applied.
+        Refused while another trainer's update is open (it died between
+        ``start_weight_update`` and ``finish_weight_update``, or is still sending), unless
+        ``takeover``: the workers then roll it back whole (none of it was applied). Refused
+        too when the declared base is not the version the workers' weights are at.
         """
         engine = cls(
             client=client, source=source, is_sender=init_info.is_sender, init_info=init_info
@@ -372,12 +412,18 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             engine.remember(dict(source))
         if not engine.is_sender:
             return engine
-        get_version = getattr(client, "get_weight_version", None)
-        version = get_version() if callable(get_version) else None
-        engine.version = VLLM_START_VERSION if version is None else str(version)
+        version = init_info.base_version
+        if version is None:  # the trainer cannot know: it starts from what the server serves
+            get_version = getattr(client, "get_weight_version", None)
+            served = get_version() if callable(get_version) else None
+            version = VLLM_START_VERSION if served is None else str(served)
+        engine.version = version
         worker_info: dict[str, Any] = {
             "transport": init_info.transport,
             "weight_version": engine.version,
+            "adopt_version": init_info.adopt_version,
+            "trainer_id": engine.trainer_id,
+            "takeover": init_info.takeover,
             "shm_dir": init_info.shm_dir,
         }
         if init_info.transport == "nccl":
@@ -399,7 +445,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         else:
             client.init_weight_transfer_engine(worker_info)
             engine.sender = (
-                SharedMemoryTransport(init_info.shm_dir)
+                SharedMemoryTransport(init_info.shm_dir, owner=engine.trainer_id)
                 if init_info.transport == "shm"
                 else InlineTransport()  # the workers' limit, whatever inline_below says
             )
@@ -446,19 +492,31 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     def send_weight_chunk(self, patches: Iterable[CheckpointWeightPatch], *, last: bool) -> int:
         """Send one chunk inside a caller-owned ``start`` / ``finish``; return its bytes.
 
-        Chunks are held by the workers and applied together, atomically, with the ``last``.
-        The chunk names the trainer's current version as base and the next one as target;
-        pass the same target to ``finish_weight_update``.
+        Chunks are held by the workers and applied together, atomically, by
+        ``finish_weight_update``. The chunks of one session form one update (its id on each);
+        each names the trainer's current version as base and the next one as target; pass
+        the same target to ``finish_weight_update`` (`version` is it after the last chunk).
         """
+        update_id, position = self._session or (uuid.uuid4().hex[:16], 0)
+        patches = list(patches)
         payload = encode_patches(
             patches, base_version=self.version, target_version=next_version(self.version)
         )
-        self._transfer(payload, last=last)
+        self._session = None if last else (update_id, position + 1)
+        self._transfer(payload, patches, last=last, update_id=update_id, chunk=position)
         if last:
             self.version = next_version(self.version)
         return len(payload)
 
-    def _transfer(self, payload: bytes, *, last: bool) -> str:
+    def _transfer(
+        self,
+        payload: bytes,
+        patches: list[CheckpointWeightPatch],
+        *,
+        last: bool,
+        update_id: str,
+        chunk: int,
+    ) -> str:
         assert self.sender is not None, "trainer_init() first"
         sender: Sender = self.inline if 0 < len(payload) <= self.inline.limit else self.sender
         info = {
@@ -466,6 +524,10 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             "nbytes": len(payload),
             "sha256": digest(payload),
             "last": last,
+            "update_id": update_id,
+            "trainer_id": self.trainer_id,
+            "chunk": chunk,
+            "intent": [patch_digest(patch) for patch in patches],
         }
         try:
             if sender.concurrent:
@@ -500,13 +562,22 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         nbytes, transports = 0, set()
         groups = _chunks(patches, self.init_info.chunk_bytes)
         self._ended_by_workers = False
+        update_id = uuid.uuid4().hex[:16]
         self.client.start_weight_update()
         try:
             for position, group in enumerate(groups):
                 begin = time.perf_counter()
                 payload = encode_patches(group, base_version=self.version, target_version=target)
                 encoded = time.perf_counter()
-                transports.add(self._transfer(payload, last=position == len(groups) - 1))
+                transports.add(
+                    self._transfer(
+                        payload,
+                        group,
+                        last=position == len(groups) - 1,
+                        update_id=update_id,
+                        chunk=position,
+                    )
+                )
                 update_s += time.perf_counter() - encoded
                 encode_s += encoded - begin
                 nbytes += len(payload)
@@ -520,8 +591,17 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
                 with contextlib.suppress(Exception):
                     self.client.finish_weight_update()
             raise
+        # The workers apply the update here, whole, or refuse (vLLM then records no version).
         self.client.finish_weight_update(target)
         self.version = target
+        get_version = getattr(self.client, "get_weight_version", None)
+        served = get_version() if callable(get_version) else None
+        if served is not None and str(served) != target:
+            raise UpdateConflictError(
+                f"update {update_id!r} was applied as version {target!r}, but the server now "
+                f"reports {served!r}: another trainer named a version in between "
+                "(vLLM's finish carries no update id); check which weights are served"
+            )
         return SendStats(
             patches=len(patches),
             nbytes=nbytes,

@@ -21,6 +21,8 @@ import base64
 import binascii
 import hashlib
 import os
+import re
+import stat
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,7 +42,9 @@ __all__ = [
     "SharedMemoryTransport",
     "Transport",
     "check_received",
+    "check_size",
     "inline_limit",
+    "payload_limit",
 ]
 
 DEFAULT_INLINE_LIMIT = 4 << 20
@@ -48,6 +52,41 @@ DEFAULT_INLINE_LIMIT = 4 << 20
 INLINE_LIMIT_ENV = "PATCHCTX_VLLM_INLINE_LIMIT"
 DEFAULT_SHM_DIR = "/dev/shm"
 SHM_PREFIX = "patchctx-"
+MAX_PAYLOAD_ENV = "PATCHCTX_VLLM_MAX_PAYLOAD"
+"""Largest payload (bytes) a worker accepts from any transport (default: see `payload_limit`)."""
+# A trainer's id, as it appears in its payload files' names.
+OWNER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def payload_limit(model_bytes: int, tensor_parallel: int = 1) -> int:
+    """The largest payload a worker takes: ``PATCHCTX_VLLM_MAX_PAYLOAD``, or what the model allows.
+
+    A payload is at most every checkpoint tensor once, each element with its value and an
+    8-byte position: 16 times the model's bytes (times the tensor-parallel size, each rank
+    holding a shard) plus 16 MiB for headers covers any honest one. Nothing larger is ever
+    allocated or read.
+
+    Examples:
+        >>> from patchctx.vllm._transport import payload_limit
+        >>> payload_limit(1 << 20) == 16 * (1 << 20) + (16 << 20)
+        True
+    """
+    value = os.environ.get(MAX_PAYLOAD_ENV)
+    if value is not None:
+        return int(value)
+    return 16 * model_bytes * max(1, tensor_parallel) + (16 << 20)
+
+
+def check_size(nbytes: object, limit: int | None) -> int:
+    """`nbytes` if it is an int in ``[0, limit]``; `InvalidPatchError` (before any read) if not."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise InvalidPatchError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    if limit is not None and nbytes > limit:
+        raise InvalidPatchError(
+            f"the payload announces {nbytes} bytes, over this worker's limit of {limit} "
+            f"({MAX_PAYLOAD_ENV}, or 16x the model's bytes); nothing was read or written"
+        )
+    return nbytes
 
 
 def inline_limit() -> int:
@@ -217,7 +256,7 @@ class SharedMemoryTransport:
         >>> import tempfile
         >>> from patchctx.vllm._transport import SharedMemoryTransport, digest
         >>> sender = SharedMemoryTransport(tempfile.mkdtemp())
-        >>> descriptor = sender.describe(b"payload")
+        >>> descriptor = {**sender.describe(b"payload"), "nbytes": 7}
         >>> SharedMemoryTransport(sender.directory).receive(descriptor)
         b'payload'
         >>> sender.release()  # the file is gone
@@ -231,8 +270,14 @@ class SharedMemoryTransport:
     name = "shm"
     concurrent = False
 
-    def __init__(self, directory: str = "/dev/shm") -> None:
+    def __init__(
+        self, directory: str = "/dev/shm", *, owner: str | None = None, limit: int | None = None
+    ) -> None:
         self.directory = Path(directory)
+        if owner is not None and not OWNER.fullmatch(owner):
+            raise InvalidPatchError(f"a trainer id is 1-64 of [A-Za-z0-9_.-], got {owner!r}")
+        self.owner = owner
+        self.limit = limit
         self._written: list[Path] = []
 
     def _path(self, name: object) -> Path:
@@ -248,22 +293,71 @@ class SharedMemoryTransport:
         return self.directory / name
 
     def receive(self, descriptor: Mapping[str, Any]) -> bytes:
-        """Read the file ``descriptor["shm"]`` names."""
+        """Read the file ``descriptor["shm"]`` names: a regular file of exactly ``nbytes``.
+
+        Opened without following a link and without blocking (a FIFO or device named like
+        a payload is refused, not waited on); its size is checked before a byte is read.
+        """
         path = self._path(descriptor.get("shm"))
+        nbytes = check_size(descriptor.get("nbytes"), self.limit)
         try:
-            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
             fd = os.open(path, flags)
         except OSError as error:
             raise InvalidPatchError(
                 f"the payload file {str(path)!r} cannot be read ({error.strerror}): the trainer "
                 "may have died before writing it; nothing was written"
             ) from None
-        with os.fdopen(fd, "rb") as file:
-            return file.read()
+        try:
+            info = os.fstat(fd)
+            regular = stat.S_ISREG(info.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise InvalidPatchError(
+                f"the payload file {str(path)!r} is not a regular file (a FIFO, a device, "
+                "a directory); nothing was read or written"
+            )
+        with os.fdopen(fd, "rb", buffering=0) as file:
+            if info.st_size != nbytes:
+                raise InvalidPatchError(
+                    f"the payload is truncated or corrupt: the file {str(path)!r} holds "
+                    f"{info.st_size} bytes, {nbytes} announced; nothing was read or written"
+                )
+            return file.read(nbytes)  # (a regular file: what it holds, at most nbytes)
+
+    def consume(self, descriptor: Mapping[str, Any]) -> None:
+        """Delete the file ``descriptor["shm"]`` names, once every worker has read it."""
+        try:
+            path = self._path(descriptor.get("shm"))
+        except InvalidPatchError:
+            return
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def sweep(self, owner: str | None) -> int:
+        """Delete the payload files trainer `owner` left (it died before they were read)."""
+        if owner is None or not OWNER.fullmatch(owner):
+            return 0
+        removed = 0
+        for path in self.directory.glob(f"{SHM_PREFIX}{owner}-*"):
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    path.unlink(missing_ok=True)
+                    removed += 1
+            except OSError:
+                pass
+        return removed
 
     def describe(self, payload: bytes) -> dict[str, Any]:
         """Write `payload` to a new file; ``{"shm": its name}``."""
-        name = f"{SHM_PREFIX}{uuid.uuid4().hex}"
+        owner = f"{self.owner}-" if self.owner is not None else ""
+        name = f"{SHM_PREFIX}{owner}{uuid.uuid4().hex}"
         path = self.directory / name
         with open(path, "xb") as file:
             file.write(payload)
@@ -310,12 +404,19 @@ class NCCLTransport:
     name = "nccl"
     concurrent = True
 
-    def __init__(self, communicator: Any) -> None:
+    def __init__(self, communicator: Any, *, limit: int | None = None) -> None:
         self.communicator = communicator
+        self.limit = limit  # the most bytes a receive allocates (see `payload_limit`)
 
     @classmethod
     def for_worker(
-        cls, *, master_address: str, master_port: int, world_size: int, parallel_config: Any
+        cls,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        parallel_config: Any,
+        limit: int | None = None,
     ) -> NCCLTransport:
         """Join the trainer's group from an inference worker (rank ``1 +`` worker rank)."""
         from vllm.distributed.weight_transfer.nccl_common import (
@@ -329,7 +430,7 @@ class NCCLTransport:
             rank_offset=1,
             world_size=world_size,
         )
-        return cls(worker_init_process_group(info, parallel_config))
+        return cls(worker_init_process_group(info, parallel_config), limit=limit)
 
     @classmethod
     def for_trainer(
@@ -350,10 +451,8 @@ class NCCLTransport:
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def receive(self, descriptor: Mapping[str, Any]) -> bytes:
-        """Receive the broadcast of ``descriptor["nbytes"]`` bytes."""
-        nbytes = descriptor.get("nbytes")
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise InvalidPatchError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        """Receive the broadcast of ``descriptor["nbytes"]`` bytes (at most `limit`)."""
+        nbytes = check_size(descriptor.get("nbytes"), self.limit)
         device = getattr(self.communicator, "device", torch.device("cpu"))
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.communicator.broadcast(buffer, src=0, stream=self._stream())

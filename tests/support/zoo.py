@@ -19,6 +19,7 @@ import copy
 import ctypes
 import functools
 import io
+import math
 import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -1122,3 +1123,127 @@ def sparse(indices: list[int], values: list[float], dtype: torch.dtype) -> Check
     return CheckpointWeightPatch(
         "w", SHAPE, dtype, tensor.to(dtype), torch.tensor(indices, dtype=torch.long)
     )
+
+
+# -------------------------------------------------------- loaders over names (accounting)
+#
+# Each is ``write(layer, name, w)`` for a layer with a float weight [4, 6], a float norm [6]
+# and int32 codes [6], the way a real loader handles the names it is given: vLLM's skip the
+# names they do not know, hand-written ones raise their own errors, and copy_ casts. The
+# oracle (`check_named`): bit for bit the dense load through the same loader, or a
+# `PatchError` naming the patch with the model exactly as before.
+
+NamedWrite = Callable[["NamedLayer", str, torch.Tensor], object]
+
+
+class NamedLayer(nn.Module):
+    """Three tensors a loader finds by name: ``weight`` [4, 6], ``norm`` [6], ``codes`` [6]."""
+
+    def __init__(self, write: NamedWrite, seed: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_random(SHAPE, torch.float32, seed), requires_grad=False)
+        self.norm = nn.Parameter(_random((6,), torch.float32, seed + 1), requires_grad=False)
+        self.codes: torch.Tensor
+        self.register_buffer("codes", _random((6,), torch.int32, seed + 2))
+        self.write = write
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "norm": self.norm, "codes": self.codes}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            self.write(self, name, tensor)
+            loaded.add(name)
+        return loaded
+
+
+def _skip_unknown(m: NamedLayer, name: str, w: torch.Tensor) -> None:
+    target = m.tensors().get(name)
+    if target is not None:  # vLLM: `if name not in params_dict: continue`
+        target.data.copy_(w)
+
+
+def _raise_unknown(m: NamedLayer, name: str, w: torch.Tensor) -> None:
+    m.tensors()[name].data.copy_(w)  # a KeyError for a name it does not know
+
+
+def _cast_then_copy(m: NamedLayer, name: str, w: torch.Tensor) -> None:
+    target = m.tensors()[name]
+    target.data.copy_(w.to(target.dtype))  # an explicit cast before the copy
+
+
+def _narrow_rows(m: NamedLayer, name: str, w: torch.Tensor) -> None:
+    target = m.tensors()[name]
+    if w.shape != target.shape:  # a loader's own error for a tensor of the wrong shape
+        raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(target.shape)}")
+    for i in range(w.shape[0]):
+        target.data[i].copy_(w[i])
+
+
+NAMED_ZOO: dict[str, NamedWrite] = {
+    "skips-unknown-names": _skip_unknown,
+    "raises-for-unknown-names": _raise_unknown,
+    "casts-then-copies": _cast_then_copy,
+    "checks-shapes-copies-rows": _narrow_rows,
+}
+
+
+def dense_named(layer: NamedLayer, name: str, checkpoint: torch.Tensor) -> Exception | None:
+    """A dense load of `checkpoint` under `name` through the layer's loader."""
+    with torch.no_grad():
+        try:
+            layer.load_weights([(name, checkpoint.clone())])
+        except Exception as error:
+            return error
+    return None
+
+
+def check_named(
+    write: NamedWrite,
+    patch: CheckpointWeightPatch,
+    *,
+    atomic: bool,
+    routes: bool,
+    strict: bool = True,
+    kind_casts: bool = False,
+) -> str:
+    """Hold one patch load to the oracle; return ``"exact"`` or ``"refused"``."""
+    model, truth = NamedLayer(write), NamedLayer(write)
+    target = truth.tensors().get(patch.name)
+    if target is None:  # a name the model does not have: the checkpoint holds it anyway
+        checkpoint = torch.zeros(patch.shape, dtype=patch.dtype)
+    else:
+        checkpoint = target.detach().clone().to(patch.dtype).reshape(-1)
+        if checkpoint.numel() != math.prod(patch.shape):
+            checkpoint = torch.zeros(patch.shape, dtype=patch.dtype)
+    checkpoint = checkpoint.reshape(patch.shape).clone()
+    if patch.indices is None:
+        checkpoint = patch.values.to(patch.dtype).reshape(patch.shape).clone()
+    else:
+        checkpoint.view(-1)[patch.indices] = patch.values.to(patch.dtype)
+    before = full_state(model)
+    failed = dense_named(truth, patch.name, checkpoint)
+    error = _attempt(
+        functools.partial(
+            load_checkpoint_weight_patches,
+            model,
+            [patch],
+            atomic=atomic,
+            routes=RouteCache() if routes else None,
+            strict=strict,
+            kind_casts=kind_casts,
+        )
+    )
+    if error is not None:
+        assert isinstance(error, PatchError), f"not a PatchError: {error!r}"
+        assert f"'{patch.name}'" in str(error), f"the error does not name the patch: {error}"
+        if failed is not None and not isinstance(error.__cause__, PatchError | None):
+            assert type(error.__cause__) is type(failed), (error.__cause__, failed)
+        changed = same_state(full_state(model), before)
+        assert not changed, f"refused ({error}) but changed {changed}"
+        return "refused"
+    assert failed is None, f"the dense load raised {failed!r}; the patch load did not"
+    differ = same_state(full_state(model), full_state(truth), storages=False)
+    assert not differ, f"not the dense truth: {differ}"
+    return "exact"

@@ -34,6 +34,7 @@ from patchctx.vllm import (
     PatchctxTrainerInitInfo,
     PatchctxWeightTransferEngine,
     SharedMemoryTransport,
+    UpdateConflictError,
     WeightVersionError,
     encode_patches,
 )
@@ -67,25 +68,38 @@ def worker_engine() -> PatchctxWeightTransferEngine:
 
 
 class LocalClient:
-    """vLLM's weight-sync client protocol, calling a worker engine in this process (as
-    vLLM's worker does: a failed update_weights ends the update)."""
+    """vLLM's weight-sync client protocol, calling a worker engine in this process the way
+    vLLM 0.32's worker does (``vllm/v1/worker/gpu_worker.py``): a start while a session is
+    active is refused; a failed update_weights ends the session; a finish that raises leaves
+    vLLM's flag as the engine left it, and the version is set only when finish returns."""
 
     def __init__(self, engine: PatchctxWeightTransferEngine) -> None:
         self.engine = engine
+        engine.worker = self  # the engine ends the session on vLLM's worker, as there
         self.version = "default"
-        self.active = False
+        self._weight_update_active = False
         self.unmatched = 0  # finish_weight_update calls without an active update
+
+    @property
+    def active(self) -> bool:
+        return self._weight_update_active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._weight_update_active = value
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
 
     def start_weight_update(self) -> None:
-        assert not self.active
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is active")
         self.engine.start_weight_update()
         self.active = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        assert self.active
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
         try:
             self.engine.update_weights(update_info)
         except BaseException:
@@ -208,15 +222,20 @@ def test_chunks_apply_together_with_the_last_and_not_without_it() -> None:
     trainer.send_weight_chunk([sparse("b", (4,), [2.0], [1])], last=True)
     client.finish_weight_update(trainer.version)
     assert worker.model.w[0, 0] == 1.0 and worker.model.b[1] == 2.0
-    # An update whose last chunk never comes (its trainer died): a new trainer's init drops
-    # the chunk, nothing is written, and the new trainer updates as usual.
+    # An update whose last chunk never comes (its trainer died): a new trainer's init is
+    # refused while it is open; a takeover rolls it back (nothing was written) and the new
+    # trainer updates as usual.
     client.start_weight_update()
     trainer.send_weight_chunk([sparse("w", (4, 4), [9.0], [1])], last=False)
-    client.active = False  # the new trainer's init ends it (vLLM's flag: see _end_vllm_update)
+    with pytest.raises(UpdateConflictError, match="takeover=True"):
+        PatchctxTrainerEngine.trainer_init(
+            PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+        )
+    assert len(worker.pending) == 1 and client.active
     again = PatchctxTrainerEngine.trainer_init(
-        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+        PatchctxTrainerInitInfo(transport="inline", rank=0, takeover=True), client=client
     )
-    assert worker.pending == [] and worker.model.w[0, 1] == 0.0
+    assert worker.pending == [] and worker.model.w[0, 1] == 0.0 and not client.active
     assert again.send_weights([sparse("w", (4, 4), [5.0], [2])]) is not None
     assert worker.model.w[0, 1] == 0.0 and worker.model.w[0, 2] == 5.0
 
@@ -471,3 +490,27 @@ def test_every_transport_carries_every_position_encoding(tmp_path: Any) -> None:
             assert (got.indices is None) == (sent.indices is None)
             if got.indices is not None and sent.indices is not None:
                 assert torch.equal(got.indices, sent.indices), got.name
+
+
+def test_bool_and_integer_patches_into_float_weights_are_refused_float64_is_cast() -> None:
+    """The issue's case: int32, float64 and bool patches into a float weight were applied
+    with a cast (a bool patch set a norm to all 1.0). Casts across kinds are refused with
+    nothing written; a float-to-float cast is made as a dense load makes it."""
+    from patchctx import CastKindError
+
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    flags = CheckpointWeightPatch("b", (4,), torch.bool, torch.ones(4, dtype=torch.bool))
+    codes = CheckpointWeightPatch("b", (4,), torch.int32, torch.arange(4, dtype=torch.int32))
+    for patch in (flags, codes):
+        with pytest.raises(CastKindError, match=r"\[patchctx rank 0: CastKindError\].*'b'"):
+            trainer.send_weights([patch])
+        assert not worker.model.b.any() and client.get_weight_version() == "default"
+    wide = CheckpointWeightPatch(
+        "b", (4,), torch.float64, torch.tensor([0.1, 0.2, 0.3, 0.4]).double()
+    )
+    assert trainer.send_weights([wide]) is not None
+    assert torch.equal(worker.model.b.detach(), torch.tensor([0.1, 0.2, 0.3, 0.4]).double().float())

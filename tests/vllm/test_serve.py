@@ -35,6 +35,7 @@ from patchctx.vllm import (
     HTTPWeightSyncClient,
     PatchctxTrainerEngine,
     PatchctxTrainerInitInfo,
+    UpdateConflictError,
     WeightVersionError,
     encode_patches,
 )
@@ -140,12 +141,10 @@ def test_updates_over_http_equal_transformers_and_a_fresh_load(served: Served) -
         ("tied", [sparse("lm_head.weight", served.shape("lm_head.weight"), density=0.005, seed=5)]),
     ]
     before = completions(served.server)
-    # The mixed update goes in several update_weights chunks, applied with the last one.
-    chunked = served.trainer(chunk_bytes=2048)
+    # The mixed update goes in several update_weights chunks, applied whole at its finish.
     for step, (kind, patches) in enumerate(updates, start=1):
-        sender = chunked if kind == "mixed" else trainer
-        sender.version = trainer.version = str(step - 1) if step > 1 else "default"
-        stats = sender.send_weights(patches)
+        trainer.init_info.chunk_bytes = 2048 if kind == "mixed" else None
+        stats = trainer.send_weights(patches)
         assert stats is not None and stats.version == str(step), (kind, stats)
         served.transports.update(stats.transport.split("+"))
         assert client.get_weight_version() == str(step)
@@ -194,10 +193,18 @@ def test_refused_updates_leave_the_served_weights_unchanged(served: Served) -> N
         assert client.get_weight_version() == version
 
     def raw_update(payload: bytes, **info: Any) -> None:
-        """One update whose descriptor the test writes itself."""
+        """One update whose descriptor the test writes itself (as the connected trainer)."""
         client.start_weight_update()
         try:
-            client.update_weights({"nbytes": len(payload), "sha256": digest(payload), **info})
+            client.update_weights(
+                {
+                    "nbytes": len(payload),
+                    "sha256": digest(payload),
+                    "update_id": f"raw-{len(payload)}",
+                    "trainer_id": trainer.trainer_id,
+                    **info,
+                }
+            )
         finally:
             # vLLM ends the update when update_weights fails: then this fails too
             with contextlib.suppress(Exception):
@@ -242,13 +249,13 @@ def test_refused_updates_leave_the_served_weights_unchanged(served: Served) -> N
                 [sparse("model.layers.7.mlp.up_proj.weight", (128, 64), density=0.1, seed=8)]
             ),
             InvalidPatchError,
-            "'model.layers.7.mlp.up_proj.weight': the model's loader refuses it",
+            "'model.layers.7.mlp.up_proj.weight': is not a tensor of the checkpoint",
         ),
         (
             "a name the model skips",
             lambda: trainer.send_weights([norm, tied_bias]),
             InvalidPatchError,
-            "no loader of this model consumes it",
+            "'lm_head.bias': is not a tensor of the checkpoint",
         ),
         (
             "wrong shape",
@@ -275,7 +282,9 @@ def test_refused_updates_leave_the_served_weights_unchanged(served: Served) -> N
         with pytest.raises(InvalidPatchError, match="truncated"):
             raw_update(b"", shm=path.name, nbytes=len(good), sha256=digest(good))
     finally:
-        path.unlink()
+        gone = not path.exists()  # the worker deletes a payload file once read
+        path.unlink(missing_ok=True)
+    assert gone
     unchanged()
     assert_same_generations(completions(served.server), served_before, atol=1e-6)
 
@@ -302,12 +311,75 @@ def test_a_trainer_killed_mid_update_changes_nothing(served: Served) -> None:
     assert job.returncode == -9 and "first chunk sent" in job.stdout, job.stdout + job.stderr
     assert checksums(served.server) == baseline
     assert client.get_weight_version() == version
-    # The next trainer connects (the dead one's chunk is dropped, its session closed) and
-    # updates as usual.
-    trainer = served.trainer()
+    # The next trainer cannot connect while the dead one's update is open; taking over rolls
+    # it back (none of it was applied) and it updates as usual.
+    with pytest.raises(UpdateConflictError, match="takeover=True"):
+        served.trainer()
+    assert checksums(served.server) == baseline
+    trainer = served.trainer(takeover=True)
     patches = [sparse(qkv, served.shape(qkv), density=0.05, seed=11)]
     stats = trainer.send_weights(patches)
     assert stats is not None and stats.version == client.get_weight_version()
+    served.check(served.expected(patches))
+
+
+def test_one_owner_per_update_over_http_and_a_trainer_killed_before_its_finish(
+    served: Served,
+) -> None:
+    """Two trainers against one server: the second cannot join or end the first's open
+    update, takes it over explicitly (rolled back whole), and the first's last chunk is then
+    refused; a trainer killed after its last chunk, before its finish, changes nothing and
+    leaves nothing in /dev/shm. ``/weight_info`` names the served weights throughout."""
+    client = served.client()
+    qkv = "model.layers.1.self_attn.q_proj.weight"
+    norm = "model.norm.weight"
+    baseline, version = checksums(served.server), client.get_weight_version()
+    shm_before = set(Path("/dev/shm").glob("patchctx-*"))
+
+    def unchanged() -> None:
+        assert checksums(served.server) == baseline
+        assert client.get_weight_version() == version
+
+    first = served.trainer(transport="shm")
+    client.start_weight_update()
+    first.send_weight_chunk([sparse(qkv, served.shape(qkv), density=0.05, seed=21)], last=False)
+    with pytest.raises(UpdateConflictError, match=r"\[patchctx rank 0: UpdateConflictError\]"):
+        served.trainer()
+    unchanged()
+    second = served.trainer(takeover=True)
+    # The first trainer's session ended with the takeover: vLLM refuses its chunk itself
+    # (were a session open, the worker would: not the connected trainer).
+    with pytest.raises((UpdateConflictError, RuntimeError), match=r"start_weight_update|connect"):
+        first.send_weight_chunk([dense(norm, served.shape(norm), seed=22)], last=True)
+    unchanged()
+    patches = [sparse(qkv, served.shape(qkv), density=0.05, seed=23)]
+    stats = second.send_weights(patches)
+    assert stats is not None and client.get_weight_version() == stats.version
+    served.check(served.expected(patches))
+    baseline, version = checksums(served.server), client.get_weight_version()
+    job = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.vllm.support.trainer_job",
+            served.server.url,
+            qkv,
+            json.dumps(served.shape(qkv)),
+            "last",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert job.returncode == -9 and "last chunk sent" in job.stdout, job.stdout + job.stderr
+    unchanged()  # its update was complete, but never finished: nothing applied
+    assert set(Path("/dev/shm").glob("patchctx-*")) <= shm_before  # nothing left behind
+    third = served.trainer(takeover=True)
+    patches = [dense(norm, served.shape(norm), seed=24)]
+    stats = third.send_weights(patches)
+    assert stats is not None and client.get_weight_version() == stats.version
     served.check(served.expected(patches))
 
 
@@ -323,8 +395,11 @@ def test_patches_after_vllms_own_reload_weights(served: Served) -> None:
     assert compare(served.server, reference_checksums(served.source))["match"]
     client.request("update_weight_version", {"new_version": "reloaded"})
     # ... and patches keep working: no weight is mistaken for one the engine transformed,
-    # and the layout switch outlived start-up.
-    trainer = served.trainer()
+    # and the layout switch outlived start-up. The workers' record still names the weights
+    # before the reload: the trainer declares the reload's version as theirs (adopt).
+    with pytest.raises(WeightVersionError, match="declares its state"):
+        served.trainer()
+    trainer = served.trainer(adopt_version=True)
     assert trainer.version == "reloaded"
     # Every tensor: the norms are the weights a reload used to make look replaced.
     patches = [
@@ -334,7 +409,7 @@ def test_patches_after_vllms_own_reload_weights(served: Served) -> None:
         for i, n in enumerate(sorted(served.truth))
     ]
     stats = trainer.send_weights(patches)
-    assert stats is not None and stats.version == "1"
+    assert stats is not None and stats.version == "reloaded.1"
     served.check(served.expected(patches))
 
 
@@ -352,6 +427,7 @@ def test_the_first_example_of_the_vllm_page_runs_against_a_server(served: Served
     )
     assert status == 200, answer
     served.client().request("update_weight_version", {"new_version": "default"})
+    served.trainer(adopt_version=True)  # the reload's version, declared to the workers
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         exec(compile(code, fence.where, "exec"), {"checkpoint_dir": str(served.source)})

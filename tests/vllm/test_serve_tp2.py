@@ -22,6 +22,7 @@ from patchctx.vllm import (
     HTTPWeightSyncClient,
     PatchctxTrainerEngine,
     PatchctxTrainerInitInfo,
+    UpdateConflictError,
     WeightVersionError,
 )
 from tests.vllm.support.checkpoints import (
@@ -107,13 +108,19 @@ def test_two_workers_apply_updates_over_http(
     stats = trainer.send_weights(updates[0][:2])
     assert stats is not None and client.get_weight_version() == "3"
     assert checksums(server) != baseline
-    # A trainer that dies after the first chunk of an update: the next one's init ends the
-    # update on both workers (nothing of it written) and updates as usual.
+    # A trainer that dies after the first chunk of an update: the next one's init is refused
+    # on both workers while it is open; a takeover ends it on both (nothing of it written)
+    # and updates as usual.
     baseline = checksums(server)
     client.start_weight_update()
     trainer.send_weight_chunk(updates[1][:3], last=False)
+    with pytest.raises(UpdateConflictError, match="takeover=True"):
+        PatchctxTrainerEngine.trainer_init(
+            PatchctxTrainerInitInfo(rank=0, inline_below=4096), client=client
+        )
+    assert checksums(server) == baseline
     successor = PatchctxTrainerEngine.trainer_init(
-        PatchctxTrainerInitInfo(rank=0, inline_below=4096), client=client
+        PatchctxTrainerInitInfo(rank=0, inline_below=4096, takeover=True), client=client
     )
     assert checksums(server) == baseline and successor.version == "3"
     stats = successor.send_weights(updates[0][2:4])

@@ -115,6 +115,7 @@ def test_the_backend_warms_at_engine_start_and_the_first_update_replays(
         {
             "nbytes": len(payload),
             "sha256": digest(payload),
+            "update_id": "u1",
             "inline": base64.b64encode(payload).decode(),
         }
     )

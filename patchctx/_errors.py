@@ -323,6 +323,8 @@ class StoredUpdateError(PatchError, ValueError):
     def __init__(self, message: str, *, path: str = "") -> None:
         super().__init__(message)
         self.path = path
+
+
 class UpdateConflictError(PatchError, RuntimeError):  # public as patchctx.vllm's
     """A weight update's owner, order or state does not allow the step; nothing changed.
 

@@ -15,6 +15,7 @@ from torch import nn
 from patchctx import (
     CheckpointWeightPatch,
     InvalidPatchError,
+    LoaderError,
     RouteCache,
     load_checkpoint_weight_patches,
 )
@@ -145,8 +146,11 @@ def test_a_name_mapped_to_itself_is_loaded_under_its_own_name() -> None:
     model = TiedModel()
     before = model.model.embed_tokens.weight.detach().clone()
     pinned = {"lm_head.weight": "lm_head.weight"}
-    with pytest.raises(KeyError, match=r"unexpected checkpoint name 'lm_head\.weight'"):
+    with pytest.raises(
+        LoaderError, match=r"unexpected checkpoint name 'lm_head\.weight'"
+    ) as raised:
         load_checkpoint_weight_patches(
             model, [patch("lm_head.weight", [1], 1.0)], aliases=pinned, atomic=True
         )
+    assert isinstance(raised.value.__cause__, KeyError)  # the loader's own error, as the cause
     assert same_bits(model.model.embed_tokens.weight, before)

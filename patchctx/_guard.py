@@ -29,7 +29,7 @@ from patchctx._staged import (
 )
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["Guard", "constant_of", "host_reads"]
+__all__ = ["LIFTS", "Guard", "constant_of", "host_reads"]
 
 aten = torch.ops.aten
 
@@ -71,6 +71,9 @@ def host_reads(
 
 # In-place operations that do not read the values they overwrite.
 _PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
+# A literal's tensor made by torch before it reaches the dispatcher (``torch.tensor(2.0)``):
+# a constant, though its operation takes a tensor.
+LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 
 
 def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant | None:
@@ -134,6 +137,7 @@ class Guard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if not model_targets:
             result = func(*args, **kwargs)
             ledger.derive(tensors, result)
+            ledger.constancy(func.overloadpacket in LIFTS, tensors, targets, result)
             return result
         for target in model_targets:
             owner = ledger.index.owner(target)

@@ -29,7 +29,7 @@ from patchctx._staged import (
 )
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["Guard", "constant_of", "host_reads"]
+__all__ = ["LIFTS", "Guard", "constant_of", "host_reads"]
 
 aten = torch.ops.aten
 
@@ -71,6 +71,9 @@ def host_reads(
 
 # In-place operations that do not read the values they overwrite.
 _PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
+# A literal's tensor made by torch before it reaches the dispatcher (``torch.tensor(2.0)``):
+# a constant, though its operation takes a tensor.
+LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 
 
 def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant | None:
@@ -136,6 +139,7 @@ class Guard(DispatchMode):
             ledger.derive(tensors, result)
             if ledger.sources:
                 ledger.plain_sources(tensors, [], result)  # dense data carried on
+            ledger.constancy(func.overloadpacket in LIFTS, tensors, targets, result)
             return result
         if ledger.sources:
             ledger.plain_sources(tensors, model_targets, None)  # before the write: kinds

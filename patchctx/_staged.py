@@ -96,6 +96,10 @@ class Ledger(Protocol):
         """Routes of `names` cannot be proven equal to the loader path, for `reason`."""
         ...
 
+    def is_constant(self, tensor: torch.Tensor) -> bool:
+        """Whether the loader made the plain `tensor` from constants alone, in this load."""
+        ...
+
     @property
     def born(self) -> weakref.WeakSet[StagedTensor]:
         """Every staged tensor of the load (to find the ones the loader kept)."""
@@ -723,11 +727,21 @@ def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> to
 
 
 def _outside(
-    args: Sequence[Any], kwargs: dict[str, Any], skip: torch.Tensor | None = None
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    ledger: Ledger | None,
+    skip: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """The plain tensors among an operation's arguments (but `skip`, its ``out=`` target)."""
+    """The plain tensors among an operation's arguments but `skip` (its ``out=`` target).
+
+    Constants the loader made in this load (`Ledger.is_constant`) are not among them.
+    """
     return [
-        t for t in _tensors((args, kwargs)) if not isinstance(t, StagedTensor) and t is not skip
+        t
+        for t in _tensors((args, kwargs))
+        if not isinstance(t, StagedTensor)
+        and t is not skip
+        and (ledger is None or not ledger.is_constant(t))
     ]
 
 
@@ -762,7 +776,7 @@ def _pointwise(
     staged: list[StagedTensor],
 ) -> Any:
     prov = _provenance(staged).derived()
-    outside = _outside(args, kwargs)
+    outside = _outside(args, kwargs, prov.ledger)
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
 
@@ -802,7 +816,8 @@ def _opaque(
             "know. Send this tensor as a dense patch"
         )
     if state == KEEP:
-        _refuse_mixed_with_outside(func, prov.names, staged[0]._update, _outside(args, kwargs))
+        outside = _outside(args, kwargs, prov.ledger)
+        _refuse_mixed_with_outside(func, prov.names, staged[0]._update, outside)
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
     if prov.ledger is not None:
@@ -858,7 +873,7 @@ def _write_into_staged(
         others = [s for s in staged if s is not target]
         combined = _combined([target, *others], target.shape, str(func)) if others else None
         mask = target._update if combined is None else combined
-        _refuse_mixed_with_outside(func, prov.names, mask, _outside(args, kwargs))
+        _refuse_mixed_with_outside(func, prov.names, mask, _outside(args, kwargs, prov.ledger))
         func(*data_args, **data_kwargs)
         if combined is not None:
             target._update.copy_(combined)
@@ -924,7 +939,8 @@ def _write_into_plain(
                 f"into a tensor of shape {tuple(target.shape)} (it would be resized)"
             )
         mask = _combined(staged, result.shape, str(func))
-        _refuse_mixed_with_outside(func, names, mask, _outside(args, kwargs, skip=target))
+        outside = _outside(args, kwargs, prov.ledger, skip=target)
+        _refuse_mixed_with_outside(func, names, mask, outside)
         _merge(target, result, mask, None, names, prov)
         return target
     if not any(bool((s._update == KEEP).any()) for s in staged):

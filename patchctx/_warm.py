@@ -51,7 +51,7 @@ from patchctx._errors import (
 )
 from patchctx._frame import Frame
 from patchctx._grad import without_grad
-from patchctx._guard import _PURE_WRITES, _RESHAPING, constant_of, host_reads
+from patchctx._guard import _PURE_WRITES, _RESHAPING, LIFTS, constant_of, host_reads
 from patchctx._model import (
     SupportsLoadWeights,
     as_module,
@@ -585,6 +585,7 @@ class _DryGuard(DispatchMode):
         if not model_targets:
             result = func(*args, **kwargs)
             ledger.derive(tensors, result)
+            ledger.constancy(func.overloadpacket in LIFTS, tensors, targets, result)
             return result
         labels = ", ".join(repr(owner.name) for _, owner in model_targets)
         if func.overloadpacket in _RESHAPING:

@@ -269,6 +269,12 @@ class WriteLedger:
         # Tensors the loader computed from model tensors in its thread (a comparison, a cast,
         # ``nonzero``), with those model tensors: a value read out of one is theirs.
         self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Plain tensors the loader made during the call from nothing but constants (a
+        # factory, a literal, or an operation on such tensors alone), as the guard saw them
+        # in the loader's thread: they may meet positions a patch keeps (`is_constant`). By
+        # identity, held weakly; by storage, what a write with other inputs invalidates.
+        self._constants: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._constant_storages: dict[int, list[weakref.ref[torch.Tensor]]] = {}
         self._lock = threading.RLock()
 
     # -- masked writes (patchctx._staged.Ledger) -------------------------------------------
@@ -497,6 +503,38 @@ class WriteLedger:
             for output in _tensors(result):
                 if self.index.owner(output) is None:
                     self.derived[output] = sources
+
+    def is_constant(self, tensor: torch.Tensor) -> bool:
+        """Whether the loader made `tensor` from constants alone, in this call (`constancy`)."""
+        return tensor in self._constants
+
+    def constancy(
+        self,
+        lifts: bool,
+        inputs: list[torch.Tensor],
+        written: list[torch.Tensor],
+        result: object,
+    ) -> None:
+        """Note what a plain operation of the loader's thread made of constants.
+
+        Its outputs (and the tensors it wrote) are constants when it is a factory or a literal
+        (`lifts`, or no tensor input at all) or reads constants only; otherwise every constant
+        over the bytes it wrote stops being one (a view of it written, say).
+        """
+        constants = self._constants
+        if lifts or all(tensor in constants for tensor in inputs):
+            for tensor in [*_tensors(result), *written]:
+                key = storage_key(tensor)
+                if key is not None and self.index.owner(tensor) is None:
+                    constants[tensor] = True
+                    self._constant_storages.setdefault(key, []).append(weakref.ref(tensor))
+            return
+        for tensor in written:
+            key = storage_key(tensor)
+            for ref in self._constant_storages.pop(key, []) if key is not None else []:
+                held = ref()
+                if held is not None and held in constants:
+                    del constants[held]
 
     def _sources(self, tensors: list[torch.Tensor]) -> tuple[Owner, ...]:
         """The model tensors `tensors` are views of or were computed from."""

@@ -500,6 +500,49 @@ def _joined_and_copied(m: ZooLayer, w: torch.Tensor) -> None:
     m.weight.data.copy_(torch.cat([w[:2], m.head[2:]]))
 
 
+# Constants the loader makes during the call (a Python number torch turns into a tensor, a
+# literal, a factory, an operation on constants alone) may meet kept positions: a dense load
+# combines the checkpoint with the same values. One a model tensor was copied into is not one.
+
+entry("const-where-with-a-number", "masked", "`p.data.copy_(torch.where(w > 0, w, 0.0))`")(
+    lambda m, w: m.weight.data.copy_(torch.where(w > 0, w, 0.0))
+)
+entry("const-times-a-literal", "masked", "`p.data.copy_(w * torch.tensor(2.0))`")(
+    lambda m, w: m.weight.data.copy_(w * torch.tensor(2.0))
+)
+entry("const-plus-a-full-tensor", "masked", "`p.data.copy_(w + torch.full((4, 6), 0.5))`")(
+    lambda m, w: m.weight.data.copy_(w + torch.full(SHAPE, 0.5))
+)
+entry("const-plus-a-cast-literal", "masked", "`p.data.copy_(w + torch.tensor(1.5).to(w.dtype))`")(
+    lambda m, w: m.weight.data.copy_(w + torch.tensor(1.5).to(w.dtype))
+)
+entry("const-plus-an-empty-filled", "masked", "`c = torch.empty(4, 6).fill_(1)`, then `w + c`")(
+    lambda m, w: m.weight.data.copy_(w + torch.empty(SHAPE).fill_(1.0))
+)
+
+
+@entry(
+    "const-holding-model-state",
+    "refused",
+    "`c = torch.zeros(4, 6); c.copy_(p)`, then `p.data.copy_(w + c)`",
+)
+def _constant_given_the_weight(m: ZooLayer, w: torch.Tensor) -> None:
+    held = torch.zeros(SHAPE)
+    held.copy_(m.weight)
+    m.weight.data.copy_(w + held)
+
+
+@entry(
+    "const-view-given-model-state",
+    "refused",
+    "`c = torch.zeros(4, 6); c[1:].copy_(p[1:])`, then `p.data.copy_(w + c)`",
+)
+def _constant_view_given_the_weight(m: ZooLayer, w: torch.Tensor) -> None:
+    held = torch.zeros(SHAPE)
+    held[1:].copy_(m.weight[1:])
+    m.weight.data.copy_(w + held)
+
+
 # -- writes through aliases made around torch (a family) -----------------------------------
 #
 # A view of a slice of a model tensor made outside torch's view tracking has a storage of its

@@ -504,14 +504,14 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         )
         self.inline = InlineTransport()
         self.transport: Transport | None = None
+        # The update being received (chunks held, nothing applied), or None.
         self.update: OpenUpdate | None = None
-        """The update being received (chunks held, nothing applied), or `None`."""
+        # The connected trainer (the last init_weight_transfer_engine); None: anonymous.
         self.trainer_id: str | None = None
-        """The connected trainer (the last ``init_weight_transfer_engine``), `None`: anonymous."""
+        # Every version this worker's weights have been at, in order: versions never repeat.
         self.served: list[str | int | None] = [VLLM_START_VERSION]
-        """Every version this worker's weights have been at, in order: versions never repeat."""
+        # Every update applied: (update id, trainer id, target version), in order.
         self.commits: list[tuple[str, str | None, str | int | None]] = []
-        """Every update applied: (update id, trainer id, target version), in order."""
         self._started = False  # a session is open (vLLM's own flag, when there is no worker)
         # Read back what each update wrote before committing it (`WorkerPatcher.read_back`);
         # PATCHCTX_VLLM_VERIFY_LANDING=0 turns it off.

@@ -586,7 +586,7 @@ def diff_state_dicts(
         >>> new["big"][::1000] = 1.0  # 0.1% changed
         >>> [p.indices is None for p in diff_state_dicts(old, new)]
         [False]
-        >>> new["big"][::3] = 1.0  # 33% changed: sparse is smaller, dense is faster
+        >>> new["big"][::2] = 1.0  # 50% changed: sparse is smaller, dense is faster
         >>> [p.indices is None for p in diff_state_dicts(old, new)]
         [True]
         >>> [p.indices is None for p in diff_state_dicts(old, new, cost=None)]

@@ -235,8 +235,14 @@ def test_a_trainer_and_a_worker_process_with_faults_and_restarts(tmp_path: Path)
     for first, last, stop in ((1, 10, 10), (11, 20, None)):
         trainer = start("trainer", store, control, first, last)
         worker = start("worker", store, control, 20, *([] if stop is None else [stop]))
-        assert trainer.wait(timeout=180) == 0
-        assert worker.wait(timeout=180) == 0
+        try:
+            assert trainer.wait(timeout=300) == 0
+            assert worker.wait(timeout=300) == 0
+        finally:
+            for process in (trainer, worker):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
     events = [json.loads(line) for line in (control / "worker.jsonl").read_text().splitlines()]
     truths = {
         k: reference_digest(load_file(str(control / f"truth-{k}.safetensors")))

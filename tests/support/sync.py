@@ -22,13 +22,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from patchctx import StorageFollower, StoragePublisher, StoredUpdateError
+from patchctx._storage._files import LocalStore
 from tests.support.models import ToyModel, packed_tp_model, random_checkpoint
 
 ANCHOR_EVERY = 4
 KEEP_ANCHORS = 2
 # version -> fault injected when it is published (repaired after the worker refuses it)
 FAULTS = {3: "torn-manifest", 6: "missing-file", 8: "corrupted-chunk", 13: "out-of-order"}
-TIMEOUT = 90.0
+TIMEOUT = 240.0
 
 
 def model() -> ToyModel:
@@ -86,8 +87,50 @@ def _wait_for_refusal(control: Path, needle: str) -> None:
     raise TimeoutError(f"the worker never refused {needle!r}")
 
 
-def _folder(store: Path, version: int) -> Path:
-    return store / f"v{version:08d}"
+class FaultyStore(LocalStore):
+    """The publisher's directory, with one fault injected into the writes of one version.
+
+    ``torn-manifest`` writes a third of the manifest, ``missing-file`` skips the data file,
+    ``corrupted-chunk`` flips a bit of it, ``out-of-order`` holds every write of the version
+    back (so the next one is visible first). Each is in place before the version's manifest
+    appears, so a worker cannot see the version whole first. `repair` writes what was held.
+    """
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.fault: tuple[int, str] | None = None
+        self.held: list[tuple[str, bytes]] = []
+
+    def write(self, name: str, data: bytes) -> None:
+        if self.fault is None or not name.startswith(f"v{self.fault[0]:08d}/"):
+            super().write(name, data)
+            return
+        kind = self.fault[1]
+        if kind == "out-of-order":
+            self.held.append((name, data))
+        elif kind == "torn-manifest" and name.endswith("manifest.json"):
+            self.held.append((name, data))
+            super().write(name, data[: len(data) // 3])
+        elif kind == "missing-file" and name.endswith(".safetensors"):
+            self.held.append((name, data))
+        elif kind == "corrupted-chunk" and name.endswith(".safetensors"):
+            self.held.append((name, data))
+            super().write(name, data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+        else:
+            super().write(name, data)
+
+    def repair(self) -> None:
+        self.fault = None
+        for name, data in self.held:
+            super().write(name, data)
+        self.held = []
+
+
+NEEDLES = {
+    "torn-manifest": "not valid JSON",
+    "missing-file": "missing (the manifest names it)",
+    "corrupted-chunk": "SHA-256",
+}
 
 
 def trainer(store: Path, control: Path, first: int, last: int) -> None:
@@ -98,46 +141,23 @@ def trainer(store: Path, control: Path, first: int, last: int) -> None:
     )
     publisher = StoragePublisher(store, anchor_every=ANCHOR_EVERY, keep_anchors=KEEP_ANCHORS)
     assert publisher.version == first - 1, (publisher.version, first)
-    version = first
-    while version <= last:
+    faulty = FaultyStore(store)
+    publisher.store = faulty
+    for version in range(first, last + 1):
         if version > 1:
             train_step(state, version)
         save_file(state, str(control / f"truth-{version}.safetensors"))
         fault = FAULTS.get(version)
-        if fault == "out-of-order":  # version k + 1 becomes visible before version k
-            publisher.publish(state)
-            hidden = store / f".held-{version}"
-            _folder(store, version).rename(hidden)
-            train_step(state, version + 1)
-            save_file(state, str(control / f"truth-{version + 1}.safetensors"))
-            publisher.publish(state)
-            _wait_for_refusal(control, f"broken at version {version}")
-            hidden.rename(_folder(store, version))
-            version += 2
-            continue
+        faulty.fault = None if fault is None else (version, fault)
         publisher.publish(state)
-        folder = _folder(store, version)
-        if fault == "torn-manifest":
-            manifest = folder / "manifest.json"
-            good = manifest.read_bytes()
-            manifest.write_bytes(good[: len(good) // 3])
-            _wait_for_refusal(control, "not valid JSON")
-            manifest.write_bytes(good)
-        elif fault == "missing-file":
-            (data,) = folder.glob("*.safetensors")
-            good = data.read_bytes()
-            data.unlink()
-            _wait_for_refusal(control, "missing (the manifest names it)")
-            data.write_bytes(good)
-        elif fault == "corrupted-chunk":
-            (data,) = folder.glob("*.safetensors")
-            good = data.read_bytes()
-            bad = bytearray(good)
-            bad[-5] ^= 0x01
-            data.write_bytes(bytes(bad))
-            _wait_for_refusal(control, "SHA-256")
-            data.write_bytes(good)
-        version += 1
+        if fault == "out-of-order":  # version k + 1 is visible, version k not yet
+            continue
+        if FAULTS.get(version - 1) == "out-of-order":
+            _wait_for_refusal(control, f"broken at version {version - 1}")
+            faulty.repair()
+        elif fault is not None:
+            _wait_for_refusal(control, NEEDLES[fault])
+            faulty.repair()
         time.sleep(0.01)
 
 

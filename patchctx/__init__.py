@@ -5,12 +5,12 @@ checkpoint (name, full shape, flat indices and values) while the model's own ``l
 keeps mapping them to runtime coordinates (tensor-parallel slices, packed parameters, experts).
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from patchctx._audit import AuditReport, AuditRow, audit
 from patchctx._by_name import LoadByName
 from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState, PerTensor, SingleCall
-from patchctx._cost import UpdateCost
-from patchctx._diff import diff_state_dicts, patch_nbytes
-from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
 from patchctx._errors import (
     CastKindError,
     InvalidPatchError,
@@ -24,28 +24,71 @@ from patchctx._errors import (
     StoredUpdateError,
 )
 from patchctx._load import load_checkpoint_weight_patches
-from patchctx._lowbyte import LowByteDetector
 from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._prepare import prepare
 from patchctx._routes import RouteCache, RouteStats
-from patchctx._shards import TensorShard
-from patchctx._storage import (
-    PositionEncoding,
-    PreparedUpdate,
-    PublishedVersion,
-    StorageFollower,
-    StoragePublisher,
-    StoredPatch,
-    UpdateManifest,
-    load_patches,
-    read_manifest,
-    save_patches,
-)
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 from patchctx._warm import WarmReport, WarmRow
+
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the docs
+    from patchctx._cost import UpdateCost
+    from patchctx._diff import diff_state_dicts, patch_nbytes
+    from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
+    from patchctx._lowbyte import LowByteDetector
+    from patchctx._shards import TensorShard
+    from patchctx._storage import (
+        PositionEncoding,
+        PreparedUpdate,
+        PublishedVersion,
+        StorageFollower,
+        StoragePublisher,
+        StoredPatch,
+        UpdateManifest,
+        load_patches,
+        read_manifest,
+        save_patches,
+    )
+
+# The trainer side and storage, imported on first use: a worker that only applies patches never
+# loads them (``import patchctx`` stays the core; tools/structure.py counts it).
+_LAZY: dict[str, str] = {
+    "LowByteDetector": "patchctx._lowbyte",
+    "PositionEncoding": "patchctx._storage",
+    "PreparedUpdate": "patchctx._storage",
+    "PublishedVersion": "patchctx._storage",
+    "StorageFollower": "patchctx._storage",
+    "StoragePublisher": "patchctx._storage",
+    "StoredPatch": "patchctx._storage",
+    "TensorShard": "patchctx._shards",
+    "UpdateCost": "patchctx._cost",
+    "UpdateManifest": "patchctx._storage",
+    "WireEncoding": "patchctx._encoding",
+    "diff_state_dicts": "patchctx._diff",
+    "load_patches": "patchctx._storage",
+    "patch_nbytes": "patchctx._diff",
+    "read_manifest": "patchctx._storage",
+    "save_patches": "patchctx._storage",
+    "wire_encoding": "patchctx._encoding",
+    "wire_sizes": "patchctx._encoding",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Import a name of the trainer side or of storage the first time it is asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'patchctx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 """The version of this patchctx, a PEP 440 string."""

@@ -300,6 +300,19 @@ def _shared_storage_problems(
     return problems
 
 
+def receiver_dtype(dtype: _DtypeArg, name: str, tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the receiver holds `name` in, by ``diff_state_dicts``' `dtype=` rule.
+
+    A mapping names the dtype per tensor (absent names keep their own); one dtype applies to
+    floating tensors only; `None` keeps every tensor's own.
+    """
+    if isinstance(dtype, Mapping):
+        return dtype.get(name, tensor.dtype)
+    if dtype is not None and tensor.is_floating_point():
+        return dtype
+    return tensor.dtype
+
+
 def _receiver_dtype(
     name: str,
     old: torch.Tensor,

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from patchctx._diff import sparse_is_smaller
+from patchctx._diff import receiver_dtype, sparse_is_smaller
 from patchctx._encoding import count_escapes, index_dtype
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._grad import without_grad
@@ -97,11 +97,7 @@ class LowByteDetector:
         return sum(b.numel() for b in self._bytes.values())
 
     def _receiver(self, name: str, tensor: torch.Tensor) -> torch.dtype:
-        if isinstance(self.dtype, Mapping):
-            return self.dtype.get(name, tensor.dtype)
-        if self.dtype is not None and tensor.is_floating_point():
-            return self.dtype
-        return tensor.dtype
+        return receiver_dtype(self.dtype, name, tensor)
 
     def _read(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         out = torch.empty(tensor.numel(), dtype=torch.uint8, device=tensor.device)

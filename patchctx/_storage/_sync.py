@@ -39,7 +39,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from patchctx._diff import diff_state_dicts
+from patchctx._diff import diff_state_dicts, receiver_dtype
 from patchctx._errors import InvalidPatchTypeError, PatchProblem, StoredUpdateError
 from patchctx._load import load_checkpoint_weight_patches
 from patchctx._lowbyte import LowByteDetector
@@ -164,11 +164,7 @@ class StoragePublisher:
         self._last_anchor = 0
 
     def _receiver(self, name: str, tensor: torch.Tensor) -> torch.dtype:
-        if isinstance(self.dtype, Mapping):
-            return self.dtype.get(name, tensor.dtype)
-        if self.dtype is not None and tensor.is_floating_point():
-            return self.dtype
-        return tensor.dtype
+        return receiver_dtype(self.dtype, name, tensor)
 
     def publish(self, state: Mapping[str, torch.Tensor]) -> PublishedVersion:
         """Publish `state` as the next version; returns what was written.

@@ -519,3 +519,18 @@ def test_every_stored_tensor_is_exactly_the_manifests(tmp_path: Path) -> None:
     assert set(tensors) == named
     numel = math.prod(manifest["patches"][0]["shape"])
     assert tensors[manifest["patches"][0]["values"]].numel() == len(range(0, numel, 7))
+
+
+def test_a_declared_shape_past_the_readers_bound_is_refused_before_any_file_is_read(
+    tmp_path: Path,
+) -> None:
+    """Decoding a bitmask or a zstd frame costs memory by the declared shape, not the file:
+    a reader that knows its tensors bounds what a manifest can make it allocate."""
+    folder, manifest, data = _written(tmp_path)
+    manifest["patches"][0]["shape"] = [2**40]  # a bitmask of 128 GiB, if it were decoded
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    data.unlink()  # refused on the manifest alone: no data file is opened
+    with pytest.raises(StoredUpdateError, match=r"declares shape \(1099511627776,\)"):
+        load_patches(folder, max_numel=10**9)
+    with pytest.raises(StoredUpdateError, match="missing"):  # without a bound: the files
+        load_patches(folder)

@@ -866,6 +866,7 @@ def load_patches(
     *,
     base_version: int | None = None,
     target_version: int | None = None,
+    max_numel: int | None = None,
 ) -> list[CheckpointWeightPatch]:
     """Read an update written by `save_patches` (or any producer following the schema).
 
@@ -878,6 +879,11 @@ def load_patches(
         path: The update's directory or fsspec URL.
         base_version: When given, the manifest's ``base_version`` must equal it.
         target_version: When given, the manifest's ``target_version`` must equal it.
+        max_numel: When given, a patch whose declared shape has more elements is refused
+            before any data file is read: decoding positions (a bitmask, a zstd frame) costs
+            memory in proportion to the declared shape, not to the file, so a reader that
+            knows its tensors bounds what a hostile manifest can make it allocate.
+            `StorageFollower` passes 16 times its model's elements.
 
     Returns:
         The patches, in the order they were saved.
@@ -912,16 +918,31 @@ def load_patches(
     ):
         if wanted is not None and wanted != found:
             raise StoredUpdateError(f"{where}: {key} is {found!r}, expected {wanted!r}", path=where)
-    return decode_update(store, manifest)
+    return decode_update(store, manifest, max_numel=max_numel)
 
 
-def decode_update(store: Store, manifest: UpdateManifest) -> list[CheckpointWeightPatch]:
-    """Read, check and decode the data files of `manifest` from `store`."""
+def decode_update(
+    store: Store, manifest: UpdateManifest, *, max_numel: int | None = None
+) -> list[CheckpointWeightPatch]:
+    """Read, check and decode the data files of `manifest` from `store`.
+
+    A patch declaring more than `max_numel` elements is refused before any file is read.
+    """
+    where = store.describe(MANIFEST)
+    if max_numel is not None:
+        for index, entry in enumerate(manifest.patches):
+            numel = math.prod(entry.shape)
+            if numel > max_numel:
+                raise StoredUpdateError(
+                    f"{where}: patches[{index}] {entry.name!r} declares shape {entry.shape} "
+                    f"({numel:,} elements), more than the reader's bound of {max_numel:,}; "
+                    "nothing was read",
+                    path=where,
+                )
     contents = {
         name: _read_file(store, name, size, digest)
         for name, (size, digest) in manifest.files.items()
     }
-    where = store.describe(MANIFEST)
     try:
         used: dict[str, set[str]] = {name: set() for name in contents}
         for entry in manifest.patches:

@@ -43,7 +43,7 @@ from patchctx._diff import diff_state_dicts, receiver_dtype
 from patchctx._errors import InvalidPatchTypeError, PatchProblem, StoredUpdateError
 from patchctx._load import load_checkpoint_weight_patches
 from patchctx._lowbyte import LowByteDetector
-from patchctx._model import SupportsLoadWeights
+from patchctx._model import SupportsLoadWeights, model_tensors
 from patchctx._ordering import Coalesce
 from patchctx._patch import CheckpointWeightPatch, check_patches
 from patchctx._routes import RouteCache
@@ -334,6 +334,11 @@ class StorageFollower(Generic[_Model]):
         self.pause = pause
         self._warmed: set[tuple[str, tuple[int, ...], torch.dtype]] = set()
 
+    def _max_numel(self) -> int:
+        """What one declared patch may hold: 16 times the model's elements (any layout)."""
+        tensors = model_tensors(self.model)
+        return 16 * max(1, sum(t.numel() for t in tensors.values()))
+
     def poll(self) -> int | None:
         """The newest version whose manifest is published (`None`: none yet)."""
         for version in reversed(published_versions(self.store)):
@@ -409,7 +414,8 @@ class StorageFollower(Generic[_Model]):
         patches: list[CheckpointWeightPatch] = []
         nbytes = 0
         for version, manifest in links:
-            patches.extend(decode_update(SubStore(self.store, version_folder(version)), manifest))
+            folder = SubStore(self.store, version_folder(version))
+            patches.extend(decode_update(folder, manifest, max_numel=self._max_numel()))
             nbytes += sum(size for size, _ in manifest.files.values())
         merged = tuple(
             item.patch for item in Coalesce().order(check_patches(patches, strategy=self.strategy))

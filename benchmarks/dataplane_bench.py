@@ -55,7 +55,7 @@ def stages(patch: Any, raw_bytes: int, repeats: int) -> list[dict[str, Any]]:
     sender = SharedMemoryTransport(tempfile.mkdtemp(dir="/dev/shm"))
     source = torch.empty(raw_bytes, dtype=torch.uint8).random_(0, 255)
     target = torch.empty_like(source)
-    descriptor = sender.describe(payload)
+    descriptor = {**sender.describe(payload), "nbytes": len(payload)}  # size: the caller adds it
 
     writer = SharedMemoryTransport(str(sender.directory))
 

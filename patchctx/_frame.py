@@ -16,8 +16,12 @@ Every step of `Frame.leave` is idempotent, so that callers run it twice on every
 patchctx's own mode is pushed and popped without ``TorchDispatchMode.__enter__`` and
 ``__exit__``: these keep torch's mode flags as stacks of old values, which an exit cut short
 between its pops and its pop of the mode would pop twice on a second attempt (an
-``IndexError``, the mode left on the thread). Here the flags' old values are saved once, before
-any is changed, and put back by assignment, as often as it takes.
+``IndexError``, the mode left on the thread). The flags are module globals shared by every
+thread, so saving and restoring them per call would let two threads' calls, interleaved,
+leave them set for good (one thread saving what the other had just set). Here they are held
+for all threads together: the first frame to enter saves them (by assignment, before any is
+changed), every frame sets them, and the last frame to leave puts the saved values back, as
+often as it takes.
 """
 
 from __future__ import annotations
@@ -46,13 +50,16 @@ class Frame:
         self.below = _get_current_dispatch_mode_stack()  # the thread's modes before `mode`
         self.regions: tuple[_swap.Region, ...] | None = None
         self.left: list[str] = []  # what the loader left open, described
-        self.flags: dict[str, object] | None = None  # torch's mode flags before `enter`
+        self.entered = False  # counted among the frames that hold torch's mode flags
 
     def enter(self) -> None:
         """Suspend this thread's masked regions and push `mode` (see `leave`)."""
         self.regions = _swap.suspend()
-        flags = {name: _FLAGS_NOW[name] for name in _FLAGS if name in _FLAGS_NOW}
-        self.flags = flags  # saved whole before any is changed (`leave` puts them back)
+        if not _HOLDERS:  # the first frame of all threads: the flags as nothing set them
+            _SAVED.update({name: _FLAGS_NOW[name] for name in _FLAGS if name in _FLAGS_NOW})
+        self.entered = True  # before the append: an interrupt between them leaves no holder
+        _HOLDERS.append(self)  # (list operations are atomic: no lock for `leave` to be cut in)
+        flags = _SAVED
         mode = self.mode
         # What ``TorchDispatchMode.__enter__`` sets, in torch's module of modes.
         if _FLAGS[0] in flags:
@@ -104,14 +111,20 @@ class Frame:
                 _pop_mode(top.__dict__.get("_mode_key"))
 
     def _restore_flags(self) -> None:
-        """Put torch's mode flags back as `enter` found them (by assignment: idempotent)."""
-        flags = self.flags
-        if flags is None:
+        """Once no frame of any thread holds torch's mode flags, put back what the first saw.
+
+        Idempotent: this frame leaves the holders once, and the values are assigned.
+        """
+        if not self.entered:
             return
-        for name, value in flags.items():
+        if self in _HOLDERS:  # (only this frame removes itself)
+            _HOLDERS.remove(self)
+        if _HOLDERS:
+            return  # another thread's frame still holds them
+        for name, value in _SAVED.items():
             setattr(_dispatch, name, value)
-        if _SET_COMPILE_FLAG is not None and _FLAGS[2] in flags:
-            _SET_COMPILE_FLAG(bool(flags[_FLAGS[2]]))
+        if _SET_COMPILE_FLAG is not None and _FLAGS[2] in _SAVED:
+            _SET_COMPILE_FLAG(bool(_SAVED[_FLAGS[2]]))
 
 
 # torch's mode flags, module globals that ``TorchDispatchMode.__enter__`` sets (those of this
@@ -122,6 +135,12 @@ _FLAGS = (
     "_is_in_any_mode_without_ignore_compile_internals",
 )
 _FLAGS_NOW = vars(_dispatch)
+# The frames, of every thread, that hold torch's mode flags set, and the flags' values before
+# the first of them. No lock: a lock held by a frame an interrupt (or a finalizer run by the
+# garbage collector) cuts short would stop every other thread; list operations are atomic,
+# and two first frames racing save the same values (neither has set a flag yet).
+_HOLDERS: list[Frame] = []
+_SAVED: dict[str, object] = {}
 _SET_COMPILE_FLAG = getattr(_dispatch, "set_is_in_mode_without_ignore_compile_internals", None)
 
 

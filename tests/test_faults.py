@@ -423,6 +423,51 @@ def test_a_route_cache_is_usable_after_an_interrupt_anywhere_in_its_calls() -> N
         assert finished, f"line {line}: the cache's lock is still held"
 
 
+class Copies(nn.Module):
+    """One weight, written by a plain ``copy_``: every sparse patch goes through the loader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(64), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for _, tensor in weights:
+            self.w.copy_(tensor)
+        return {"w"}
+
+
+def test_loads_in_two_threads_at_once_leave_torchs_mode_flags_as_they_were() -> None:
+    """torch's mode flags are globals of every thread: two threads' loads, interleaved, must
+    not leave them set (one thread saving what the other had just set, then putting it back)."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def loads(seed: int) -> None:
+        try:
+            model = Copies()
+            generator = torch.Generator().manual_seed(seed)
+            start.wait()
+            for _ in range(150):
+                indices = torch.randperm(64, generator=generator)[:3].sort().values
+                patch = CheckpointWeightPatch("w", (64,), torch.float32, torch.ones(3), indices)
+                load_checkpoint_weight_patches(model, [patch])
+        except BaseException as error:  # reported below, in the test's thread
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=loads, args=(seed,)) for seed in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert_consistent()
+
+
 def test_a_region_left_from_another_thread_frees_the_lock() -> None:
     region = masked_copy()
     region.__enter__()

@@ -36,24 +36,12 @@ from patchctx import (
     read_manifest,
     save_patches,
 )
+from patchctx.testing import DEFAULT_DTYPES
 from tests.support.models import random_tensor, same_bits
 
-DTYPES = [
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,  # no safetensors code: stored as its bytes
-]
+# Every dtype the strategy conformance table covers, and one safetensors has no code for
+# (stored as its bytes).
+DTYPES = [*DEFAULT_DTYPES, torch.complex128]
 ENCODINGS = list(PositionEncoding)
 
 

@@ -18,10 +18,7 @@ from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProb
 from patchctx._strategies import (
     _QUANTIZED,
     Auto,
-    BoolMask,
     CopyStrategy,
-    IntSentinel,
-    NaNMask,
     as_strategy,
     reserved_on_host,
 )
@@ -1127,8 +1124,18 @@ def readable(item: CheckedPatch) -> None:
         )
 
 
-_OWN_STRATEGIES = (Auto, NaNMask, IntSentinel, BoolMask)
 _SUPPORTED: dict[CopyStrategy, dict[torch.dtype, bool]] = {}
+
+
+def _support_is_fixed(strategy: CopyStrategy) -> bool:
+    """Whether `strategy` says its dtype support is fixed (``fixed_support``) and is hashable."""
+    if getattr(strategy, "fixed_support", False) is not True:
+        return False
+    try:
+        hash(strategy)
+    except TypeError:
+        return False
+    return True
 
 
 def check_patches(
@@ -1143,7 +1150,7 @@ def check_patches(
     # The strategy's answer, asked once per dtype: per call, or once for all calls for
     # patchctx's own strategies (immutable values; the answer depends on the torch build only).
     supported: dict[torch.dtype, bool] = (
-        _SUPPORTED.setdefault(strategy, {}) if type(strategy) in _OWN_STRATEGIES else {}
+        _SUPPORTED.setdefault(strategy, {}) if _support_is_fixed(strategy) else {}
     )
     for position, obj in enumerate(patches):
         patch = _as_patch(position, obj, problems)

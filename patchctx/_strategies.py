@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast, runtime_checkable
+from typing import ClassVar, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -41,6 +41,16 @@ class CopyStrategy(Protocol):
     Implement all five methods on a frozen value object to write a strategy of your own, then
     run `patchctx.testing.check_strategy` on it. The protocol is runtime-checkable: a strategy
     needs no base class, only the methods.
+
+    Two optional members give a strategy of your own the fast paths the built-ins use (the core
+    asks for them by name, never by a strategy's type):
+
+    - ``reserved_on_host(values, dtype) -> bool``: `reserved_values` answered on the host,
+      for a validation that reads its answer at once (NaNMask finds NaN in a few CPU values
+      without a tensor operation).
+    - ``fixed_support: bool`` (a class attribute, true): `unsupported_reason` depends on the
+      dtype alone, so its answers are kept across calls, per strategy value (which must be
+      hashable).
 
     Examples:
         >>> import torch
@@ -254,6 +264,8 @@ class NaNMask:
                 [0., 0., 9.]])
     """
 
+    fixed_support: ClassVar[bool] = True
+
     def unsupported_reason(self, dtype: torch.dtype) -> str | None:
         if not dtype.is_floating_point:
             return (
@@ -288,6 +300,25 @@ class NaNMask:
 
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return f"NaN (NaNMask reserves NaN in {dtype} to mean 'keep the destination')"
+
+    def reserved_on_host(self, values: torch.Tensor, dtype: torch.dtype) -> bool:
+        """`reserved_values` read on the host, without a cast or a 0-d tensor on CPU.
+
+        NaN in CPU values already of `dtype` is found by Python's `math.isnan` over
+        ``tolist`` up to `_cpu_passes.LISTED_UP_TO` values, by torch's ``amax`` up to a few
+        thousand, by numpy from the bits for more (`has_nan_bits`).
+        """
+        if values.dtype is dtype and dtype in _NAN_BY_AMAX:
+            count = values.numel()
+            if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
+                # A few values as Python floats (NaN stays NaN): no tensor operation at all.
+                return any(map(math.isnan, values.tolist()))
+            if count <= _AMAX_UP_TO and values.is_cpu:
+                # amax propagates NaN: one reduction, below torch's grain size (one thread).
+                return bool(torch.isnan(values.amax())) if count else False
+            if nan_bits_known(values):
+                return has_nan_bits(values)
+        return bool(self.reserved_values(values, dtype))
 
     def stage(
         self,
@@ -353,6 +384,8 @@ class IntSentinel:
         >>> IntSentinel(value=0).sentinel(torch.int8)
         0
     """
+
+    fixed_support: ClassVar[bool] = True
 
     value: int | None = None
 
@@ -467,6 +500,8 @@ class BoolMask:
         tensor([nan, 1., 1.])
     """
 
+    fixed_support: ClassVar[bool] = True
+
     def unsupported_reason(self, dtype: torch.dtype) -> str | None:
         if dtype in _QUANTIZED:
             return f"BoolMask cannot stage the quantized dtype {dtype}"
@@ -528,6 +563,8 @@ class Auto:
         (NaNMask(), IntSentinel(value=None))
     """
 
+    fixed_support: ClassVar[bool] = True
+
     def resolve(self, dtype: torch.dtype) -> NaNMask | IntSentinel:
         """The strategy this one delegates to for `dtype`."""
         return _NAN_MASK if dtype.is_floating_point else _INT_SENTINEL
@@ -539,6 +576,10 @@ class Auto:
 
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.resolve(dtype).reserved_values(values, dtype)
+
+    def reserved_on_host(self, values: torch.Tensor, dtype: torch.dtype) -> bool:
+        """`reserved_values` read on the host, by the strategy `dtype` resolves to."""
+        return reserved_on_host(self.resolve(dtype), values, dtype)
 
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return self.resolve(dtype).describe_reserved(dtype)
@@ -575,24 +616,15 @@ class Auto:
 
 
 def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """``strategy.reserved_values(values, dtype)`` read on the host, for values on CPU.
+    """``strategy.reserved_values(values, dtype)`` read on the host.
 
-    NaN under patchctx's own NaN strategies, in values already of `dtype`, is found without
-    the strategy's cast and 0-d tensor: by Python's `math.isnan` over ``tolist`` up to
-    `_cpu_passes.LISTED_UP_TO` values, by torch's ``amax`` up to a few thousand, by numpy
-    from the bits for more (`has_nan_bits`). Anything else asks the strategy.
+    A strategy with a ``reserved_on_host(values, dtype) -> bool`` method of its own (an
+    optional part of the protocol: an answer on the host, faster for values on CPU) is asked
+    through it; any other through `reserved_values`.
     """
-    chosen = strategy.resolve(dtype) if type(strategy) is Auto else strategy
-    if type(chosen) is NaNMask and values.dtype is dtype and dtype in _NAN_BY_AMAX:
-        count = values.numel()
-        if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
-            # A few values as Python floats (NaN stays NaN): no tensor operation at all.
-            return any(map(math.isnan, values.tolist()))
-        if count <= _AMAX_UP_TO and values.is_cpu:
-            # amax propagates NaN: one reduction, below torch's grain size (one thread).
-            return bool(torch.isnan(values.amax())) if count else False
-        if nan_bits_known(values):
-            return has_nan_bits(values)
+    answer = getattr(strategy, "reserved_on_host", None)
+    if callable(answer):
+        return bool(answer(values, dtype))
     return bool(strategy.reserved_values(values, dtype))
 
 

@@ -342,3 +342,63 @@ def test_the_conformance_cases_catch_merges_that_lose_special_values_or_markers(
 ) -> None:
     with pytest.raises(ConformanceError, match="special-values-land-or-are-reserved"):
         check_strategy(strategy, dtypes=[torch.float32])
+
+
+_ASKED: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class _HostAnswering(ValueMask):
+    """ValueMask with the protocol's two optional members, recording when each is used."""
+
+    fixed_support = True
+
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        _ASKED.append("unsupported_reason")
+        return ValueMask.unsupported_reason(self, dtype)
+
+    def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        _ASKED.append("reserved_values")
+        return ValueMask.reserved_values(self, values, dtype)
+
+    def reserved_on_host(self, values: torch.Tensor, dtype: torch.dtype) -> bool:
+        _ASKED.append("reserved_on_host")
+        return bool((values.to(dtype) == self.marker).any())
+
+
+def test_a_strategys_optional_fast_paths_are_used_as_the_builtins_are() -> None:
+    from patchctx import CheckpointWeightPatch, validate_patches
+
+    def patch(value: float) -> CheckpointWeightPatch:
+        return CheckpointWeightPatch(
+            "w", (4,), torch.float32, torch.tensor([value]), torch.tensor([2])
+        )
+
+    _ASKED.clear()
+    strategy = _HostAnswering(marker=7.0)
+    validate_patches([patch(1.0)], strategy=strategy)
+    validate_patches([patch(2.0)], strategy=strategy)
+    # Reserved values answered on the host, never through the 0-d tensor; the dtype's support
+    # asked once for both calls (``fixed_support``).
+    assert _ASKED.count("reserved_on_host") == 2
+    assert "reserved_values" not in _ASKED
+    assert _ASKED.count("unsupported_reason") == 1
+    # The host answer is the one that decides: the marker itself is refused.
+    with pytest.raises(InvalidPatchError, match="7.0"):
+        validate_patches([patch(7.0)], strategy=strategy)
+
+
+def test_a_strategy_without_fixed_support_is_asked_every_call() -> None:
+    from patchctx import CheckpointWeightPatch, validate_patches
+
+    @dataclass(frozen=True, slots=True)
+    class Asked(ValueMask):
+        def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+            _ASKED.append("unsupported_reason")
+            return ValueMask.unsupported_reason(self, dtype)
+
+    _ASKED.clear()
+    patch = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([2]))
+    validate_patches([patch], strategy=Asked())
+    validate_patches([patch], strategy=Asked())
+    assert _ASKED.count("unsupported_reason") == 2

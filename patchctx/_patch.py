@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -1127,17 +1128,6 @@ def readable(item: CheckedPatch) -> None:
 _SUPPORTED: dict[CopyStrategy, dict[torch.dtype, bool]] = {}
 
 
-def _support_is_fixed(strategy: CopyStrategy) -> bool:
-    """Whether `strategy` says its dtype support is fixed (``fixed_support``) and is hashable."""
-    if getattr(strategy, "fixed_support", False) is not True:
-        return False
-    try:
-        hash(strategy)
-    except TypeError:
-        return False
-    return True
-
-
 def check_patches(
     patches: Iterable[object],
     *,
@@ -1149,9 +1139,10 @@ def check_patches(
     structural: list[CheckedPatch] = []
     # The strategy's answer, asked once per dtype: per call, or once for all calls for
     # patchctx's own strategies (immutable values; the answer depends on the torch build only).
-    supported: dict[torch.dtype, bool] = (
-        _SUPPORTED.setdefault(strategy, {}) if _support_is_fixed(strategy) else {}
-    )
+    supported: dict[torch.dtype, bool] = {}
+    if getattr(strategy, "fixed_support", False) is True:  # answers kept per strategy value
+        with contextlib.suppress(TypeError):  # (an unhashable one is asked every call)
+            supported = _SUPPORTED.setdefault(strategy, supported)
     for position, obj in enumerate(patches):
         patch = _as_patch(position, obj, problems)
         if patch is None:

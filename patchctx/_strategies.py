@@ -42,15 +42,9 @@ class CopyStrategy(Protocol):
     run `patchctx.testing.check_strategy` on it. The protocol is runtime-checkable: a strategy
     needs no base class, only the methods.
 
-    Two optional members give a strategy of your own the fast paths the built-ins use (the core
-    asks for them by name, never by a strategy's type):
-
-    - ``reserved_on_host(values, dtype) -> bool``: `reserved_values` answered on the host,
-      for a validation that reads its answer at once (NaNMask finds NaN in a few CPU values
-      without a tensor operation).
-    - ``fixed_support: bool`` (a class attribute, true): `unsupported_reason` depends on the
-      dtype alone, so its answers are kept across calls, per strategy value (which must be
-      hashable).
+    Optional, asked by name: ``reserved_on_host(values, dtype) -> bool`` answers
+    `reserved_values` on the host; a class attribute ``fixed_support = True`` says
+    `unsupported_reason` depends on the dtype alone (answers kept per hashable value).
 
     Examples:
         >>> import torch
@@ -130,10 +124,6 @@ def _move(source: torch.Tensor, destination: torch.Tensor, non_blocking: bool) -
     if source.device != destination.device:
         return source.to(device=destination.device, non_blocking=non_blocking)
     return source
-
-
-def _flat_indices(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return indices.to(device=device, dtype=torch.long)
 
 
 def _merge_staged(
@@ -302,12 +292,7 @@ class NaNMask:
         return f"NaN (NaNMask reserves NaN in {dtype} to mean 'keep the destination')"
 
     def reserved_on_host(self, values: torch.Tensor, dtype: torch.dtype) -> bool:
-        """`reserved_values` read on the host, without a cast or a 0-d tensor on CPU.
-
-        NaN in CPU values already of `dtype` is found by Python's `math.isnan` over
-        ``tolist`` up to `_cpu_passes.LISTED_UP_TO` values, by torch's ``amax`` up to a few
-        thousand, by numpy from the bits for more (`has_nan_bits`).
-        """
+        """`reserved_values` on the host: `math.isnan`, torch's amax or the bits, by count."""
         if values.dtype is dtype and dtype in _NAN_BY_AMAX:
             count = values.numel()
             if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
@@ -616,21 +601,15 @@ class Auto:
 
 
 def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """``strategy.reserved_values(values, dtype)`` read on the host.
-
-    A strategy with a ``reserved_on_host(values, dtype) -> bool`` method of its own (an
-    optional part of the protocol: an answer on the host, faster for values on CPU) is asked
-    through it; any other through `reserved_values`.
-    """
+    """`reserved_values` read on the host: by the strategy's own ``reserved_on_host`` if any."""
     answer = getattr(strategy, "reserved_on_host", None)
     if callable(answer):
         return bool(answer(values, dtype))
     return bool(strategy.reserved_values(values, dtype))
 
 
-# The IEEE floats whose NaN `reserved_on_host` finds itself, and up to how many values by
-# torch's amax (as fast as numpy's at fp32, 1.5 µs less than `has_nan_bits` for few bf16
-# values; that reads bf16 faster from about 10K on).
+# The floats whose NaN NaNMask.reserved_on_host finds itself; up to 8192 values by torch's
+# amax (numpy's speed at fp32; `has_nan_bits` reads bf16 faster from about 10K on).
 _NAN_BY_AMAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _AMAX_UP_TO = 8192
 

@@ -384,21 +384,28 @@ def test_a_strategys_optional_fast_paths_are_used_as_the_builtins_are() -> None:
     assert "reserved_values" not in _ASKED
     assert _ASKED.count("unsupported_reason") == 1
     # The host answer is the one that decides: the marker itself is refused.
-    with pytest.raises(InvalidPatchError, match="7.0"):
+    with pytest.raises(InvalidPatchError, match=r"7\.0"):
         validate_patches([patch(7.0)], strategy=strategy)
 
 
-def test_a_strategy_without_fixed_support_is_asked_every_call() -> None:
-    from patchctx import CheckpointWeightPatch, validate_patches
+@dataclass(frozen=True, slots=True)
+class _Asked(ValueMask):
+    def unsupported_reason(self, dtype: torch.dtype) -> str | None:
+        _ASKED.append("unsupported_reason")
+        return ValueMask.unsupported_reason(self, dtype)
 
-    @dataclass(frozen=True, slots=True)
-    class Asked(ValueMask):
-        def unsupported_reason(self, dtype: torch.dtype) -> str | None:
-            _ASKED.append("unsupported_reason")
-            return ValueMask.unsupported_reason(self, dtype)
+
+class _UnhashableFixed(_Asked):
+    fixed_support = True
+    __hash__ = None  # type: ignore[assignment]  # says fixed, cannot be kept
+
+
+@pytest.mark.parametrize("kind", [_Asked, _UnhashableFixed])
+def test_a_strategy_without_kept_support_is_asked_every_call(kind: type[ValueMask]) -> None:
+    from patchctx import CheckpointWeightPatch, validate_patches
 
     _ASKED.clear()
     patch = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([1.0]), torch.tensor([2]))
-    validate_patches([patch], strategy=Asked())
-    validate_patches([patch], strategy=Asked())
+    validate_patches([patch], strategy=kind())
+    validate_patches([patch], strategy=kind())
     assert _ASKED.count("unsupported_reason") == 2

@@ -18,62 +18,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from patchctx import _ops
 from patchctx._dispatch_mode import DispatchMode
 from patchctx._errors import LoaderContractError
-from patchctx._staged import (
-    StagedTensor,
-    _argument,
-    _leak_kind,
-    _tensors,
-    written_arguments,
-)
+from patchctx._staged import StagedTensor
 from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
-__all__ = ["LIFTS", "Guard", "constant_of", "host_reads"]
+__all__ = ["Guard", "constant_of"]
 
 aten = torch.ops.aten
-
-# In-place operations that change a tensor's shape, strides or storage rather than its values.
-_RESHAPING = frozenset(
-    {
-        aten.set_,
-        aten.resize_,
-        aten.resize_as_,
-        aten.as_strided_,
-        aten.t_,
-        aten.transpose_,
-        aten.squeeze_,
-        aten.unsqueeze_,
-        aten.swapdims_,
-        aten.swapaxes_,
-        aten.detach_,
-        aten._resize_output_,
-    }
-)
-
-
-def host_reads(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[torch.Tensor]:
-    """The tensors whose values `func` hands to Python: what the loader may decide on.
-
-    A value leaves torch (``.item()``, ``bool(t)``, ``torch.equal``, ``allclose``: under
-    ``inference_mode`` as ``aten.item`` itself), or a result's shape depends on values
-    (``nonzero``, ``unique``, a boolean-mask index: the tensors that decide it), which the
-    loader reads with ``.shape`` or ``numel()`` and no operation at all. The staged data's
-    own rule (`patchctx._staged._leak_kind`) says which.
-    """
-    kind = _leak_kind(func)
-    if kind is None:
-        return []
-    return _tensors((args, kwargs) if kind == "all" else _argument(args, kwargs, 1, kind))
-
-
-# In-place operations that do not read the values they overwrite.
-_PURE_WRITES = frozenset({aten.copy_, aten.fill_, aten.zero_})
-# A literal's tensor made by torch before it reaches the dispatcher (``torch.tensor(2.0)``):
-# a constant, though its operation takes a tensor.
-LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})
 
 
 def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant | None:
@@ -111,19 +64,19 @@ class Guard(DispatchMode):
     def _dispatch(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        tensors = _tensors((args, kwargs))
+        tensors = _ops.tensors_in((args, kwargs))
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the staged data handles it
-        for tensor in host_reads(func, args, kwargs):  # the loader may decide on it
+        for tensor in _ops.host_reads(func, args, kwargs):  # the loader may decide on it
             self.ledger.host_read(tensor)
-        written = written_arguments(func)
+        written = _ops.written_arguments(func)
         targets: list[torch.Tensor] = []
         for position, name in written:
             value = args[position] if position < len(args) else kwargs.get(name)
-            targets.extend(_tensors(value))
+            targets.extend(_ops.tensors_in(value))
         ledger = self.ledger
         if ledger.masked and not func.is_view:
-            pure_write = func.overloadpacket in _PURE_WRITES
+            pure_write = func.overloadpacket in _ops.PURE_WRITES
             for tensor in tensors:
                 if not pure_write or all(tensor is not t for t in targets):
                     ledger.read(tensor)
@@ -139,14 +92,14 @@ class Guard(DispatchMode):
             ledger.derive(tensors, result)
             if ledger.sources:
                 ledger.plain_sources(tensors, [], result)  # dense data carried on
-            ledger.constancy(func.overloadpacket in LIFTS, tensors, targets, result)
+            ledger.constancy(func.overloadpacket in _ops.LIFTS, tensors, targets, result)
             return result
         if ledger.sources:
             ledger.plain_sources(tensors, model_targets, None)  # before the write: kinds
         for target in model_targets:
             owner = ledger.index.owner(target)
             assert owner is not None
-            if func.overloadpacket in _RESHAPING:
+            if func.overloadpacket in _ops.RESHAPING:
                 raise LoaderContractError(
                     f"the loader calls {func} on {owner.name!r}, changing its shape, strides or "
                     "storage; patch loads write in place; nothing was written"
@@ -200,7 +153,7 @@ class Guard(DispatchMode):
 
         new_args = list(args)
         new_kwargs = dict(kwargs)
-        for position, name in written_arguments(func):
+        for position, name in _ops.written_arguments(func):
             in_args = position < len(new_args)
             if not in_args and name not in new_kwargs:
                 continue

@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
+from patchctx import _ops
 from patchctx._bits import scatter_flat
 from patchctx._errors import LoaderContractError
 from patchctx._swap import bypass, end_bypass, is_bypassed
@@ -52,9 +53,9 @@ __all__ = [
     "Root",
     "StagedTensor",
     "UnchangedValueRead",
+    "reads_own_output",
     "stage",
     "stage_dense",
-    "written_arguments",
 ]
 
 aten = torch.ops.aten
@@ -174,102 +175,6 @@ def _label(names: frozenset[str]) -> str:
     return ", ".join(map(repr, sorted(names)))
 
 
-def _written(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
-    return tuple(
-        (position, argument.name)
-        for position, argument in enumerate(func._schema.arguments)
-        if argument.alias_info is not None and argument.alias_info.is_write
-    )
-
-
-_WRITTEN: dict[torch._ops.OpOverload, tuple[tuple[int, str], ...]] = {}
-
-
-def written_arguments(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
-    """(position, name) of every argument the operation writes, from its schema."""
-    found = _WRITTEN.get(func)
-    if found is None:
-        found = _WRITTEN[func] = _written(func)
-    return found
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(value)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-
-def _argument(args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str) -> Any:
-    return args[position] if position < len(args) else kwargs.get(name)
-
-
-# Operations that rearrange or cast elements without combining them: the mask goes along,
-# through the same operation applied to it. Their data arguments are `self` (position 0), or the
-# tensor list of cat/stack.
-_LAYOUT = frozenset(
-    {
-        aten._to_copy,
-        aten.cat,
-        aten.stack,
-        aten.hstack,
-        aten.vstack,
-        aten.index_select,
-        aten.index,
-        aten.gather,
-        aten.repeat,
-        aten.repeat_interleave,
-        aten.flip,
-        aten.roll,
-        aten.narrow_copy,
-        aten.slice_copy,
-        aten.select_copy,
-        aten.t_copy,
-        aten.transpose_copy,
-        aten.permute_copy,
-        aten.expand_copy,
-        aten.view_copy,
-        aten.unsqueeze_copy,
-        aten.squeeze_copy,
-        aten.alias_copy,
-        aten.detach_copy,
-        aten.unfold_copy,
-        aten._unsafe_view,
-        aten.masked_select,
-        aten.take,
-        aten.tril,
-        aten.triu,
-    }
-)
-_LISTS = frozenset({aten.cat, aten.stack, aten.hstack, aten.vstack})
-# Factories shaped like their input: values that are known (True) or undefined (False).
-_LIKE = {
-    aten.zeros_like: True,
-    aten.ones_like: True,
-    aten.full_like: True,
-    aten.rand_like: True,
-    aten.randn_like: True,
-    aten.randint_like: True,
-    aten.empty_like: False,
-    aten.new_empty: False,
-    aten.new_empty_strided: False,
-    aten.new_zeros: True,
-    aten.new_ones: True,
-    aten.new_full: True,
-}
-# Writes that move elements from a data argument into `self` without reading `self`'s old
-# values at the positions they write: (positions of the data arguments).
-_MOVES: dict[Any, tuple[int, ...]] = {
-    aten.copy_: (1,),
-    aten.index_put_: (2,),
-    aten._index_put_impl_: (2,),
-    aten.index_copy_: (3,),
-    aten.masked_scatter_: (2,),
-    aten.scatter_: (3,),
-    aten.fill_: (1,),
-    aten.index_fill_: (3,),
-    aten.masked_fill_: (2,),
-}
-
-
 # What a position of staged data holds, in its mask (uint8): the model's value must be kept
 # there (the patch does not change it; the staged value means nothing), the patch's new value,
 # or a value that does not depend on the patch at all (a constant the loader made).
@@ -306,13 +211,6 @@ def _moved_mask(value: Any, device: torch.device | None = None) -> Any:
         return CONST  # a Python number
     mask = _known(value)
     return mask if device is None else mask.to(device)
-
-
-def _accumulates(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    if func.overloadpacket not in (aten.index_put_, aten._index_put_impl_):
-        return bool(func.overloadpacket is aten.scatter_ and "reduce" in kwargs)
-    value = _argument(args, kwargs, 3, "accumulate")
-    return bool(value)
 
 
 class StagedTensor(torch.Tensor):
@@ -432,7 +330,7 @@ class StagedTensor(torch.Tensor):
             end_bypass(was_inside)
             return result
         except LoaderContractError as error:
-            for tensor in _tensors((args, kwargs or {})):
+            for tensor in _ops.tensors_in((args, kwargs or {})):
                 if isinstance(tensor, StagedTensor):
                     tensor._noted(error)
             raise
@@ -462,30 +360,6 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
     return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary, partial)
 
 
-# What an operation returns to Python that is not a tensor: a value that has left torch.
-_SCALAR_RETURNS = frozenset({"bool", "number", "float", "Scalar", "complex"})
-
-
-@functools.cache
-def _leak_kind(func: torch._ops.OpOverload) -> str | None:
-    """How `func` lets values out of torch, per op (asked once).
-
-    "all" its staged inputs (a Python scalar, or a shape that depends on them), only its
-    "indices" or its "mask" (for the shape), or `None`.
-    """
-    tags = func.tags
-    if torch.Tag.data_dependent_output in tags or any(
-        str(r.type) in _SCALAR_RETURNS for r in func._schema.returns
-    ):
-        return "all"
-    if torch.Tag.dynamic_output_shape not in tags:
-        return None
-    packet = func.overloadpacket
-    if packet in (aten.index, aten._unsafe_index):
-        return "indices"
-    return "mask" if packet is aten.masked_select else "all"
-
-
 def _leaking(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[StagedTensor]:
@@ -496,11 +370,11 @@ def _leaking(
     index, ``masked_select``): a loader can branch on either. For indexing, only the index
     tensors decide the shape; for ``masked_select``, only the mask.
     """
-    kind = _leak_kind(func)
+    kind = _ops.leak_kind(func)
     if kind is None:
         return []
-    deciding: Any = (args, kwargs) if kind == "all" else _argument(args, kwargs, 1, kind)
-    return [t for t in _tensors(deciding) if isinstance(t, StagedTensor)]
+    deciding: Any = (args, kwargs) if kind == "all" else _ops.argument(args, kwargs, 1, kind)
+    return [t for t in _ops.tensors_in(deciding) if isinstance(t, StagedTensor)]
 
 
 # The data argument of a view, a factory shaped like its input or a layout copy: ``self``, or
@@ -514,9 +388,9 @@ def _operand_slots(
 ) -> tuple[tuple[int, str], ...]:
     """(position, name) of every tensor argument of `func` outside the `data` positions."""
     return tuple(
-        (position, argument.name)
-        for position, argument in enumerate(func._schema.arguments)
-        if position not in data and "Tensor" in str(argument.type)
+        (position, slot.name)
+        for position, slot in enumerate(func._schema.arguments)
+        if position not in data and "Tensor" in str(slot.type)
     )
 
 
@@ -536,7 +410,7 @@ def _refuse_kept_operands(
     positions (a dense patch, or a part of a sparse one that the patch changes entirely).
     """
     for position, name in _operand_slots(func, data):
-        for tensor in _tensors(_argument(args, kwargs, position, name)):
+        for tensor in _ops.tensors_in(_ops.argument(args, kwargs, position, name)):
             if not isinstance(tensor, StagedTensor) or tensor._prov.dense:
                 continue
             if bool((tensor._update == KEEP).any()):
@@ -551,17 +425,17 @@ def _refuse_kept_operands(
 
 
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    staged = [t for t in _tensors((args, kwargs)) if isinstance(t, StagedTensor)]
+    staged = [t for t in _ops.tensors_in((args, kwargs)) if isinstance(t, StagedTensor)]
     for leaking in _leaking(func, args, kwargs):
         packet = func.overloadpacket
         leaking._require_all_changed(
             ".item()" if packet is aten._local_scalar_dense else str(packet)
         )
-    written = written_arguments(func)
+    written = _ops.written_arguments(func)
     if written:
         targets: list[torch.Tensor] = []
         for position, name in written:
-            targets.extend(_tensors(_argument(args, kwargs, position, name)))
+            targets.extend(_ops.tensors_in(_ops.argument(args, kwargs, position, name)))
         if any(isinstance(t, StagedTensor) for t in targets):
             return _write_into_staged(func, args, kwargs, targets, staged)
         return _write_into_plain(func, args, kwargs, targets, staged)
@@ -572,10 +446,10 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     if func.is_view:
         _refuse_kept_operands(func, args, kwargs, _SELF)
         return _view(func, args, kwargs, staged)
-    if packet in _LIKE:
+    if packet in _ops.LIKE:
         _refuse_kept_operands(func, args, kwargs, _SELF)
-        return _like(func, args, kwargs, staged, known=_LIKE[packet])
-    if packet in _LAYOUT:
+        return _like(func, args, kwargs, staged, known=_ops.LIKE[packet])
+    if packet in _ops.LAYOUT:
         _refuse_kept_operands(func, args, kwargs, _SELF)
         return _layout(func, args, kwargs, staged)
     if torch.Tag.pointwise in func.tags:
@@ -606,7 +480,7 @@ def _view(
 ) -> Any:
     source = staged[0]
     if func is aten.view.dtype:
-        return _reinterpret(source, _argument(args, kwargs, 1, "dtype"))
+        return _reinterpret(source, _ops.argument(args, kwargs, 1, "dtype"))
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     mask_args, mask_kwargs = _unwrap(args, kwargs, _mask)
     data = func(*data_args, **data_kwargs)
@@ -674,10 +548,10 @@ def _layout(
         update = mask if device is None else mask.to(device=device)
         return StagedTensor(result, update.clone(), prov)
     mask_args = list(args)
-    data = list(args[0]) if func.overloadpacket in _LISTS else [args[0]]
+    data = list(args[0]) if func.overloadpacket in _ops.LISTS else [args[0]]
     if not all(isinstance(t, StagedTensor) for t in data):
         prov.binary = False  # plain data joins as OUTSIDE
-    if func.overloadpacket in _LISTS:
+    if func.overloadpacket in _ops.LISTS:
         mask_args[0] = [_known(t) for t in args[0]]
     else:
         mask_args[0] = _known(args[0])
@@ -738,7 +612,7 @@ def _outside(
     """
     return [
         t
-        for t in _tensors((args, kwargs))
+        for t in _ops.tensors_in((args, kwargs))
         if not isinstance(t, StagedTensor)
         and t is not skip
         and (ledger is None or not ledger.is_constant(t))
@@ -848,9 +722,9 @@ def _write_into_staged(
     if len(targets) != 1 or target is not args[0] or not prov.mask_is_view:
         _refuse(f"the loader writes into staged data of {_label(prov.names)} with {func}")
     packet = func.overloadpacket
-    moves = packet in _MOVES and not _accumulates(func, args, kwargs)
+    moves = packet in _ops.MOVES and not _ops.accumulates(func, args, kwargs)
     if moves:
-        _refuse_kept_operands(func, args, kwargs, frozenset({0, *_MOVES[packet]}))
+        _refuse_kept_operands(func, args, kwargs, frozenset({0, *_ops.MOVES[packet]}))
     if prov.root is not None:
         prov.root.tampered = True
     prov.binary = False  # the write may bring CONST positions in
@@ -858,7 +732,7 @@ def _write_into_staged(
         prov.ledger.unprovable(prov.names, f"the loader modified it with {func}")
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     if moves:
-        moved = _MOVES[packet]
+        moved = _ops.MOVES[packet]
         mask_args = [target._update] + [
             _moved_mask(a) if i in moved else tree_map(_data, a) for i, a in enumerate(args) if i
         ]
@@ -907,8 +781,8 @@ def _write_into_plain(
         _admit(prov, target, names, "copy_")
         _merge(target, source._data, source._update, source, names, prov, binary=prov.binary)
         return target
-    if packet in _MOVES and in_place and not _accumulates(func, args, kwargs):
-        moved = _MOVES[packet]
+    if packet in _ops.MOVES and in_place and not _ops.accumulates(func, args, kwargs):
+        moved = _ops.MOVES[packet]
         _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
         _admit(prov, target, names, str(func))
         scratch = target.clone()
@@ -922,12 +796,16 @@ def _write_into_plain(
         func(update, *mask_args[1:], **data_kwargs)
         _merge(target, scratch, update, None, names, prov)
         return target
-    if not in_place and not _reads(target, args, kwargs) and torch.Tag.pointwise in func.tags:
+    if (
+        not in_place
+        and not reads_own_output(target, args, kwargs)
+        and torch.Tag.pointwise in func.tags
+    ):
         # The out= form of a pointwise operation: compute, then merge.
         _admit(prov, target, names, str(func))
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
         fresh = torch.empty(0, dtype=target.dtype, device=target.device)
-        for position, name in written_arguments(func):
+        for position, name in _ops.written_arguments(func):
             if position < len(data_args):
                 data_args = (*data_args[:position], fresh, *data_args[position + 1 :])
             else:
@@ -959,13 +837,13 @@ def _write_into_plain(
     )
 
 
-def _reads(target: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+def reads_own_output(target: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Whether an ``out=`` operation also reads its output's storage (``add(p, w, out=p)``)."""
     try:
         key = target.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return True
-    inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+    inputs = _ops.tensors_in((args, {k: v for k, v in kwargs.items() if k != "out"}))
     return any(
         not isinstance(t, StagedTensor) and t.untyped_storage().data_ptr() == key for t in inputs
     )

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 import torch
 from torch.utils._pytree import tree_map
 
-from patchctx import _swap
+from patchctx import _ops, _swap
 from patchctx._arguments import name_map
 from patchctx._dispatch_mode import DispatchMode
 from patchctx._errors import (
@@ -51,7 +51,7 @@ from patchctx._errors import (
 )
 from patchctx._frame import Frame
 from patchctx._grad import without_grad
-from patchctx._guard import _PURE_WRITES, _RESHAPING, LIFTS, constant_of, host_reads
+from patchctx._guard import constant_of
 from patchctx._model import (
     SupportsLoadWeights,
     as_module,
@@ -63,18 +63,7 @@ from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
 from patchctx._routes import Route, Segment
 from patchctx._snapshot import Snapshot
-from patchctx._staged import (
-    _LAYOUT,
-    _LIKE,
-    _MOVES,
-    Provenance,
-    Root,
-    StagedTensor,
-    _accumulates,
-    _reads,
-    _tensors,
-    written_arguments,
-)
+from patchctx._staged import Provenance, Root, StagedTensor, reads_own_output
 from patchctx._undo import UndoLog
 from patchctx._writes import ModelIndex, WriteLedger, _Masked, span_of, storage_key
 
@@ -338,7 +327,7 @@ def _on_meta(
 
 
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    tensors = _tensors((args, kwargs))
+    tensors = _ops.tensors_in((args, kwargs))
     dry = [t for t in tensors if isinstance(t, DryTensor)]
     ledger = dry[0]._ledger()
     names = frozenset().union(*(t._prov.names for t in dry))
@@ -348,12 +337,12 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
         t._ledger() is not ledger for t in dry
     ):
         ledger.stop("deferred", f"the loader mixes it with data of another load ({func})", names)
-    written = written_arguments(func)
+    written = _ops.written_arguments(func)
     if written:
         targets: list[torch.Tensor] = []
         for position, name in written:
             value = args[position] if position < len(args) else kwargs.get(name)
-            targets.extend(_tensors(value))
+            targets.extend(_ops.tensors_in(value))
         if any(isinstance(t, DryTensor) for t in targets):
             return _write_into_dry(func, args, kwargs, targets, ledger, names)
         return _write_into_plain(func, args, kwargs, targets, ledger, names)
@@ -427,7 +416,11 @@ def _compute(
     if not _only_tensors(result):
         source._refuse_read(f"{func} returns {type(result).__name__}")
     packet = func.overloadpacket
-    if packet not in _LAYOUT and packet not in _LIKE and torch.Tag.pointwise not in func.tags:
+    if (
+        packet not in _ops.LAYOUT
+        and packet not in _ops.LIKE
+        and torch.Tag.pointwise not in func.tags
+    ):
         ledger.unprovable(names, f"the loader computed {func} from it")
     prov = Provenance(names, ledger)
     return _wrap(result, lambda data: DryTensor(data, prov, device or source.device))
@@ -507,17 +500,21 @@ def _write_into_plain(
             )
         ledger.log_masked(target, None, source, names)
         return target
-    if packet in _MOVES and in_place and not _accumulates(func, args, kwargs):
-        moved = _MOVES[packet]
+    if packet in _ops.MOVES and in_place and not _ops.accumulates(func, args, kwargs):
+        moved = _ops.MOVES[packet]
         if any(isinstance(a, DryTensor) for i, a in enumerate(args) if i and i not in moved):
             ledger.stop("unlearnable", f"the loader indexes with it ({func})", names)
         _meta_result(func, args, kwargs, ledger, names)  # raises where the real write would
         ledger.log_masked(target, None, None, names)
         return target
-    if not in_place and torch.Tag.pointwise in func.tags and not _reads(target, args, kwargs):
+    if (
+        not in_place
+        and torch.Tag.pointwise in func.tags
+        and not reads_own_output(target, args, kwargs)
+    ):
         fresh = torch.empty(0, dtype=target.dtype, device="meta")
         fresh_args, fresh_kwargs = list(args), dict(kwargs)
-        for position, name in written_arguments(func):
+        for position, name in _ops.written_arguments(func):
             if position < len(fresh_args):
                 fresh_args[position] = fresh
             else:
@@ -556,22 +553,28 @@ class _DryGuard(DispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        tensors = _tensors((args, kwargs))
+        tensors = _ops.tensors_in((args, kwargs))
         if any(isinstance(t, StagedTensor) for t in tensors):
             return func(*args, **kwargs)  # the dry data handles it
         ledger = self.ledger
-        for tensor in host_reads(func, args, kwargs):  # the loader may decide on it
+        for tensor in _ops.host_reads(func, args, kwargs):  # the loader may decide on it
             ledger.host_read(tensor)
-        written = written_arguments(func)
+        written = _ops.written_arguments(func)
         targets: list[torch.Tensor] = []
         for position, name in written:
-            targets.extend(_tensors(args[position] if position < len(args) else kwargs.get(name)))
+            targets.extend(
+                _ops.tensors_in(args[position] if position < len(args) else kwargs.get(name))
+            )
         owned = [(t, ledger.index.owner(t)) for t in targets]
         model_targets = [(t, owner) for t, owner in owned if owner is not None]
         if not func.is_view:
             # A model tensor written here is checked as a write (`plain_write` refuses what a
             # patch load refuses), and the write is skipped: what it reads does not matter.
-            skip = targets if func.overloadpacket in _PURE_WRITES else [t for t, _ in model_targets]
+            skip = (
+                targets
+                if func.overloadpacket in _ops.PURE_WRITES
+                else [t for t, _ in model_targets]
+            )
             for tensor in tensors:
                 if all(tensor is not t for t in skip):
                     self._read(tensor, func)
@@ -585,10 +588,10 @@ class _DryGuard(DispatchMode):
         if not model_targets:
             result = func(*args, **kwargs)
             ledger.derive(tensors, result)
-            ledger.constancy(func.overloadpacket in LIFTS, tensors, targets, result)
+            ledger.constancy(func.overloadpacket in _ops.LIFTS, tensors, targets, result)
             return result
         labels = ", ".join(repr(owner.name) for _, owner in model_targets)
-        if func.overloadpacket in _RESHAPING:
+        if func.overloadpacket in _ops.RESHAPING:
             ledger.stop(
                 "unlearnable",
                 f"the loader calls {func} on {labels}, changing its shape, strides or storage: "

@@ -28,13 +28,14 @@ from typing import TypeAlias
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from patchctx import _ops
 from patchctx._arguments import known_names
 from patchctx._bits import own_dispatch
 from patchctx._errors import CastKindError, LoaderContractError
 from patchctx._kinds import kind_of, same_kind
 from patchctx._recording import Recorder
 from patchctx._routes import Fill, Geometry, Holder
-from patchctx._staged import StagedTensor, _tensors
+from patchctx._staged import StagedTensor
 from patchctx._undo import UndoLog
 
 __all__ = ["Constant", "ModelIndex", "Span", "WriteLedger", "span_of", "storage_key"]
@@ -388,7 +389,7 @@ class WriteLedger:
                 if owner is not None:
                     self._reached(target, owner.name, names)
             return
-        for output in _tensors(result):
+        for output in _ops.tensors_in(result):
             if self.index.owner(output) is None and not isinstance(output, StagedTensor):
                 setattr(output, _SOURCES, (self._token, names))
 
@@ -500,7 +501,7 @@ class WriteLedger:
         """The loader computed `result` from `inputs`: note the model tensors it comes from."""
         sources = self._sources(inputs)
         if sources:
-            for output in _tensors(result):
+            for output in _ops.tensors_in(result):
                 if self.index.owner(output) is None:
                     self.derived[output] = sources
 
@@ -523,7 +524,7 @@ class WriteLedger:
         """
         constants = self._constants
         if lifts or all(tensor in constants for tensor in inputs):
-            for tensor in [*_tensors(result), *written]:
+            for tensor in [*_ops.tensors_in(result), *written]:
                 key = storage_key(tensor)
                 if key is not None and self.index.owner(tensor) is None:
                     constants[tensor] = True

@@ -199,7 +199,7 @@ class RowParallel(nn.Module):
 
     The checkpoint's [hidden, hidden] weight narrowed along dimension 1 to this rank's
     half: every row of the view is a separate run of the staged tensor, so replay decomposes
-    each index into a row and a column (`patchctx._routes.Segment`'s strided case), and the
+    each index into a row and a column (`patchctx._geometry.Segment`'s strided case), and the
     other rank's half of every row is skipped.
     """
 

@@ -23,6 +23,7 @@ from patchctx._errors import (
     PatchError,
     PatchProblem,
 )
+from patchctx._geometry import Route
 from patchctx._grad import without_grad
 from patchctx._kinds import kind_of, same_kind
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors
@@ -36,7 +37,6 @@ from patchctx._patch import (
     starts_of,
 )
 from patchctx._routes import (
-    Route,
     RouteCache,
     replay,
     replay_bounds,

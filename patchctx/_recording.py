@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from patchctx._routes import Geometry, Holder, Read, Route, Segment
+from patchctx._geometry import Geometry, Holder, Read, Route, Segment
 
 if TYPE_CHECKING:
-    from patchctx._routes import Fill
+    from patchctx._geometry import Fill
     from patchctx._staged import StagedTensor
     from patchctx._writes import Span
 

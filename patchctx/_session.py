@@ -31,10 +31,10 @@ import torch
 
 from patchctx._errors import InvalidPatchError, LoaderContractError, PatchProblem
 from patchctx._frame import Frame
+from patchctx._geometry import Route, Segment
 from patchctx._guard import Guard
 from patchctx._model import read_names
 from patchctx._recording import Recorder
-from patchctx._routes import Route, Segment
 from patchctx._snapshot import Snapshot
 from patchctx._staged import stage, stage_dense
 from patchctx._undo import UndoLog

@@ -50,6 +50,7 @@ from patchctx._errors import (
     PatchProblem,
 )
 from patchctx._frame import Frame
+from patchctx._geometry import Route, Segment
 from patchctx._grad import without_grad
 from patchctx._guard import constant_of
 from patchctx._model import (
@@ -61,7 +62,6 @@ from patchctx._model import (
 )
 from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
-from patchctx._routes import Route, Segment
 from patchctx._snapshot import Snapshot
 from patchctx._staged import Provenance, Root, StagedTensor, reads_own_output
 from patchctx._undo import UndoLog

@@ -32,9 +32,9 @@ from patchctx import _ops
 from patchctx._arguments import known_names
 from patchctx._bits import own_dispatch
 from patchctx._errors import CastKindError, LoaderContractError
+from patchctx._geometry import Fill, Geometry, Holder
 from patchctx._kinds import kind_of, same_kind
 from patchctx._recording import Recorder
-from patchctx._routes import Fill, Geometry, Holder
 from patchctx._staged import StagedTensor
 from patchctx._undo import UndoLog
 

@@ -36,6 +36,7 @@ from patchctx import (
     _bits,
     _blocks,
     _cpu_passes,
+    _geometry,
     _patch,
     _routes,
     load_checkpoint_weight_patches,
@@ -641,7 +642,7 @@ def test_the_accelerators_batched_search_finds_the_slices_the_host_search_finds(
     found = _routes.replay_bounds(replays)
     assert _routes.replay_bounds(replays, host=False) == found
     # And validation's list of a short patch, searched by bisect.
-    listed: list[tuple[_routes.Route, torch.Tensor | list[int], bool]] = [
+    listed: list[tuple[_geometry.Route, torch.Tensor | list[int], bool]] = [
         (route, indices.tolist(), ordered) for route, indices, ordered in replays
     ]
     assert _routes.replay_bounds(listed) == found
@@ -691,8 +692,8 @@ def test_the_accelerators_search_settles_spans_beyond_the_index_dtype(
     top = torch.iinfo(index_dtype).max
     indices = torch.tensor([0, 5, 2**20, top - 1, top], dtype=index_dtype)
     for span in [(0, 4), (5, 2**20), (6, top - 1), (top, top), (top + 1, 2 * top), (3, 2 * top)]:
-        segment = object.__new__(_routes.Segment)  # (all `covered` reads of a segment)
+        segment = object.__new__(_geometry.Segment)  # (all `covered` reads of a segment)
         object.__setattr__(segment, "_span", span)
-        assert segment.covered(indices) == _routes._host_covered(indices, span), span
+        assert segment.covered(indices) == _geometry.host_covered(indices, span), span
         with small_blocks(host=False):
-            assert segment.covered(indices) == _routes._host_covered(indices, span), span
+            assert segment.covered(indices) == _geometry.host_covered(indices, span), span

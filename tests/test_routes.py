@@ -28,7 +28,8 @@ from patchctx import (
     _load,
     load_checkpoint_weight_patches,
 )
-from patchctx._routes import Geometry, Segment, replay_bounds
+from patchctx._geometry import Geometry, Segment
+from patchctx._routes import replay_bounds
 from tests.support.builders import Sparse, patch_sequences, sparse_patch
 from tests.support.models import (
     PaddedEmbedding,

@@ -65,7 +65,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "dispatch",
-        ("_dispatch_mode", "_staged", "_frame", "_writes", "_guard", "_recording", "_undo"),
+        (
+            "_dispatch_mode",
+            "_geometry",
+            "_staged",
+            "_frame",
+            "_writes",
+            "_guard",
+            "_recording",
+            "_undo",
+        ),
     ),
     ("loader call", ("_session",)),
     ("routes", ("_routes",)),
@@ -85,8 +94,8 @@ CEILINGS: dict[str, int] = {
     "functions over 80 lines": 11,
     "private names imported across files": 3,
     "private attributes read off other objects": 258,
-    "modules in import circles": 13,
-    "upward imports": 7,
+    "modules in import circles": 8,
+    "upward imports": 4,
 }
 TARGETS: dict[str, int] = {
     "eager lines of `import patchctx`": 7_000,

@@ -16,6 +16,9 @@ Nothing of patchctx is imported or run: every figure comes from parsing the file
   ``self``/``cls`` (reaching into another object's private state).
 - *circles*: groups of modules that import each other (strongly connected components).
 - *upward imports*: imports from a module to one on a higher floor of ``LAYERS``.
+- *words of the user docs*: the words of every page under ``docs/`` but the API reference and
+  the changelog (``docs_words``): whitespace-separated tokens of the Markdown source with a
+  letter or a digit in them (code and test ids included; table rules and bullets are not words).
 
 ``--check`` compares each figure with its ceiling in ``CEILINGS`` (today's value once a step of
 the restructuring has landed: a ratchet, so no change makes the shape worse unseen) and prints
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,6 +90,7 @@ CEILINGS: dict[str, int] = {
     "private attributes read off other objects": 258,
     "modules in import circles": 13,
     "upward imports": 7,
+    "words of the user docs": 41_000,
 }
 TARGETS: dict[str, int] = {
     "eager lines of `import patchctx`": 7_000,
@@ -97,7 +102,13 @@ TARGETS: dict[str, int] = {
     "private attributes read off other objects": 0,
     "modules in import circles": 0,
     "upward imports": 0,
+    "words of the user docs": 20_000,
 }
+
+# Pages of docs/ that are not read as prose: the API reference (generated from docstrings) and
+# the changelog (its own ceiling is in the changelog's test).
+NOT_USER_DOCS = ("api", "changelog")
+WORD = re.compile(r"\S*[^\W_]\S*")  # a token with a letter or a digit in it
 
 
 @dataclass
@@ -358,6 +369,17 @@ def floors(modules: dict[str, Module]) -> tuple[list[str], list[str]]:
     return upward, unplaced
 
 
+def docs_words(root: Path = ROOT) -> dict[str, int]:
+    """Words of each user page under ``root / docs`` (see the module docstring), by path."""
+    counts = {}
+    for path in sorted((root / "docs").rglob("*.md")):
+        relative = path.relative_to(root / "docs")
+        if relative.parts[0].removesuffix(".md") in NOT_USER_DOCS:
+            continue
+        counts[relative.as_posix()] = len(WORD.findall(path.read_text(encoding="utf-8")))
+    return counts
+
+
 def measure(root: Path = ROOT) -> dict[str, object]:
     """Every figure of the report, as plain data."""
     modules = parse(root)
@@ -382,6 +404,7 @@ def measure(root: Path = ROOT) -> dict[str, object]:
     private_reads = [line for m in modules.values() for line in m.private_reads]
     groups = circles(modules)
     upward, unplaced = floors(modules)
+    words = docs_words(root)
     figures = {
         "eager lines of `import patchctx`": lines_of(eager),
         "full lines of load_checkpoint_weight_patches": lines_of(load),
@@ -392,6 +415,7 @@ def measure(root: Path = ROOT) -> dict[str, object]:
         "private attributes read off other objects": len(private_reads),
         "modules in import circles": sum(len(group) for group in groups),
         "upward imports": len(upward),
+        "words of the user docs": sum(words.values()),
     }
     return {
         "figures": figures,
@@ -403,6 +427,7 @@ def measure(root: Path = ROOT) -> dict[str, object]:
         "circles": groups,
         "upward imports": upward,
         "unplaced modules": unplaced,
+        "words per page": words,
     }
 
 
@@ -434,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{key}:")
             for line in report[key]:  # type: ignore[attr-defined]
                 print(f"  {line}")
+        print("\nwords per page:")
+        for page, count in report["words per page"].items():  # type: ignore[attr-defined]
+            print(f"  {page:40} {count:>7,}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2), encoding="utf-8")
     if args.check and over:

@@ -192,9 +192,9 @@ def masked_copy(
     functions. Inside the region every ``copy_`` made by this thread keeps the destination
     where the source says "keep": a tensor a strategy staged by its own mask, whatever the
     region's strategy, and a plain tensor as the region's strategy reads it (NaN under
-    `NaNMask`; `BoolMask` refuses one); **other threads are never affected**: they keep plain ``copy_`` while regions
-    run, and regions in different threads take turns on one process-wide lock. Regions nest in
-    one thread; the innermost strategy applies.
+    `NaNMask`; `BoolMask` refuses one). **Other threads are never affected**: they keep plain
+    ``copy_`` while regions run, and regions in different threads take turns on one
+    process-wide lock. Regions nest in one thread; the innermost strategy applies.
 
     Args:
         strategy: How a plain (unstaged) source marks unchanged positions. Defaults to

@@ -645,10 +645,10 @@ def load_checkpoint_weight_patches(
     Every patch is validated before the first write (see `validate_patches`); an invalid call
     raises one `InvalidPatchError` listing every problem and changes nothing. Patches are then
     ordered, grouped into loader calls and staged one chunk at a time: a sparse patch becomes a
-    full checkpoint-shaped tensor whose unchanged positions carry the strategy's "keep" mark,
-    and the chunk is loaded inside a masked region, so only the changed elements reach the
-    parameters. Dense chunks load with plain ``copy_``. Runs with gradient recording off (as
-    under ``torch.no_grad()``), and puts it back as it was.
+    staged tensor, checkpoint-shaped, that carries the mask of the positions it changes through
+    whatever the loader does with it, so its writes change only those elements (or are refused
+    before they happen). Dense chunks load with plain ``copy_``. Runs with gradient recording
+    off (as under ``torch.no_grad()``), and puts it back as it was.
 
     Args:
         model: Every vLLM model, any ``torch.nn.Module`` with ``load_weights``, or any object
@@ -658,7 +658,8 @@ def load_checkpoint_weight_patches(
         max_chunk_bytes: Shorthand for ``chunking=ByteBudget(max_chunk_bytes)``.
         validate_unique_indices: Reject duplicate indices within one patch. Two patches may
             touch the same positions; the later one wins.
-        strategy: How sparse patches are staged and merged; default `Auto()`.
+        strategy: Which values a sparse patch may not carry and which dtypes it may have
+            (checked by validation); default `Auto()`.
         chunking: How many staged tensors go into one loader call; default
             ``ByteBudget(512 MiB)``.
         ordering: `InputOrder()` (default) or `Coalesce()`.

@@ -189,13 +189,16 @@ def masked_copy(
 
     Use it as a context manager around any ``load_weights`` call, or as a decorator
     (``@masked_copy`` or ``@masked_copy(strategy=...)``) on functions, methods and generator
-    functions. Inside the region every ``copy_`` made by this thread becomes the strategy's
-    masked merge; **other threads are never affected**: they keep plain ``copy_`` while regions
-    run, and regions in different threads take turns on one process-wide lock. Regions nest in
-    one thread; the innermost strategy applies.
+    functions. Inside the region every ``copy_`` made by this thread keeps the destination
+    where the source says "keep": a tensor a strategy staged by its own mask, whatever the
+    region's strategy, and a plain tensor as the region's strategy reads it (NaN under
+    `NaNMask`; `BoolMask` refuses one). **Other threads are never affected**: they keep plain
+    ``copy_`` while regions run, and regions in different threads take turns on one
+    process-wide lock. Regions nest in one thread; the innermost strategy applies.
 
     Args:
-        strategy: How staged tensors mark unchanged positions. Defaults to `NaNMask()`.
+        strategy: How a plain (unstaged) source marks unchanged positions. Defaults to
+            `NaNMask()`.
         timeout: Seconds to wait for the process-wide lock; `None` waits forever. On expiry
             `TimeoutError` is raised and nothing has changed.
 

@@ -85,6 +85,22 @@ def test_sizes_leave_docstrings_aside(tmp_path: Path) -> None:
     assert report["big functions"] == ["_load:long 86"]
 
 
+def test_docs_words_count_user_pages_only_and_tokens_with_a_letter_or_digit(
+    tmp_path: Path,
+) -> None:
+    docs = tmp_path / "docs"
+    (docs / "api").mkdir(parents=True)
+    (docs / "page.md").write_text("# Two words\n\n| a | b-2 |\n| --- | --- |\n- `x::y` …\n")
+    (docs / "api.md").write_text("::: patchctx.Thing\n")  # the API reference is not counted
+    (docs / "api" / "more.md").write_text("many words here\n")
+    (docs / "changelog.md").write_text("one two three\n")
+    # "Two", "words", "a", "b-2", "`x::y`": the heading mark, rules, bullet and ellipsis are not
+    assert structure.docs_words(tmp_path) == {"page.md": 5}
+    figures = _figures(_package(tmp_path, {"__init__.py": ""}))
+    assert figures["words of the user docs"] == 5
+    assert figures["words of the changelog"] == 3
+
+
 def test_the_repository_is_within_its_ceilings() -> None:
     figures = _figures(structure.ROOT)
     over = {name: value for name, value in figures.items() if value > structure.CEILINGS[name]}

@@ -258,9 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers, args.vocab, args.repeats = 256, 2, 4096, 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The server's worker imports the extension from this checkout.
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    before = os.environ.get("PYTHONPATH")
+    paths = [str(ROOT), *filter(None, (before or "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    report = run(args)
+    try:
+        report = run(args)
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     print(f"\nmodel: {report['model']}; {report['repeats']} versions per row\n" + HEADER)
     for row in report["rows"]:
         print(format_row(row))

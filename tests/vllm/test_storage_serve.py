@@ -147,12 +147,12 @@ def test_a_sync_prepared_while_serving_and_applied_in_a_short_pause(tmp_path: Pa
 
 
 class Stream:
-    """Greedy streamed completions sent back to back from a thread, each token timed."""
+    """Greedy streamed completions sent back to back from a thread, each chunk timed."""
 
     def __init__(self, server: Server, max_tokens: int = 32) -> None:
         self.server, self.max_tokens = server, max_tokens
-        self.arrivals: list[float] = []  # time.time() of every streamed token
-        self.finished: list[int] = []  # tokens per finished request
+        self.arrivals: list[float] = []  # time.time() of every streamed chunk (new tokens)
+        self.finished: list[int] = []  # tokens of every finished request
         self.errors: list[str] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -165,6 +165,7 @@ class Stream:
             "temperature": 0.0,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
         request = urllib.request.Request(
             f"{self.server.url}/v1/completions",
@@ -177,9 +178,11 @@ class Stream:
                 text = line.decode().strip()
                 if not text.startswith("data: ") or text == "data: [DONE]":
                     continue
-                if json.loads(text[6:])["choices"]:
+                chunk = json.loads(text[6:])
+                if chunk["choices"]:  # one or more new tokens
                     self.arrivals.append(time.time())
-                    tokens += 1
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
         self.finished.append(tokens)
 
     def _run(self) -> None:

@@ -372,7 +372,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the UpdateCost defaults instead of a calibration at start",
     )
     parser.add_argument("--json", type=Path, help="also write the report here")
+    # --- the storage path's row (issue 31): benchmarks.engine_storage, on its own server ---
+    parser.add_argument("--storage", action="store_true", help="the storage path's row instead")
     args = parser.parse_args(argv)
+    if args.storage:
+        from benchmarks.engine_storage import main as storage_main
+
+        sizes = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab"]
+        sizes += [str(args.vocab), "--repeats", str(args.repeats)]
+        return storage_main(sizes + (["--json", str(args.json)] if args.json else []))
+    # --- end of the storage path's row ---
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     report = run(args)
     print(f"\nmodel: {report['model']}; {report['repeats']} updates per row\n" + HEADER)

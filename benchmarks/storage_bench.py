@@ -19,12 +19,21 @@ the share shrinks; the pause does not.
 
 The goals (issue 31): pause <= 1.2x bare, and pause <= 5 % of the whole sync at 1 %.
 ``python -m benchmarks.storage_bench [--hidden 2048] [--rounds 7] [--quick]``.
+
+``--reader REV``: `load_patches` (fetch and decode: read, SHA-256, safetensors layout,
+positions, validation) of one stored update, this revision against revision `REV`'s
+(`benchmarks.versus.import_base`), interleaved in one process at one thread: time (min and
+median) and the peak resident memory above the process's before each call (Linux's
+``VmHWM``, reset through ``/proc/self/clear_refs`` before each call). The update: a 1 %-density
+bf16 step of a model of ``--elements`` elements (default 100 M) in 4 M-element tensors.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -36,10 +45,12 @@ import torch
 
 from benchmarks.patch_bench import PackedSlice, random_patches
 from patchctx import (
+    CheckpointWeightPatch,
     PreparedUpdate,
     RouteCache,
     StorageFollower,
     load_checkpoint_weight_patches,
+    load_patches,
     save_patches,
 )
 
@@ -139,14 +150,105 @@ def table(rows: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_above(action: Callable[[], object]) -> tuple[float, float]:
+    """Seconds of `action`, and its peak resident memory above the start, in MiB."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident size
+    before = _resident_kib("VmRSS")
+    seconds = _timed(action)
+    return seconds, (_resident_kib("VmHWM") - before) / 1024
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the system (glibc), so each peak starts from the same."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: peaks start higher
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def reader_rows(revision: str, elements: int, rounds: int, density: float = 0.01) -> str:
+    """`load_patches` of one update, this revision against `revision`'s (see the module)."""
+    import importlib
+
+    from benchmarks.versus import import_base
+
+    base = import_base(revision, Path(tempfile.mkdtemp(prefix="patchctx-reader-base-")))
+    # The renaming import also renamed the format's name in the base's manifest check.
+    vars(importlib.import_module("patchctx_base._storage._format"))["FORMAT"] = "patchctx.patches"
+    generator = torch.Generator().manual_seed(0)
+    side = 2048
+    shapes = {f"layers.{i}.weight": (side, side) for i in range(max(1, elements // side**2))}
+    numel = sum(math.prod(shape) for shape in shapes.values())
+    delta = random_patches(shapes, torch.bfloat16, density, generator, "cpu")
+    anchor = [
+        CheckpointWeightPatch(name, shape, torch.bfloat16, torch.randn(shape).bfloat16().flatten())
+        for name, shape in shapes.items()
+    ]
+    lines = [
+        f"load_patches: {len(shapes)} bf16 tensors of {side}x{side}, {numel / 1e6:.0f} M "
+        f"elements; {rounds} rounds, {torch.get_num_threads()} thread(s), interleaved",
+        "update                         reader       time ms min / median   "
+        "peak MiB above start min / median",
+    ]
+    for label, patches in (
+        (f"{density:.0%} delta ({sum(p.values.numel() for p in delta):,} changed)", delta),
+        ("dense anchor", anchor),
+    ):
+        folder = Path(tempfile.mkdtemp(prefix="patchctx-reader-")) / "update"
+        manifest = save_patches(folder, patches)
+        file_mib = sum(size for size, _ in manifest.files.values()) / 2**20
+        readers: dict[str, Callable[[], object]] = {
+            f"base {revision}": functools.partial(base.load_patches, folder),
+            "this": functools.partial(load_patches, folder),
+        }
+        for reader in readers.values():
+            got = reader()
+            assert isinstance(got, list) and len(got) == len(patches)
+            del got
+        times: dict[str, list[float]] = {name: [] for name in readers}
+        peaks: dict[str, list[float]] = {name: [] for name in readers}
+        for round_ in range(rounds):
+            names = list(readers)
+            if round_ % 2:
+                names.reverse()
+            for name in names:
+                _trim()
+                seconds, peak = _peak_above(readers[name])
+                times[name].append(seconds * 1e3)
+                peaks[name].append(peak)
+        for name in readers:
+            lines.append(
+                f"{label + f', {file_mib:.1f} MiB':30} {name:12} "
+                f"{min(times[name]):8.1f} / {statistics.median(times[name]):8.1f}   "
+                f"{min(peaks[name]):8.1f} / {statistics.median(peaks[name]):8.1f}"
+            )
+        del patches
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a small model, 3 rounds")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--reader", metavar="REV", help="load_patches against revision REV's")
+    parser.add_argument("--elements", type=int, default=100_000_000, help="with --reader")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.reader:
+        print(reader_rows(args.reader, args.elements, args.rounds))
+        return 0
     hidden, rounds = (256, 3) if args.quick else (args.hidden, args.rounds)
     rows = storage_rows(hidden, rounds)
     print(

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -522,3 +523,160 @@ def test_a_declared_shape_past_the_readers_bound_is_refused_before_any_file_is_r
         load_patches(folder, max_numel=10**9)
     with pytest.raises(StoredUpdateError, match="missing"):  # without a bound: the files
         load_patches(folder)
+
+
+def _layout(data: Path) -> tuple[dict[str, Any], bytes]:
+    """A safetensors file's header (as JSON) and the data after it."""
+    raw = data.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def _assemble(header_text: str, body: bytes, *, length: int | None = None) -> bytes:
+    encoded = header_text.encode()
+    return (len(encoded) if length is None else length).to_bytes(8, "little") + encoded + body
+
+
+def _replace_file(folder: Path, manifest: dict[str, Any], data: Path, raw: bytes) -> None:
+    """Put `raw` in the data file and fix the manifest's size and checksum up."""
+    data.write_bytes(raw)
+    manifest["files"][data.name] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _values_key(manifest: dict[str, Any]) -> str:
+    key = manifest["patches"][1]["values"]
+    assert isinstance(key, str)
+    return key
+
+
+LAYOUTS: list[tuple[str, Any, str]] = [
+    (
+        "overlapping",
+        lambda h, b, key: (
+            h[key].update(data_offsets=[0, h[key]["data_offsets"][1] - h[key]["data_offsets"][0]]),
+            b,
+        ),
+        "does not follow",
+    ),
+    ("a hole", lambda h, b, key: (h, b + bytes(8)), "no tensor holds"),
+    (
+        "past the end",
+        lambda h, b, key: (
+            h[key].update(data_offsets=[len(b) - 8, len(b) + 8]),
+            b,
+        ),
+        "outside the data",
+    ),
+    ("wrong size", lambda h, b, key: (h[key].update(shape=[5]), b), "which takes 20"),
+    ("unknown code", lambda h, b, key: (h[key].update(dtype="F4"), b), "unknown dtype code"),
+    ("extra field", lambda h, b, key: (h[key].update(crc=1), b), "exactly dtype"),
+    (
+        "another update",
+        lambda h, b, key: (h["__metadata__"].update(update_id="0123456789abcdef"), b),
+        "a data file of update",
+    ),
+]
+
+
+@pytest.mark.parametrize(("what", "edit", "match"), LAYOUTS, ids=[w for w, _, _ in LAYOUTS])
+def test_safetensors_layouts_that_do_not_hold_are_refused(
+    tmp_path: Path, what: str, edit: Any, match: str
+) -> None:
+    """The reader checks the layout itself (every rule safetensors checks), over its own copy."""
+    folder, manifest, data = _written(tmp_path)
+    header, body = _layout(data)
+    result = edit(header, body, _values_key(manifest))
+    _replace_file(folder, manifest, data, _assemble(json.dumps(header), result[1]))
+    _refused(folder, match)
+
+
+def test_headers_that_are_not_a_safetensors_header_are_refused(tmp_path: Path) -> None:
+    folder, manifest, data = _written(tmp_path)
+    header, body = _layout(data)
+    text = json.dumps(header)
+    key = _values_key(manifest)
+    repeated = text[:-1] + f", {json.dumps(key)}: {json.dumps(header[key])}}}"
+    for raw, match in (
+        (_assemble(repeated, body), "twice"),
+        (_assemble(text, body, length=len(text) + len(body) + 1), "a header of"),
+        (_assemble(text, body, length=2**62), "a header of"),
+        (_assemble("[1, 2]", body), "not a JSON object"),
+        (_assemble(text[:-1], body), "not JSON"),
+        (b"\x01\x00", "shorter than a header"),
+    ):
+        _replace_file(folder, manifest, data, raw)
+        _refused(folder, match)
+
+
+def test_bool_bytes_other_than_zero_and_one_are_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "u"
+    save_patches(folder, [CheckpointWeightPatch("m", (8,), torch.bool, torch.ones(8).bool())])
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (data,) = folder.glob("*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-1] = 2  # the last value's byte
+    _replace_file(folder, manifest, data, bytes(raw))
+    _refused(folder, "bool bytes other than 0 and 1")
+
+
+def _bits(patches: list[CheckpointWeightPatch]) -> list[bytes]:
+    out = []
+    for patch in patches:
+        out.append(patch.values.contiguous().view(torch.uint8).numpy().tobytes())
+        if patch.indices is not None:
+            out.append(patch.indices.contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def test_a_file_rewritten_in_place_after_the_read_changes_nothing_returned(
+    tmp_path: Path,
+) -> None:
+    """What was checked is what is returned: the reader holds its own copy, not a mapping."""
+    folder, _, data = _written(tmp_path)
+    loaded = load_patches(folder)
+    before = _bits(loaded)
+    size = data.stat().st_size
+    with open(data, "r+b") as file:  # the same inode, as a writer to a mapped file would do
+        file.write(bytes(range(256)) * (size // 256) + bytes(size % 256))
+    assert _bits(loaded) == before
+    _refused(folder, "SHA-256")
+
+
+def test_a_writer_racing_the_reader_gets_it_refused_never_half_read(tmp_path: Path) -> None:
+    """A process rewriting and truncating the file in place while it is read: every load is
+    the update bit for bit, or refused (never a crash, never a mixture)."""
+    folder, _, data = _written(tmp_path)
+    expected = _bits(load_patches(folder))
+    good = data.read_bytes()
+    bad = bytes(b ^ 0xFF for b in good)
+    stop = threading.Event()
+
+    def writer() -> None:
+        with open(data, "r+b") as file:
+            turn = 0
+            while not stop.is_set():
+                turn += 1
+                file.seek(0)
+                if turn % 3 == 0:
+                    file.truncate(len(good) // 2)
+                else:
+                    file.write(bad if turn % 3 == 1 else good)
+                    file.flush()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    outcomes = {"loaded": 0, "refused": 0}
+    try:
+        for _ in range(300):
+            try:
+                got = load_patches(folder)
+            except StoredUpdateError:
+                outcomes["refused"] += 1
+            else:
+                assert _bits(got) == expected
+                outcomes["loaded"] += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert outcomes["refused"] > 0, outcomes

@@ -16,7 +16,40 @@ from typing import Any, Protocol
 
 from patchctx._errors import InvalidPatchTypeError, PatchProblem
 
-__all__ = ["LocalStore", "Store", "SubStore", "URLStore", "open_store"]
+__all__ = ["LocalStore", "SizeMismatch", "Store", "SubStore", "URLStore", "open_store"]
+
+_CHUNK = 8 << 20
+
+
+class SizeMismatch(Exception):
+    """A file is not the size it was expected to be.
+
+    `found` is its size, or `None` when it changed size while it was read.
+    """
+
+    def __init__(self, found: int | None) -> None:
+        super().__init__(found)
+        self.found = found
+
+
+def read_into_owned(file: Any, size: int) -> bytearray:
+    """Exactly `size` bytes of an open binary `file`, into a buffer this process owns.
+
+    One copy from the file (the page cache, or the fetched object) into a ``bytearray`` that
+    nothing else can write: what is checked afterwards is what is used. A file shorter or
+    longer than `size` while it is read raises `SizeMismatch(None)`.
+    """
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        got = file.readinto(view[done : min(size, done + _CHUNK)])
+        if not got:
+            raise SizeMismatch(None)
+        done += got
+    if file.read(1):
+        raise SizeMismatch(None)
+    return buffer
 
 
 class Store(Protocol):
@@ -28,6 +61,15 @@ class Store(Protocol):
 
     def read(self, name: str) -> bytes:
         """The whole file; `FileNotFoundError` when there is none."""
+        ...
+
+    def read_exactly(self, name: str, size: int) -> bytearray:
+        """The whole file, which must be `size` bytes, into a buffer only this process holds.
+
+        The size is checked before anything is allocated (`SizeMismatch` with the file's
+        size), so a manifest cannot make the reader allocate more than the file holds;
+        `FileNotFoundError` when there is none.
+        """
         ...
 
     def write(self, name: str, data: bytes) -> None:
@@ -66,6 +108,13 @@ class LocalStore:
 
     def read(self, name: str) -> bytes:
         return (self.root / name).read_bytes()
+
+    def read_exactly(self, name: str, size: int) -> bytearray:
+        with open(self.root / name, "rb", buffering=0) as file:
+            found = os.fstat(file.fileno()).st_size
+            if found != size:
+                raise SizeMismatch(found)
+            return read_into_owned(file, size)
 
     def write(self, name: str, data: bytes) -> None:
         final = self.root / name
@@ -149,6 +198,14 @@ class URLStore:
         data = self.fs.cat_file(self._path(name))
         return bytes(data)
 
+    def read_exactly(self, name: str, size: int) -> bytearray:
+        path = self._path(name)
+        found = int(self.fs.size(path))
+        if found != size:
+            raise SizeMismatch(found)
+        with self.fs.open(path, "rb") as file:
+            return read_into_owned(file, size)
+
     def write(self, name: str, data: bytes) -> None:
         path = self._path(name)
         parent = path.rsplit("/", 1)[0]
@@ -200,6 +257,9 @@ class SubStore:
 
     def read(self, name: str) -> bytes:
         return self.store.read(f"{self.folder}/{name}")
+
+    def read_exactly(self, name: str, size: int) -> bytearray:
+        return self.store.read_exactly(f"{self.folder}/{name}", size)
 
     def write(self, name: str, data: bytes) -> None:
         self.store.write(f"{self.folder}/{name}", data)

@@ -51,6 +51,7 @@ from patchctx._errors import (
 )
 from patchctx._patch import CheckpointWeightPatch, validate_patches
 from patchctx._storage._files import Store, open_store
+from patchctx._storage._reader import read_data_file
 from patchctx._strategies import BoolMask
 
 __all__ = [
@@ -718,30 +719,6 @@ def manifest_of(store: Store) -> UpdateManifest:
         raise StoredUpdateError(f"{where}: {refused}", path=where) from None
 
 
-def _read_file(store: Store, name: str, size: int, digest: str) -> dict[str, torch.Tensor]:
-    where = store.describe(name)
-    try:
-        data = store.read(name)
-    except FileNotFoundError:
-        raise StoredUpdateError(f"{where}: missing (the manifest names it)", path=where) from None
-    if len(data) != size:
-        raise StoredUpdateError(
-            f"{where}: {len(data)} bytes, the manifest says {size} (torn or replaced)", path=where
-        )
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise StoredUpdateError(
-            f"{where}: SHA-256 differs from the manifest's (corrupted)", path=where
-        )
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except Exception as error:  # safetensors raises its own SafetensorError, and others
-        raise StoredUpdateError(
-            f"{where}: not a readable safetensors file: {error}", path=where
-        ) from None
-
-
 def _expect(
     tensors: Mapping[str, torch.Tensor],
     key: str,
@@ -771,7 +748,10 @@ def _decode_entry(
     assert raw_values is not None
     if entry.values_as_bytes:
         _expect(tensors, entry.values, torch.uint8, (count, entry.dtype.itemsize), where)
-        values = raw_values.reshape(-1).view(entry.dtype)
+        flat = raw_values.reshape(-1)
+        if flat.storage_offset() % entry.dtype.itemsize:
+            flat = flat.clone()  # a view of the file's buffer not aligned for `entry.dtype`
+        values = flat.view(entry.dtype)
     else:
         _need(
             raw_values.dtype == entry.dtype,
@@ -870,9 +850,11 @@ def load_patches(
 ) -> list[CheckpointWeightPatch]:
     """Read an update written by `save_patches` (or any producer following the schema).
 
-    Every data file is read whole and checked against the manifest's size and SHA-256, parsed
-    by safetensors (no pickle), and every tensor key, dtype and shape checked against the
-    manifest: each file holds exactly the tensors the manifest names. Positions are decoded
+    Every data file is read once, by its size, into memory this process owns and checked
+    against the manifest's size and SHA-256; its safetensors layout is checked (no pickle)
+    and the tensors are views of that memory, so a file rewritten after the check changes
+    nothing returned. Every tensor key, dtype and shape is checked against the manifest:
+    each file holds exactly the tensors the manifest names. Positions are decoded
     and every patch validated (range, duplicates) before anything is returned.
 
     Args:
@@ -940,7 +922,7 @@ def decode_update(
                     path=where,
                 )
     contents = {
-        name: _read_file(store, name, size, digest)
+        name: read_data_file(store, name, size, digest, manifest.update_id)
         for name, (size, digest) in manifest.files.items()
     }
     try:

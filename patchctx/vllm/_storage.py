@@ -36,6 +36,8 @@ class _Preparing:
         self.error: BaseException | None = None
         self.started = 0.0
         self.seconds = 0.0
+        self.began_at: float | None = None  # wall clock (time.time()), for other processes
+        self.ended_at: float | None = None
 
 
 class StorageWorkerExtension(PatchWorkerExtension):
@@ -49,7 +51,9 @@ class StorageWorkerExtension(PatchWorkerExtension):
       and return at once: generation goes on meanwhile. Route learning and the loader checks
       of names not seen before happen there too, so the apply that follows replays routes.
     - ``patchctx_storage_status()``: ``state`` (``idle``, ``preparing``, ``prepared``,
-      ``nothing`` or ``failed``), the chain, its bytes, the prepare's seconds, the error.
+      ``nothing`` or ``failed``), the chain, its bytes, the prepare's seconds, its start and
+      end on the wall clock (``prepare_began_at``, ``prepare_ended_at``: ``time.time()``, to
+      line them up with what other processes saw), the error.
     - ``patchctx_storage_apply(timeout=60)``: wait for the prepare, then apply it in one atomic
       call (the worker's version check, tied aliases and transformed weights refused, as for
       every update); returns the statistics of `PatchWorkerExtension.patchctx_apply_patches`
@@ -98,6 +102,7 @@ class StorageWorkerExtension(PatchWorkerExtension):
             return self.patchctx_storage_status()
         fresh = _Preparing()
         fresh.started = time.perf_counter()
+        fresh.began_at = time.time()
         model = self._patchctx_model()
         patcher = self._patchctx_worker()
         version = patcher.version if isinstance(patcher.version, int) else None
@@ -124,6 +129,7 @@ class StorageWorkerExtension(PatchWorkerExtension):
                 fresh.error = error
             finally:
                 fresh.seconds = time.perf_counter() - fresh.started
+                fresh.ended_at = time.time()
 
         fresh.thread = threading.Thread(target=work, name="patchctx-storage-prepare", daemon=True)
         self._patchctx_preparing_state = fresh
@@ -149,6 +155,8 @@ class StorageWorkerExtension(PatchWorkerExtension):
             "chain": [] if prepared is None else list(prepared.chain),
             "nbytes": 0 if prepared is None else prepared.nbytes,
             "prepare_seconds": preparing.seconds,
+            "prepare_began_at": preparing.began_at,
+            "prepare_ended_at": preparing.ended_at,
             "error": None if preparing.error is None else str(preparing.error),
         }
 

@@ -11,8 +11,11 @@ applied.
 
 from __future__ import annotations
 
+import itertools
+import json
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +144,133 @@ def test_a_sync_prepared_while_serving_and_applied_in_a_short_pause(tmp_path: Pa
         assert compare(server, reference_checksums(expected))["match"]
         data.write_bytes(good)
         assert sync_server(server.url, str(store))["version"] == 3
+
+
+class Stream:
+    """Greedy streamed completions sent back to back from a thread, each chunk timed."""
+
+    def __init__(self, server: Server, max_tokens: int = 32) -> None:
+        self.server, self.max_tokens = server, max_tokens
+        self.arrivals: list[float] = []  # time.time() of every streamed chunk (new tokens)
+        self.finished: list[int] = []  # tokens of every finished request
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _one(self) -> None:
+        body = {
+            "model": self.server.model,
+            "prompt": [1, 2, 3],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        request = urllib.request.Request(
+            f"{self.server.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        tokens = 0
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for line in response:
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                chunk = json.loads(text[6:])
+                if chunk["choices"]:  # one or more new tokens
+                    self.arrivals.append(time.time())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        self.finished.append(tokens)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._one()
+            except Exception as error:  # reported by the test
+                self.errors.append(repr(error))
+                return
+
+    def between(self, start: float, end: float) -> int:
+        return sum(start < t < end for t in self.arrivals)
+
+    def largest_gap(self, start: float, end: float) -> float:
+        inside = [t for t in self.arrivals if start <= t <= end]
+        return max((b - a for a, b in itertools.pairwise(inside)), default=0.0)
+
+
+def test_generation_goes_on_while_a_sync_is_prepared_and_stops_only_for_the_pause(
+    tmp_path: Path,
+) -> None:
+    """Requests stream tokens all along: during the prepare of a 20-version chain they keep
+    arriving (from the old weights), during the paused window none is scheduled, and the
+    engine's stall seen from the stream is about the window; afterwards completions are the
+    new checkpoint's."""
+    source = write_checkpoint("qwen2", tmp_path / "qwen2")
+    write_tokenizer(source)
+    store = tmp_path / "store"
+    truth = read_checkpoint(source)
+    publisher = StoragePublisher(store, anchor_every=100)
+    publisher.publish(truth)
+    extension = ["--worker-extension-cls", "patchctx.vllm.StorageWorkerExtension"]
+    with vllm_serve(source, tmp_path / "server.log", extra_args=extension) as server:
+        assert sync_server(server.url, str(store))["version"] == 1
+        state = truth
+        for seed in range(20):  # versions 2 to 21: one chain for the workers to prepare
+            state = trained(state, seed=100 + seed)
+            publisher.publish(state)
+        expected = write_checkpoint_tensors(source, state, tmp_path / "step-21")
+        stream = Stream(server)
+        stream.thread.start()
+        deadline = time.monotonic() + 60
+        while len(stream.arrivals) < 5:  # generating
+            assert not stream.errors and time.monotonic() < deadline, stream.errors
+            time.sleep(0.01)
+        (started,) = rpc(server, "patchctx_storage_prepare", str(store))
+        assert started["state"] == "preparing"
+        while rpc(server, "patchctx_storage_status")[0]["state"] == "preparing":
+            time.sleep(0.01)
+        (status,) = rpc(server, "patchctx_storage_status")
+        assert status["state"] == "prepared" and status["chain"] == list(range(2, 22)), status
+        began, ended = status["prepare_began_at"], status["prepare_ended_at"]
+        during_prepare = stream.between(began, ended)
+        time.sleep(0.5)
+        paused_at = time.time()
+        before_pause = stream.between(paused_at - 0.5, paused_at)
+        assert post(f"{server.url}/pause?mode=keep", {})[0] == 200
+        pause_answered = time.time()
+        (applied,) = rpc(server, "patchctx_storage_apply", 60.0)
+        time.sleep(0.5)  # held paused longer than the apply: nothing may be generated
+        resume_sent = time.time()
+        assert post(f"{server.url}/resume", {})[0] == 200
+        resumed = time.time()
+        time.sleep(0.3)
+        stream.stop.set()
+        stream.thread.join(timeout=120)
+        assert not stream.errors, stream.errors
+        assert applied["ok"] and applied["version"] == 21, applied
+        assert applied["wait_ms"] < 100 and applied["replayed"] > 0, applied
+        window = resumed - paused_at
+        print(
+            f"prepare {ended - began:.3f} s in the background, {during_prepare} tokens "
+            f"streamed meanwhile; apply {applied['milliseconds']:.1f} ms, window {window:.3f} s"
+        )
+        # Generation went on while the chain was prepared.
+        assert during_prepare >= 1, (ended - began, stream.arrivals[-20:])
+        # Inside the window nothing is scheduled: in half a second of pause at most the
+        # outputs already on their way arrive (vLLM waits 20 ms for them before it answers;
+        # this process's reader may lag), against the tokens of the half second before.
+        assert before_pause >= 5, before_pause
+        assert stream.between(pause_answered, resume_sent) <= 2
+        # The stall the stream saw is the window, not the prepare: its largest gap around the
+        # pause spans the apply and is at most the window plus one token's scheduling.
+        gap = stream.largest_gap(paused_at - 5.0, resumed + 5.0)
+        assert applied["milliseconds"] / 1e3 <= gap < window + 1.0, (gap, window)
+        assert window < applied["milliseconds"] / 1e3 + 0.5 + 5.0  # the sleep, HTTP round trips
+        # Every request finished whole (those frozen by the pause too).
+        assert stream.finished and all(n == stream.max_tokens for n in stream.finished)
+        after = completions(server)
+        assert_same_generations(after, hf_greedy(expected))
+        assert compare(server, reference_checksums(expected))["match"]

@@ -584,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     print("  " + report["load_verdict"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+        print(f"\nchart: .venv/bin/python -m benchmarks.charts {args.json} --engine engine.png")
     return 0
 
 

@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -312,12 +313,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(calibrated.describe(), flush=True)
     rows: list[dict[str, Any]] = []
     first: dict[str, float] = {}
-    for tp in args.tp:
-        try:  # each engine starts from the checkpoint
-            serve_rows(args, tp, root, model_dir, weights, calibrated, rows, first)
-        except RuntimeError as error:  # vllm serve did not start at this TP: say so, go on
-            print(f"TP={tp}: vllm serve failed: {str(error)[-2000:]}", flush=True)
-            rows.append({"tp": tp, "failed": str(error)[-2000:]})
+    # The reload's file (the model's size, on tmpfs) and the checkpoint: removed however the
+    # run ends.
+    shm = Path(tempfile.mkdtemp(prefix="patchctx-reload-", dir="/dev/shm"))
+    try:
+        for tp in args.tp:
+            try:  # each engine starts from the checkpoint
+                serve_rows(args, tp, root, model_dir, shm, weights, calibrated, rows, first)
+            except RuntimeError as error:  # vllm serve did not start at this TP: say so, go on
+                print(f"TP={tp}: vllm serve failed: {str(error)[-2000:]}", flush=True)
+                rows.append({"tp": tp, "failed": str(error)[-2000:]})
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)  # the servers' logs stay in `root`
     quiet_after = other_load()
     return {
         "model": model_line,
@@ -335,6 +343,7 @@ def serve_rows(
     tp: int,
     root: Path,
     model_dir: Path,
+    shm: Path,
     weights: dict[str, torch.Tensor],
     calibrated: Any,
     rows: list[dict[str, Any]],
@@ -348,7 +357,6 @@ def serve_rows(
 
     extra = ["--worker-extension-cls", "patchctx.vllm.PatchWorkerExtension"]
     started = time.perf_counter()
-    shm = Path(tempfile.mkdtemp(prefix="patchctx-reload-", dir="/dev/shm"))
     with vllm_serve(
         model_dir,
         root / f"server-tp{tp}.log",

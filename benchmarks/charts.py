@@ -4,6 +4,8 @@
 - ``python -m benchmarks.charts`` redraws the charts of the docs (``docs/assets/bench-*.svg``)
   from the committed report ``docs/assets/bench-reference.json``; the test suite checks that
   the committed SVGs are what this draws, byte for byte.
+- ``python -m benchmarks.charts REPORT --engine PNG`` draws ``./dev bench --engine``'s report
+  (its ``--json``): each method's fastest update against the density, per engine and link.
 
 Two charts per report: the time of one round per method against the density (both axes
 logarithmic; a bar from the fastest to the slowest round where the report has them), and the
@@ -164,6 +166,47 @@ def bench_png(report: Mapping[str, Any], path: Path) -> None:
     _pyplot().close(figure)
 
 
+ENGINE_STYLE: dict[str, tuple[str, str]] = {
+    "patchctx": ("#e67e22", "s"),
+    "patchctx sparse": ("#2471a3", "D"),
+    "patchctx dense": ("#8e44ad", "o"),
+    "vllm reload": ("#27ae60", "^"),
+}
+
+
+def engine_png(report: Mapping[str, Any], path: Path) -> None:
+    """``./dev bench --engine``'s report as one PNG: the fastest update per method against
+    the density, one panel per engine (TP) and link, both axes logarithmic."""
+    plt = _pyplot()
+    rows = [row for row in report["rows"] if "failed" not in row]
+    panels = list(dict.fromkeys((row["tp"], row["link"]) for row in rows))
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, layout="constrained"
+    )
+    for panel, (tp, link) in zip(axes[0], panels, strict=True):
+        mine = [row for row in rows if (row["tp"], row["link"]) == (tp, link)]
+        for method, (colour, marker) in ENGINE_STYLE.items():
+            series = sorted(
+                (row for row in mine if row["method"] == method), key=lambda r: r["density"]
+            )
+            panel.plot(
+                [100 * row["density"] for row in series],
+                [row["total_ms"][0] for row in series],
+                color=colour,
+                marker=marker,
+                label=method,
+            )
+        _log_axes(panel, [100 * row["density"] for row in mine])
+        name = "shm" if link <= 0 else f"{link * 8 / 1e9:g} Gb/s (simulated)"
+        panel.set_title(f"TP={tp}, {name}")
+        panel.set_xlabel("density (%)")
+        panel.set_ylabel("update, end to end (ms, fastest)")
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle(f"patchctx against vLLM's reload: {report['model']}", fontsize=8)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def svg_bytes(figure: Any) -> bytes:
     """`figure` as an SVG whose bytes depend on the data only (no date, stable ids)."""
     buffer = io.BytesIO()
@@ -187,10 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     cli.add_argument("report", nargs="?", type=Path, default=REFERENCE, help="the JSON report")
     cli.add_argument("--out", type=Path, default=ASSETS, help="folder for the SVG files")
+    cli.add_argument(
+        "--engine",
+        type=Path,
+        metavar="PNG",
+        help="the report is ./dev bench --engine's (--json): draw it here instead",
+    )
     args = cli.parse_args(argv)
     import json
 
     report = json.loads(args.report.read_text())
+    if args.engine is not None:
+        engine_png(report, args.engine)
+        print(f"wrote {args.engine}")
+        return 0
     for name, data in docs_charts(report).items():
         (args.out / name).write_bytes(data)
         print(f"wrote {args.out / name}")

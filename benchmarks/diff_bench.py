@@ -9,6 +9,8 @@ bf16, one process times, interleaved and in rotated order:
 - ``copy``: ``copy_`` of every tensor of old and new into a preallocated one: the bytes the
   diff must read, moved at this machine's copy bandwidth. This is the streaming bound;
 - ``read``: a plain read of both, ``torch.ne(a, b).any()`` over blocks of 1M elements;
+- ``torch``: the diff in plain torch, whole tensors: both cast to bf16, ``ne`` of their bits,
+  ``nonzero`` (int32 positions) and a gather of the values (sparse patches, always);
 - ``before``: ``diff_state_dicts`` as of the base revision (default af305ae: whole-tensor casts,
   a checkpoint-sized mask), imported from ``git archive`` as ``patchctx_base``;
 - ``now``: this tree's ``diff_state_dicts``.
@@ -47,7 +49,7 @@ from benchmarks.versus import import_base
 
 SOURCES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DENSITIES = (0.001, 0.025, 0.15, 0.5)
-METHODS = ("copy", "read", "before", "now")
+METHODS = ("copy", "read", "torch", "before", "now")
 COLUMNS = 1024
 TENSOR_ELEMENTS = 1 << 22
 READ_BLOCK = 1 << 20
@@ -122,6 +124,34 @@ def plain_read(
     return run
 
 
+def plain_torch(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], outputs: dict[str, Any]
+) -> Callable[[], None]:
+    """The diff in plain torch: cast both to bf16, ``ne`` of their bits, ``nonzero``, gather.
+
+    Sparse patches (int32 positions) of every changed tensor, into ``outputs["torch"]``.
+    """
+
+    def run() -> None:
+        patches = []
+        for name, before in old.items():
+            after = new[name].to(torch.bfloat16).view(-1)
+            changed = after.view(torch.int16) != before.to(torch.bfloat16).view(-1).view(
+                torch.int16
+            )
+            positions = changed.nonzero().view(-1).to(torch.int32)
+            if positions.numel():
+                values = after[positions]
+                patches.append(
+                    patchctx.CheckpointWeightPatch(
+                        name, tuple(before.shape), torch.bfloat16, values, positions
+                    )
+                )
+        outputs["torch"] = patches
+
+    return run
+
+
 def same_result(
     old: Mapping[str, torch.Tensor], first: Sequence[Any], second: Sequence[Any]
 ) -> bool:
@@ -180,6 +210,7 @@ def measure_row(
     calls = {
         "copy": bound_copy(old, new),
         "read": plain_read(old, new),
+        "torch": plain_torch(old, new, outputs),
         "before": diff(base, "before"),
         "now": diff(patchctx, "now"),
     }
@@ -192,14 +223,16 @@ def measure_row(
             peaks[method] = meter(calls[method])[1]
     else:
         for round_ in range(args.rounds + 1):  # round 0 warms up
-            order = METHODS[round_ % 4 :] + METHODS[: round_ % 4]
+            turn = round_ % len(METHODS)
+            order = METHODS[turn:] + METHODS[:turn]
             for method in order:
                 outputs.pop(method, None)
                 elapsed, _ = meter(calls[method])
                 if round_:
                     times[method].append(elapsed)
-        if not same_result(old, outputs["before"], outputs["now"]):
-            raise AssertionError(f"{source} {density}: the two diffs update differently")
+        for other in ("before", "torch"):
+            if not same_result(old, outputs[other], outputs["now"]):
+                raise AssertionError(f"{source} {density}: {other} and now update differently")
     rows = []
     for method in METHODS:
         sizes: dict[str, float] = {
@@ -264,6 +297,7 @@ def table(rows: Sequence[Row], settings: Mapping[str, object]) -> str:
         "methods:",
         "  copy      copy_ of old and new into a preallocated tensor: the streaming bound",
         "  read      torch.ne(a, b).any() over 1M-element blocks of old and new",
+        "  torch     the diff in plain torch: cast, ne of the bits, nonzero (int32), gather",
         "  before    diff_state_dicts of the base revision",
         "  now       diff_state_dicts of this tree",
     ]

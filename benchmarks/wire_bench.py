@@ -19,7 +19,8 @@ Two tables, one process, one torch thread (``torch.set_num_threads(1)``):
      every variant's routes are learned first with `RouteCache.warm`, as a vLLM worker's are
      at start, so dense patches follow them);
    - ``choice``: `diff_state_dicts(old, new, cost=UpdateCost(link_bytes_per_second=B,
-     payload_seconds_per_byte=0, diff_seconds_per_element=0))` (this bench does not time the
+     payload_seconds_per_byte=0, diff_seconds_per_element=0, ...))`: the trainer's and the
+     data plane's terms at 0 (this bench does not time the
      data plane or the diff, so its choice leaves them out; ``./dev bench --engine`` times
      the whole path with the full model), the sparse patches decoded and everything applied
      with `load_checkpoint_weight_patches` (routes in the steady state).
@@ -72,7 +73,13 @@ METHODS = ("sparse-only", "dense-reload", "dense-patchctx", "choice")
 
 # This bench times wire, decode and apply only, not the data plane's encode and checksums or the
 # trainer's diff: its choices use the default costs without those two terms.
-APPLY_ONLY = UpdateCost(payload_seconds_per_byte=0.0, diff_seconds_per_element=0.0)
+APPLY_ONLY = UpdateCost(
+    payload_seconds_per_byte=0.0,
+    diff_seconds_per_element=0.0,
+    scan_seconds_per_element=0.0,
+    dense_diff_seconds_per_byte=0.0,
+    plane_seconds_per_element=0.0,
+)
 
 
 def progress(message: str) -> None:

@@ -1,13 +1,15 @@
 """The cost of one tensor's update, sparse or dense: the whole path, estimated.
 
-`UpdateCost` is what `diff_state_dicts(..., cost=...)` weighs per tensor. Both options pay a
-fixed cost per patch, their payload bytes through the data plane (encode, checksum, the
-local transport's copies, decode) and their wire bytes at the link's bandwidth; a sparse
-patch then costs a time per changed element (route replay: an index write of each value), a
-dense one a time per byte of the tensor (a streaming copy through the loader). The trainer's
-diff is paid whichever form a tensor takes, so it does not enter the choice. The defaults
-were measured on the 2-core CPU machine this library is developed on, with one torch thread
-(see `UpdateCost`); `UpdateCost.calibrate` measures them on the caller's machine instead.
+`UpdateCost` is what `diff_state_dicts(..., cost=...)` weighs per tensor: the whole path of
+each option, from the trainer's tensor to the worker's applied one. The trainer's diff (a
+sparse patch scans the whole tensor and gathers its changes; a dense one stops scanning once
+sparse is ruled out and casts the tensor), the data plane (encode, checksum, the local
+transport's copies, decode: per payload byte, and per changed element for the positions),
+the wire at the link's bandwidth, and the apply (route replay per changed element and line
+written, or a streaming copy per byte). The defaults were measured on the 2-core CPU
+machine this library is developed on, with one torch thread (see `UpdateCost`);
+`UpdateCost.calibrate` measures them on the caller's machine, through the caller's data
+plane when given it.
 """
 
 from __future__ import annotations
@@ -41,16 +43,16 @@ class UpdateCost:
     For a tensor of `numel` elements of `element_size` bytes, `nnz` of them changed, and a
     sparse patch of `sparse_bytes` on the wire (values and positions in their smallest
     encoding, see `wire_sizes`), the sparse estimate is `sparse_seconds_per_patch` plus
-    ``nnz * sparse_seconds_per_element``, plus ``lines * sparse_seconds_per_line`` for the
-    64-byte lines of the tensor that hold a change (`lines`: ``touched_lines(nnz, numel,
-    element_size)``, for changes spread at random), plus ``numel *
-    bitmask_seconds_per_element`` when the positions are a bitmask, plus ``sparse_bytes *
-    payload_seconds_per_byte`` plus ``sparse_bytes / link_bytes_per_second``. The dense
-    estimate also pays ``nnz * diff_seconds_per_element`` (the trainer gathers and encodes
-    the positions, which a dense patch does not need). The dense
-    estimate is `dense_seconds_per_patch` plus ``numel * element_size *
-    (dense_seconds_per_byte + payload_seconds_per_byte)`` plus ``numel * element_size /
-    link_bytes_per_second``.
+    ``numel * scan_seconds_per_element`` (the trainer's scan), plus ``nnz *
+    (sparse_seconds_per_element + diff_seconds_per_element + plane_seconds_per_element)``,
+    plus ``lines * sparse_seconds_per_line`` for the 64-byte lines of the tensor that hold a
+    change (`lines`: ``touched_lines(nnz, numel, element_size)``, for changes spread at
+    random), plus ``numel * bitmask_seconds_per_element`` when the positions are a bitmask,
+    plus ``sparse_bytes * payload_seconds_per_byte`` plus ``sparse_bytes /
+    link_bytes_per_second``. The dense estimate is `dense_seconds_per_patch` plus ``numel *
+    element_size * (dense_diff_seconds_per_byte + dense_seconds_per_byte +
+    payload_seconds_per_byte)`` plus ``numel * element_size / link_bytes_per_second``. (A
+    dense patch's scan, which stops once sparse is ruled out, is not counted.)
 
     The payload term is what the data plane costs per byte on both sides together: the
     trainer encodes the patch and checksums it, a local transport copies it (shared memory),
@@ -67,16 +69,17 @@ class UpdateCost:
     smallest as a bitmask goes dense unless the link is slow.
 
     The defaults are `calibrate`'s measurements on the 2-core CPU machine patchctx is
-    developed on, quiet (torch 2.13, one thread, bf16 tensors of 2**22 and 2**24 elements:
-    1.0 to 1.2 ns per changed element and 3.6 to 4.6 ns per line written; 0.6 to 0.7 ns per
-    bitmask element at 25 %, 1.0 at 10 %, where numpy's scan mispredicts most; 0.03 and
-    0.09 ns per dense byte; the defaults lie between; 22 µs per sparse patch and 8.4 µs per
-    dense one, in a call of many), with dense patches following their routes; the link is
-    10 GB/s. The payload figure, 3.5 ns per byte, is the ``shm`` data plane's of
-    ``patchctx.vllm`` on that machine (SHA-256 on both sides, the payload built as bytes and
-    written to and read from ``/dev/shm``): ``./dev bench --engine`` measures it with
-    `calibrate`. They are a 2-core CPU's: on a GPU, or to fit your model and machine, use
-    `calibrate`; `describe` shows the figures.
+    developed on (torch 2.13, one thread, bf16 tensors of 2**22 and 2**24 elements, the
+    trainer's from fp32: 1.0 to 2.2 ns per changed element and 3 to 4.8 ns per line
+    written; 0.6 to 0.7 ns per bitmask element at 25 %; 0.03 to 0.09 ns per dense byte; 22
+    µs per sparse patch and 8.4 µs per dense one, in a call of many; a scan of 0.2 to 0.4 ns
+    per element, 7 ns per changed element gathered, 0.06 to 0.08 ns per byte cast to dense,
+    7 to 8 ns per changed element to encode its position), with dense patches following
+    their routes; the link is 10 GB/s. The payload figure, 3.5 ns per byte, is the ``shm``
+    data plane's of ``patchctx.vllm`` on that machine (SHA-256 on both sides, the payload
+    built as bytes and written to and read from ``/dev/shm``): ``./dev bench --engine``
+    measures it with `calibrate`. They are a 2-core CPU's: on a GPU, or to fit your model
+    and machine, use `calibrate`; `describe` shows the figures.
 
     Attributes:
         link_bytes_per_second: The bandwidth from trainer to worker (`math.inf`: free).
@@ -89,9 +92,15 @@ class UpdateCost:
         payload_seconds_per_byte: Carrying one payload byte from the trainer's patch to the
             worker's decoded one (encode, checksum, local transport, decode), both sides
             together; the link's own time is `link_bytes_per_second`'s.
-        diff_seconds_per_element: The trainer's work per changed element of a sparse patch
-            beyond what the dense one costs it: gathering the positions and values, and
-            encoding the positions.
+        diff_seconds_per_element: The trainer's diff per changed element of a sparse
+            patch: gathering its position and value.
+        scan_seconds_per_element: The trainer's diff per element of a tensor sent sparse:
+            casting both sides to the receiver's dtype and comparing them, all of it.
+        dense_diff_seconds_per_byte: The trainer's diff per byte of a dense patch: the cast
+            of the tensor into the receiver's dtype (a copy).
+        plane_seconds_per_element: The data plane's work per changed element beyond its
+            bytes: its position encoded and checked (the worker's decode is
+            `sparse_seconds_per_element`'s).
 
     Examples:
         >>> from patchctx import UpdateCost
@@ -100,7 +109,7 @@ class UpdateCost:
         >>> sparse_bytes = nnz * (2 + 2)  # values and uint16 gaps
         >>> sparse = cost.sparse_seconds(nnz, sparse_bytes, numel=numel, element_size=2)
         >>> f"{sparse:.4f} s, {cost.dense_seconds(numel, 2):.4f} s"
-        '0.0064 s, 0.1530 s'
+        '0.0132 s, 0.1557 s'
         >>> cost.prefers_sparse(numel=numel, nnz=nnz, element_size=2, sparse_bytes=sparse_bytes)
         True
     """
@@ -113,7 +122,10 @@ class UpdateCost:
     sparse_seconds_per_patch: float = 22e-6
     dense_seconds_per_patch: float = 8.4e-6
     payload_seconds_per_byte: float = 3.5e-9
-    diff_seconds_per_element: float = 15e-9
+    diff_seconds_per_element: float = 7.5e-9
+    scan_seconds_per_element: float = 0.4e-9
+    dense_diff_seconds_per_byte: float = 0.08e-9
+    plane_seconds_per_element: float = 8e-9
 
     def __post_init__(self) -> None:
         problems = []
@@ -151,13 +163,19 @@ class UpdateCost:
             sparse_bytes: Its size on the wire (values and positions).
             bitmask_numel: The tensor's elements when the positions travel as a bitmask
                 (every bit is decoded), else 0.
-            numel: Elements of the tensor, for the lines a replay writes (`touched_lines`;
-                0: not counted).
+            numel: Elements of the tensor, for the trainer's scan of all of them and the
+                lines a replay writes (`touched_lines`; 0: neither counted).
             element_size: Bytes per element of the tensor.
         """
+        per_element = (
+            self.sparse_seconds_per_element
+            + self.diff_seconds_per_element
+            + self.plane_seconds_per_element
+        )
         return (
             self.sparse_seconds_per_patch
-            + nnz * (self.sparse_seconds_per_element + self.diff_seconds_per_element)
+            + numel * self.scan_seconds_per_element
+            + nnz * per_element
             + touched_lines(nnz, numel, element_size) * self.sparse_seconds_per_line
             + bitmask_numel * self.bitmask_seconds_per_element
             + sparse_bytes * self.payload_seconds_per_byte
@@ -174,7 +192,12 @@ class UpdateCost:
         nbytes = numel * element_size
         return (
             self.dense_seconds_per_patch
-            + nbytes * (self.dense_seconds_per_byte + self.payload_seconds_per_byte)
+            + nbytes
+            * (
+                self.dense_diff_seconds_per_byte
+                + self.dense_seconds_per_byte
+                + self.payload_seconds_per_byte
+            )
             + nbytes / self.link_bytes_per_second
         )
 
@@ -209,6 +232,7 @@ class UpdateCost:
         device: torch.device | str = "cpu",
         repeats: int = 5,
         payload: Callable[[CheckpointWeightPatch], object] | None = None,
+        source_dtype: torch.dtype | None = None,
     ) -> UpdateCost:
         """Measure the apply costs here: dense and sparse patches to small models.
 
@@ -224,11 +248,17 @@ class UpdateCost:
         The fixed costs are those of one more patch in a call of 33 small ones (a worker's
         update is a call of many: the call's own cost is paid whichever form a tensor takes):
         a dense patch along its route, and a one-element sparse patch decoded and replayed.
+        The trainer's diff is measured from a `source_dtype` tensor into `dtype`: with one
+        change (its scan of every element), a tenth changed (the gather per changed
+        element) and made to go dense (its cast per byte); encoding the positions of a
+        tenth gives `plane_seconds_per_element`.
         With `payload`, a function that carries one patch through the caller's data plane
-        as an update does (encode, checksum, transport, decode: whatever it does counts),
-        dense patches of `numel` and of 256 elements give `payload_seconds_per_byte`;
-        without it, that field keeps its default (the data plane is the caller's, not the
-        library's core).
+        as an update does (encode, checksum, transport, decode, and apply, as a worker does:
+        whatever it does counts, the apply measured here taken off), dense patches of
+        `numel` and of 256 elements give `payload_seconds_per_byte`, and sparse patches of
+        one element and of a tenth of it give `plane_seconds_per_element` (what the plane
+        spends per changed element beyond its bytes); without it, the payload field keeps
+        its default (the data plane is the caller's, not the library's core).
         Each is the fastest of `repeats` runs, so run it on a quiet machine, with the thread
         count the worker uses. It takes a second or two on a CPU at the defaults.
 
@@ -241,6 +271,8 @@ class UpdateCost:
             repeats: Runs per measurement; the fastest counts.
             payload: Carries a patch through the data plane, end to end (its result is
                 ignored); `None`: `payload_seconds_per_byte` is not measured.
+            source_dtype: The trainer's dtype, which its diff casts from (`None`: `dtype`;
+                ``torch.float32`` for fp32 master weights).
 
         Raises:
             InvalidPatchError: `numel` or `repeats` is not positive.
@@ -258,11 +290,12 @@ class UpdateCost:
         # Checked first: no run means every time is inf and every field NaN.
         numel = positive_int(numel, "UpdateCost.calibrate(numel=...)")
         repeats = positive_int(repeats, "UpdateCost.calibrate(repeats=...)")
-        measured = _measure_costs(numel=numel, dtype=dtype, device=device, repeats=repeats)
+        where = torch.device(device)
+        measured = _measure_costs(numel=numel, dtype=dtype, device=where, repeats=repeats)
+        source = dtype if source_dtype is None else source_dtype
+        measured.update(_measure_diff(numel, dtype, source, where, repeats))
         if payload is not None:
-            measured["payload_seconds_per_byte"] = _measure_payload(
-                payload, numel=numel, dtype=dtype, device=device, repeats=repeats
-            )
+            measured.update(_measure_payload(payload, measured, numel, dtype, where, repeats))
         return replace(cls(), link_bytes_per_second=link_bytes_per_second, **measured)
 
     def describe(self) -> str:
@@ -272,14 +305,17 @@ class UpdateCost:
             >>> from patchctx import UpdateCost
             >>> print(UpdateCost().describe())  # doctest: +NORMALIZE_WHITESPACE
             link                       10.0 GB/s
-            sparse, per element         1.20 ns
-            sparse, per line written    4.50 ns
-            bitmask, per element        0.70 ns
-            dense apply, per byte      0.060 ns
-            payload, per byte           3.50 ns
-            diff, per sparse element   15.00 ns
-            sparse, per patch          22.0 us
-            dense, per patch            8.4 us
+            sparse, per element          1.20 ns
+            sparse, per line written     4.50 ns
+            bitmask, per element         0.70 ns
+            dense apply, per byte       0.060 ns
+            payload, per byte            3.50 ns
+            diff scan, per element       0.40 ns
+            diff, per sparse element     7.50 ns
+            diff to dense, per byte     0.080 ns
+            plane, per sparse element    8.00 ns
+            sparse, per patch            22.0 us
+            dense, per patch              8.4 us
         """
         link = self.link_bytes_per_second
         rows = [
@@ -289,11 +325,14 @@ class UpdateCost:
             ("bitmask, per element", f"{self.bitmask_seconds_per_element * 1e9:.2f} ns"),
             ("dense apply, per byte", f"{self.dense_seconds_per_byte * 1e9:.3f} ns"),
             ("payload, per byte", f"{self.payload_seconds_per_byte * 1e9:.2f} ns"),
+            ("diff scan, per element", f"{self.scan_seconds_per_element * 1e9:.2f} ns"),
             ("diff, per sparse element", f"{self.diff_seconds_per_element * 1e9:.2f} ns"),
+            ("diff to dense, per byte", f"{self.dense_diff_seconds_per_byte * 1e9:.3f} ns"),
+            ("plane, per sparse element", f"{self.plane_seconds_per_element * 1e9:.2f} ns"),
             ("sparse, per patch", f"{self.sparse_seconds_per_patch * 1e6:.1f} us"),
             ("dense, per patch", f"{self.dense_seconds_per_patch * 1e6:.1f} us"),
         ]
-        return "\n".join(f"{name:<24} {value:>10}" for name, value in rows)
+        return "\n".join(f"{name:<25} {value:>10}" for name, value in rows)
 
 
 # Bytes of a cache line: what a write of one element fetches and writes back.
@@ -352,61 +391,122 @@ def _fastest(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
     return best
 
 
+def _sorted_positions(numel: int, nnz: int, where: torch.device, seed: int) -> torch.Tensor:
+    """`nnz` distinct positions below `numel` at random, sorted, in the index dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.randperm(numel, generator=generator)[:nnz].sort().values
+    return positions.to(device=where, dtype=torch.int32 if numel < 2**31 else torch.int64)
+
+
 def _measure_payload(
     payload: Callable[[CheckpointWeightPatch], object],
-    *,
+    measured: dict[str, float],
     numel: int,
     dtype: torch.dtype,
-    device: torch.device | str,
+    where: torch.device,
     repeats: int,
-) -> float:
-    """Seconds per byte `payload` takes to carry a dense patch (two sizes, the slope)."""
-    from patchctx._patch import CheckpointWeightPatch
+) -> dict[str, float]:
+    """What `payload` costs beyond the apply already `measured`: per byte, per sparse element.
 
-    where = torch.device(device)
+    Dense patches of two sizes give the slope per byte; sparse patches of one element and of
+    a tenth of the tensor (their smallest encoding) give what the data plane spends per
+    changed element beyond their bytes at that slope (positions encoded, decoded, checked).
+    The apply `measured` (per byte, per element and line) is taken off both, since a
+    `payload` that applies the patch, as a worker does, pays it too.
+    """
+    from patchctx._encoding import positions_summary
+    from patchctx._patch import CheckpointWeightPatch
+    from patchctx._strategies import Auto
+
     small, numel = 256, max(numel, 64 * 256)
 
-    def carried(size: int) -> float:
-        values = torch.ones(size, dtype=dtype, device=where)
-        patch = CheckpointWeightPatch("w0", (size,), dtype, values)
-        payload(patch)  # first use (buffers, imports) not counted
+    def carried(patch: CheckpointWeightPatch) -> float:
+        payload(patch)  # first use (buffers, routes, imports) not counted
         return _fastest(lambda: payload(patch), where, repeats)
 
-    spent = carried(numel) - carried(small)
-    return max(spent / ((numel - small) * dtype.itemsize), 0.0) + 0.0
+    def dense(size: int) -> float:
+        values = torch.ones(size, dtype=dtype, device=where)
+        return carried(CheckpointWeightPatch("w0", (size,), dtype, values))
+
+    itemsize = dtype.itemsize
+    slope = (dense(numel) - dense(small)) / ((numel - small) * itemsize)
+    per_byte = max(slope - measured["dense_seconds_per_byte"], 0.0)
+    found = {"payload_seconds_per_byte": per_byte + 0.0}
+    if Auto().unsupported_reason(dtype) is not None:
+        return found  # no sparse patch of this dtype travels under the default strategy
+
+    def sparse(nnz: int) -> tuple[float, int]:
+        positions = _sorted_positions(numel, nnz, where, seed=2)
+        values = torch.ones(nnz, dtype=dtype, device=where)
+        _, size = positions_summary(positions, numel).smallest()
+        spent = carried(CheckpointWeightPatch("w0", (numel,), dtype, values, positions))
+        return spent, nnz * itemsize + size
+
+    many = max(numel // 10, 2)
+    (spent_one, bytes_one), (spent_many, bytes_many) = sparse(1), sparse(many)
+    applied = (many - 1) * measured["sparse_seconds_per_element"] + (
+        touched_lines(many, numel, itemsize) - touched_lines(1, numel, itemsize)
+    ) * measured["sparse_seconds_per_line"]
+    rest = spent_many - spent_one - (bytes_many - bytes_one) * per_byte - applied
+    found["plane_seconds_per_element"] = max(rest, 0.0) / (many - 1) + 0.0
+    return found
 
 
-def _diff_per_element(numel: int, dtype: torch.dtype, where: torch.device, repeats: int) -> float:
-    """The trainer's seconds per changed element of a sparse patch: 10% changed against one.
+def _measure_diff(
+    numel: int, dtype: torch.dtype, source: torch.dtype, where: torch.device, repeats: int
+) -> dict[str, float]:
+    """The trainer's side, from a `source` tensor to a patch in `dtype` and its positions.
 
-    Both diffs scan the whole tensor (a scan any choice pays); the difference is gathering
-    the changed positions and values, and encoding the positions.
+    A diff with one change scans the whole tensor (`scan_seconds_per_element`); one with a
+    tenth changed also gathers their positions and values (`diff_seconds_per_element`); one
+    made to go dense at its first change stops scanning there and casts the tensor
+    (`dense_diff_seconds_per_byte`, the scan of the block it read taken off). Encoding the
+    positions is `plane_seconds_per_element` (the data plane's, as the trainer's codec
+    does; `calibrate` with a `payload` measures it through the caller's plane instead).
     """
+    from patchctx._changes import block_size
     from patchctx._diff import diff_state_dicts
     from patchctx._encoding import encode_positions, positions_summary
+    from patchctx._strategies import Auto, BoolMask
 
+    numel = max(numel, 64 * 256)
+    strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else None
     generator = torch.Generator().manual_seed(1)
     old = {"w": torch.zeros(numel, dtype=dtype, device=where)}
+    base = torch.zeros(numel, dtype=source, device=where)
     changed = (torch.rand(numel, generator=generator) < 0.1).to(where)
-    many = {"w": old["w"].masked_fill(changed, 1)}
-    one = {"w": old["w"].clone()}
+    many = {"w": base.masked_fill(changed, 1)}
+    one, first = {"w": base.clone()}, {"w": base.clone()}
     one["w"][numel // 2] = 1
+    first["w"][0] = 1
     nnz = max(int(changed.sum()), 2)
+    receiver = {"w": dtype}
 
-    def sparse(new: dict[str, torch.Tensor]) -> None:
-        [patch] = diff_state_dicts(old, new, cost=None)
-        if patch.indices is not None:
-            summary = positions_summary(patch.indices, numel)
-            encode_positions(patch.indices, summary, summary.smallest()[0])
+    def diff(new: dict[str, torch.Tensor], dense_above: float | None = None) -> object:
+        return diff_state_dicts(
+            old, new, dtype=receiver, cost=None, strategy=strategy, dense_above=dense_above
+        )
 
-    spent = _fastest(lambda: sparse(many), where, repeats) - _fastest(
-        lambda: sparse(one), where, repeats
-    )
-    return max(spent, 0.0) / (nnz - 1)
+    spent_one = _fastest(lambda: diff(one), where, repeats)
+    scan = spent_one / numel
+    gather = max(_fastest(lambda: diff(many), where, repeats) - spent_one, 0.0) / (nnz - 1)
+    to_dense = _fastest(lambda: diff(first, dense_above=0.5 / numel), where, repeats)
+    scanned = min(block_size(where), numel) * scan
+    cast = max(to_dense - scanned, 0.0) / (numel * dtype.itemsize)
+    positions = _sorted_positions(numel, nnz, where, seed=3)
+    summary = positions_summary(positions, numel)
+    encoding, _ = summary.smallest()
+    encode = _fastest(lambda: encode_positions(positions, summary, encoding), where, repeats)
+    return {
+        "scan_seconds_per_element": scan + 0.0,
+        "diff_seconds_per_element": gather + 0.0,
+        "dense_diff_seconds_per_byte": cast + 0.0,
+        "plane_seconds_per_element": encode / nnz + 0.0,
+    }
 
 
 def _measure_costs(
-    *, numel: int, dtype: torch.dtype, device: torch.device | str, repeats: int
+    *, numel: int, dtype: torch.dtype, device: torch.device, repeats: int
 ) -> dict[str, float]:
     from patchctx._encoding import (
         WireEncoding,
@@ -543,7 +643,6 @@ def _measure_costs(
     elif per_element < 0:  # all of it by line
         per_element, per_line = 0.0, t2 / l2
     measured = {
-        "diff_seconds_per_element": _diff_per_element(numel, dtype, where, repeats),
         "sparse_seconds_per_element": per_element,
         "sparse_seconds_per_line": per_line,
         "bitmask_seconds_per_element": per_bit,

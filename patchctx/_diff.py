@@ -523,10 +523,11 @@ def diff_state_dicts(
        ``nnz * value bytes`` plus the smallest encoding of the positions (`wire_sizes`:
        ``indices``, ``gaps`` or ``bitmask``). With `cost` (the default): sparse when that
        holds and also
-       ``cost.sparse_seconds(nnz, sparse_bytes, bitmask_numel=...) <
-       cost.dense_seconds(numel, value bytes)``
-       (`UpdateCost`: wire time at its link bandwidth plus estimated decode and apply time;
-       ``bitmask_numel`` is ``numel`` when the smallest encoding is the bitmask, else 0).
+       ``cost.sparse_seconds(nnz, sparse_bytes, bitmask_numel=..., numel=numel,
+       element_size=value bytes) < cost.dense_seconds(numel, value bytes)``
+       (`UpdateCost`: the whole path, diff, data plane, wire at its link bandwidth, decode
+       and apply; ``bitmask_numel`` is ``numel`` when the smallest encoding is the bitmask,
+       else 0).
        Otherwise dense.
 
     So `dense_above` is a cap that holds whatever `cost` says, and the strategy's fallbacks

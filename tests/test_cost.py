@@ -36,6 +36,9 @@ APPLY_ONLY = UpdateCost(
     dense_seconds_per_patch=0.0,
     payload_seconds_per_byte=0.0,
     diff_seconds_per_element=0.0,
+    scan_seconds_per_element=0.0,
+    dense_diff_seconds_per_byte=0.0,
+    plane_seconds_per_element=0.0,
 )
 
 
@@ -63,12 +66,20 @@ def test_estimates_are_the_documented_formulas() -> None:
         dense_seconds_per_patch=7e-6,
         payload_seconds_per_byte=4e-9,
         diff_seconds_per_element=6e-9,
+        scan_seconds_per_element=5e-10,
+        dense_diff_seconds_per_byte=1e-10,
+        plane_seconds_per_element=8e-9,
+        sparse_seconds_per_line=0.0,
     )
     assert cost.sparse_seconds(1000, 4000) == pytest.approx(
-        5e-6 + 1000 * (2e-9 + 6e-9) + 4000 * 4e-9 + 4000 / 1e9
+        5e-6 + 1000 * (2e-9 + 6e-9 + 8e-9) + 4000 * 4e-9 + 4000 / 1e9
+    )
+    # Given the tensor, the trainer's scan of all of its elements counts too.
+    assert cost.sparse_seconds(1000, 4000, numel=10_000, element_size=2) == pytest.approx(
+        cost.sparse_seconds(1000, 4000) + 10_000 * 5e-10
     )
     assert cost.dense_seconds(10_000, 2) == pytest.approx(
-        7e-6 + 20_000 * (3e-10 + 4e-9) + 20_000 / 1e9
+        7e-6 + 20_000 * (1e-10 + 3e-10 + 4e-9) + 20_000 / 1e9
     )
     assert cost.prefers_sparse(numel=10_000, nnz=1000, element_size=2, sparse_bytes=4000) == (
         cost.sparse_seconds(1000, 4000) < cost.dense_seconds(10_000, 2)
@@ -91,6 +102,8 @@ def test_a_replay_pays_for_the_lines_it_writes_into() -> None:
         sparse_seconds_per_line=4e-9,
         sparse_seconds_per_patch=0.0,
         diff_seconds_per_element=0.0,
+        scan_seconds_per_element=0.0,
+        plane_seconds_per_element=0.0,
     )
 
     def per_element(nnz: int) -> float:
@@ -308,7 +321,10 @@ def test_invalid_costs_are_refused(
 
 def test_a_free_link_and_integers_are_accepted() -> None:
     cost = UpdateCost(link_bytes_per_second=math.inf, dense_seconds_per_patch=0)
-    per_byte = cost.dense_seconds_per_byte + cost.payload_seconds_per_byte
+    per_byte = sum(
+        (cost.dense_diff_seconds_per_byte, cost.dense_seconds_per_byte),
+        cost.payload_seconds_per_byte,
+    )
     assert cost.dense_seconds(10, 2) == pytest.approx(10 * 2 * per_byte)
 
 
@@ -373,20 +389,32 @@ def test_calibrate_measures_every_field_here() -> None:
 
 
 def test_calibrate_measures_the_payload_it_is_given() -> None:
-    carried: list[int] = []
+    carried: list[tuple[int, bool]] = []
 
     def copy_twice(patch: CheckpointWeightPatch) -> None:  # a data plane of two copies
-        carried.append(patch.values.numel())
+        carried.append((patch.values.numel(), patch.indices is not None))
         patch.values.clone().clone()
+        if patch.indices is not None:
+            patch.indices.clone().clone()
 
     measured = UpdateCost.calibrate(numel=2**18, repeats=2, payload=copy_twice)
     assert 0 <= measured.payload_seconds_per_byte < 1e-6
-    assert {2**18, 256} <= set(carried)  # dense patches of the two sizes, as documented
+    assert 0 <= measured.plane_seconds_per_element < 1e-6
+    # dense patches of the two sizes, sparse ones of one element and a tenth, as documented
+    assert {(2**18, False), (256, False), (1, True), (2**18 // 10, True)} <= set(carried)
     without = UpdateCost.calibrate(numel=2**16, repeats=1)
     assert without.payload_seconds_per_byte == UpdateCost().payload_seconds_per_byte
+
+
+def test_calibrate_measures_the_trainer_from_its_source_dtype() -> None:
+    # fp32 master weights diffed into bf16: the scan casts, a dense patch is a cast copy.
+    cost = UpdateCost.calibrate(numel=2**18, repeats=1, source_dtype=torch.float32)
+    assert 0 < cost.scan_seconds_per_element < 1e-6  # a whole tensor read: never free
+    for name in ("diff_seconds_per_element", "dense_diff_seconds_per_byte"):  # differences
+        assert 0 <= getattr(cost, name) < 1e-6, name
 
 
 def test_describe_shows_every_figure() -> None:
     text = UpdateCost(link_bytes_per_second=math.inf, payload_seconds_per_byte=2e-9).describe()
     assert len(text.splitlines()) == len(fields(UpdateCost))
-    assert "link" in text and "free" in text and "payload, per byte           2.00 ns" in text
+    assert "link" in text and "free" in text and "payload, per byte            2.00 ns" in text

@@ -114,7 +114,9 @@ def assert_smallest_correct(
         # Never more bytes than dense; with a cost model, also faster by its estimate.
         cheaper = sparse_bytes < numel * element and (
             cost is None
-            or cost.sparse_seconds(nnz, sparse_bytes, bitmask_numel=numel * bitmask)
+            or cost.sparse_seconds(
+                nnz, sparse_bytes, bitmask_numel=numel * bitmask, numel=numel, element_size=element
+            )
             < cost.dense_seconds(numel, element)
         )
         expect_sparse = (

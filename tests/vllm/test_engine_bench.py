@@ -21,20 +21,39 @@ def test_the_engine_bench_prints_every_method_a_verdict_and_json(
     from benchmarks.engine_bench import METHODS, main
 
     out = tmp_path / "engine.json"
-    arguments = [*TINY, "--densities", "0.01", "--repeats", "1", "--links", "0", "1.25e8"]
-    assert main([*arguments, "--no-calibrate", "--json", str(out)]) == 0
+    arguments = [*TINY, "--tp", "1", "--densities", "0.01", "--repeats", "1"]
+    assert main([*arguments, "--links", "0", "1.25e8", "--no-calibrate", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert [(r["link"], r["method"]) for r in report["rows"]] == [
-        (link, method) for link in (0.0, 1.25e8) for method in METHODS
+    assert [(r["tp"], r["link"], r["method"]) for r in report["rows"]] == [
+        (1, link, method) for link in (0.0, 1.25e8) for method in METHODS
     ]
     for row in report["rows"]:
         assert row["nbytes"] > 0 and 0 < row["total_ms"][0] <= row["total_ms"][1]
-    dense = {r["link"]: r["nbytes"] for r in report["rows"] if r["method"] == "patchctx dense"}
-    sparse = {r["link"]: r["nbytes"] for r in report["rows"] if r["method"] == "patchctx sparse"}
-    assert all(sparse[link] < dense[link] for link in dense)  # 1% sent sparse is smaller
+        parts = sum(row[key][0] for key in ("trainer_ms", "wire_ms", "worker_ms"))
+        assert parts == pytest.approx(row["total_ms"][0], rel=1e-6)  # one update, split
+    by = {(r["link"], r["method"]): r for r in report["rows"]}
+    for link in (0.0, 1.25e8):  # 1% sent sparse is smaller
+        assert by[link, "patchctx sparse"]["nbytes"] < by[link, "patchctx dense"]["nbytes"]
+    # The bucket charges every method's bytes alike: at least its bytes over the rate (less
+    # the 64 KiB burst), and not much more (sleeps overrun on a loaded machine).
+    for method in METHODS:
+        row, least = by[1.25e8, method], (by[1.25e8, method]["nbytes"] - 65536) / 1.25e5
+        assert least <= row["wire_ms"][0] <= 1.5 * least + 50, method
+        assert by[0.0, method]["wire_ms"][0] == 0
     assert "verdict (on each row" in text and "first update of a fresh engine" in text
     assert "than vllm reload" in text and ("machine quiet" in text or "MACHINE LOADED" in text)
+    assert "the cost model sent" in text and "token bucket" in text
+
+
+def test_the_engine_bench_calibrates_through_this_trees_data_plane() -> None:
+    from benchmarks.engine_bench import local_plane
+    from patchctx import UpdateCost
+
+    cost = UpdateCost.calibrate(numel=2**16, repeats=1, payload=local_plane())
+    assert 0 < cost.payload_seconds_per_byte < 1e-6
+    assert 0 <= cost.plane_seconds_per_element < 1e-5
+    assert "payload, per byte" in cost.describe()
 
 
 def test_the_serving_bench_decodes_with_and_without_patchctx(

@@ -685,6 +685,8 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         checked = agree(error)  # every worker has read the payload now
         if descriptor and isinstance(self.transport, SharedMemoryTransport):
             self.transport.consume(descriptor)  # nothing stays in /dev/shm once read
+            if checked.error is not None:
+                self.transport.forget(descriptor)  # a refused file is mapped afresh next time
         if checked.error is not None:
             if not keep_open:
                 self.update = None

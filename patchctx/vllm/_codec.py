@@ -231,7 +231,9 @@ class _Block:
     shape: tuple[int, ...]
     itemsize: int
     nbytes: int
-    write: Callable[[torch.Tensor], None]  # fills a uint8 view of exactly `nbytes`
+    # Fills a uint8 tensor of exactly `nbytes` (and the same bytes as a memoryview), hashing
+    # what it wrote into the digest as it goes.
+    write: Callable[[torch.Tensor, memoryview, Any], None]
     offset: int = 0
 
 
@@ -285,14 +287,11 @@ class PayloadPlan:
             digest.update(entry.canonical)
             for block in entry.blocks:
                 begin = start + block.offset
+                digest.update(_tensor_label(block.key, block.code, block.shape))
                 if block.nbytes:
                     assert data is not None
-                    target = data[begin : begin + block.nbytes]
-                    block.write(target)
-                    if sys.byteorder == "big":
-                        builtin_copy(target, swap_bytes(target.clone(), block.itemsize))
-                digest.update(_tensor_label(block.key, block.code, block.shape))
-                digest.update(view[begin : begin + block.nbytes])
+                    end = begin + block.nbytes
+                    block.write(data[begin:end], view[begin:end], digest)
             digests.append(digest.digest())
         checksum = _checksum(algorithm, view[:start], digests)
         return Sealed(checksum, [d.hex() for d in digests])
@@ -320,13 +319,8 @@ def _values_block(
     count = flat.numel()
     code = _CODE_OF.get(carried)
     if code is None:  # a dtype safetensors lacks: rows of bytes
-
-        def write_rows(target: torch.Tensor) -> None:
-            source = flat.to(carried)
-            if source.numel() and source.stride() != (1,):
-                source = source.clone(memory_format=torch.contiguous_format)
-            builtin_copy(target, source.view(torch.uint8).reshape(-1))
-
+        rows = _LazyRows(flat, carried)
+        write_rows = _copy_writer(rows, torch.uint8)
         size = carried.itemsize
         return _Block(key, "U8", (count, size), 1, count * size, write_rows), carried, True
     layout = tuple(shape) if carried is dtype else (count,)
@@ -336,9 +330,42 @@ def _values_block(
     return block, carried, False
 
 
-def _copy_writer(source: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
-    def write(target: torch.Tensor) -> None:
-        builtin_copy(target.view(dtype), source)
+class _LazyRows:
+    """The bytes of values cast to a dtype safetensors lacks, made when first written."""
+
+    def __init__(self, flat: torch.Tensor, dtype: torch.dtype) -> None:
+        self.flat, self.dtype = flat, dtype
+
+    def tensor(self) -> torch.Tensor:
+        source = self.flat.to(self.dtype)
+        if source.numel() and source.stride() != (1,):
+            source = source.clone(memory_format=torch.contiguous_format)
+        return source.view(torch.uint8).reshape(-1)
+
+
+_CHUNK = 1 << 20  # bytes copied, then hashed while they are still in the cache
+
+
+def _copy_writer(
+    source: torch.Tensor | _LazyRows, dtype: torch.dtype
+) -> Callable[[torch.Tensor, memoryview, Any], None]:
+    """Copy `source` into a uint8 target viewed as `dtype` (casting), hashing each chunk."""
+
+    def write(target: torch.Tensor, raw: memoryview, digest: Any) -> None:
+        flat = source.tensor() if isinstance(source, _LazyRows) else source
+        typed = target.view(dtype)
+        count, size = typed.numel(), dtype.itemsize
+        if flat.device.type != "cpu" or sys.byteorder == "big" or count * size <= _CHUNK:
+            builtin_copy(typed, flat)  # a device's tensor: one transfer
+            if sys.byteorder == "big":
+                builtin_copy(target, swap_bytes(target.clone(), size))
+            digest.update(raw)
+            return
+        step = _CHUNK // size
+        for begin in range(0, count, step):
+            end = min(count, begin + step)
+            builtin_copy(typed[begin:end], flat[begin:end])
+            digest.update(raw[begin * size : end * size])
 
     return write
 

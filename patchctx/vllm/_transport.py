@@ -365,6 +365,8 @@ class SharedMemoryTransport:
         self._written: list[Path] = []
         self._free: list[_PoolFile] = []  # pooled files no worker reads: may be written
         self._busy: list[_PoolFile] = []  # pooled files of the update in flight
+        # Worker side: pooled files kept mapped, by name: ((device, inode, size), mapping).
+        self._mapped: dict[str, tuple[tuple[int, int, int], mmap.mmap]] = {}
 
     def _path(self, name: object) -> Path:
         if (
@@ -410,6 +412,8 @@ class SharedMemoryTransport:
                 )
             if nbytes == 0:
                 return bytearray()
+            if not self.copy and POOL_MARK in path.name:
+                return self._cached(path.name, info, fd, nbytes)
             if self.copy:
                 buffer = bytearray(nbytes)
                 with os.fdopen(os.dup(fd), "rb", buffering=0) as file:
@@ -424,6 +428,36 @@ class SharedMemoryTransport:
             )
         finally:
             os.close(fd)
+
+    def _cached(self, name: str, info: os.stat_result, fd: int, nbytes: int) -> mmap.mmap:
+        """The worker's mapping of a pooled file, kept across updates (its page tables too).
+
+        The trainer writes a pooled file again only after the finish of the update that read
+        it, when no view of it is left here; a mapping of another file (or size) than the one
+        the name now holds is dropped, and so is every mapping of a file no longer there.
+        """
+        key = (info.st_dev, info.st_ino, nbytes)
+        for other, (known, _) in list(self._mapped.items()):
+            try:
+                now = os.stat(self.directory / other, follow_symlinks=False)
+                alive = (now.st_dev, now.st_ino, now.st_size) == known
+            except OSError:
+                alive = False
+            if not alive or (other == name and known != key):
+                self._mapped.pop(other)  # closed once its last view is gone
+        entry = self._mapped.get(name)
+        if entry is None:
+            mapping = mmap.mmap(
+                fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+            entry = self._mapped[name] = (key, mapping)
+        return entry[1]
+
+    def forget(self, descriptor: Mapping[str, Any]) -> None:
+        """Drop the kept mapping of ``descriptor["shm"]`` (after a refusal: map it afresh)."""
+        name = descriptor.get("shm")
+        if isinstance(name, str):
+            self._mapped.pop(name, None)
 
     def consume(self, descriptor: Mapping[str, Any]) -> None:
         """Delete the file ``descriptor["shm"]`` names once every worker has it (not a pooled one).
@@ -523,10 +557,11 @@ class SharedMemoryTransport:
                 pooled.drop()
 
     def close(self) -> None:
-        """Delete every file this sender holds."""
+        """Delete every file this sender holds; drop every mapping this worker kept."""
         self.release()
         while self._free:
             self._free.pop().drop()
+        self._mapped.clear()
 
 
 class NCCLTransport:

@@ -61,7 +61,7 @@ def test_a_pooled_file_is_written_again_only_after_the_finish_that_read_it(
         finish(weight_version)
         seen.clear()
 
-    client.update_weights = on_update  # type: ignore[method-assign]
+    client.update_weights = on_update  # type: ignore[method-assign,assignment]
     client.finish_weight_update = on_finish  # type: ignore[method-assign]
     first = [sparse("w", (4, 4), [1.0], [0]), sparse("w", (4, 4), [2.0], [5])]
     trainer.send_weights(first)
@@ -125,7 +125,7 @@ def test_an_untrusted_link_applies_what_was_checked_though_the_file_changes_afte
             raw[-4:] = torch.tensor([666.0]).numpy().tobytes()
             path.write_bytes(bytes(raw))
 
-    client.update_weights = tampered  # type: ignore[method-assign]
+    client.update_weights = tampered  # type: ignore[method-assign,assignment]
     trainer.send_weights([sparse("w", (4, 4), [1.5], [0])])
     assert checksums[0].startswith("sha256:")
     assert worker.model.w.view(-1)[0] == 1.5

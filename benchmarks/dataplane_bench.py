@@ -76,12 +76,12 @@ def path_stages(patch: Any, unit_bytes: int, repeats: int, positions: str) -> li
     def check() -> None:
         validate_patches(decode().patches)
 
-    def whole() -> None:
+    def whole(checked: bool = True) -> None:
         fresh = plan_payload([patch], base_version="a", target_version="b", positions=positions)
         fields, sealed = sender.write(fresh, algorithm=FAST, pooled=True)
         data = receiver.receive({**fields, "nbytes": fresh.nbytes})
         payload = decode_payload(data, checksum=sealed.checksum, intent=sealed.intent)
-        if patch.indices is not None:
+        if checked and patch.indices is not None:
             validate_patches(payload.patches)
         del payload, data  # the worker drops its views at commit
         sender.release(reuse=True)
@@ -102,6 +102,7 @@ def path_stages(patch: Any, unit_bytes: int, repeats: int, positions: str) -> li
     ]
     if patch.indices is not None:
         rows.append(("worker: ... + check the positions", check))
+        rows.append(("the data plane alone (no positions check)", lambda: whole(False)))
     rows.append(("whole path, trainer's tensors to the worker's patches", whole))
     out = []
     unit: tuple[float, float] | None = None

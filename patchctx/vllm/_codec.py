@@ -65,6 +65,7 @@ from patchctx._swap import builtin_copy
 __all__ = [
     "PatchPayload",
     "PayloadPlan",
+    "Sealed",
     "decode_patches",
     "decode_payload",
     "encode_patches",
@@ -254,7 +255,7 @@ class PayloadPlan:
     Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch
-        >>> from patchctx.vllm._codec import decode_payload, plan_payload
+        >>> from patchctx.vllm import decode_payload, plan_payload
         >>> plan = plan_payload([CheckpointWeightPatch("w", (2,), torch.float32,
         ...                                            torch.tensor([1.0, 2.0]))])
         >>> buffer = bytearray(plan.nbytes)
@@ -299,12 +300,25 @@ class PayloadPlan:
 
 @dataclass(frozen=True, slots=True)
 class Sealed:
-    """What the trainer tells the workers about a written payload: what it must hash to."""
+    """What the trainer tells the workers about a written payload: what it must hash to.
+
+    Attributes:
+        checksum: ``"<algorithm>:<hex>"`` of the header and every patch's digest.
+        intent: Each patch's digest (hex): its manifest entry and its tensors' bytes.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch
+        >>> from patchctx.vllm import plan_payload
+        >>> plan = plan_payload([CheckpointWeightPatch("w", (1,), torch.float32,
+        ...                                            torch.ones(1))])
+        >>> sealed = plan.write_into(bytearray(plan.nbytes), algorithm="sha256")
+        >>> sealed.checksum[:7], len(sealed.intent[0])
+        ('sha256:', 64)
+    """
 
     checksum: str
-    """``"<algorithm>:<hex>"`` of the header and every patch's digest (every byte, once)."""
     intent: list[str]
-    """Each patch's digest (hex): its manifest entry and its tensors' bytes."""
 
 
 def _values_block(
@@ -456,7 +470,7 @@ def plan_payload(
     Examples:
         >>> import torch
         >>> from patchctx import CheckpointWeightPatch
-        >>> from patchctx.vllm._codec import plan_payload
+        >>> from patchctx.vllm import plan_payload
         >>> sparse = CheckpointWeightPatch("w", (8,), torch.float32, torch.tensor([1.0]),
         ...                                torch.tensor([3], dtype=torch.int32))
         >>> plan_payload([sparse], positions="flat").nbytes % 8

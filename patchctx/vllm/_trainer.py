@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -211,7 +211,8 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
         dtype: The receiver's dtype for `diff_state_dicts` (`None`: each tensor's own).
         chunk_bytes: Split an update into ``update_weights`` chunks of about this many
             bytes of values and indices (`None`: one chunk). The workers check each chunk
-            as it arrives and apply all of them, atomically, with the last.
+            as it arrives and apply all of them, atomically, with the last; the trainer
+            writes the next chunk meanwhile.
         cost: How `diff_state_dicts` chooses sparse or dense per tensor (`UpdateCost`). Its
             defaults assume a 10 GB/s link and this library's 2-core CPU: pass
             ``UpdateCost(link_bytes_per_second=...)`` for your link, or
@@ -683,6 +684,11 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         update_id = uuid.uuid4().hex[:16]
         self.client.start_weight_update()
         finished = False
+        began = time.perf_counter()
+        # Chunk k+1 is written while the workers receive and check chunk k (one delivery at a
+        # time, in order; a collective sender delivers each chunk as it is written).
+        pool = ThreadPoolExecutor(max_workers=1)
+        pending: Future[str] | None = None
         try:
             for position, group in enumerate(groups):
                 begin = time.perf_counter()
@@ -695,12 +701,23 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
                     update_id=update_id,
                     chunk=position,
                 )
-                encoded = time.perf_counter()
-                transports.add(self._deliver(info, sender))
-                update_s += time.perf_counter() - encoded
-                encode_s += encoded - begin
+                encode_s += time.perf_counter() - begin
                 nbytes += plan.nbytes
+                if pending is not None:
+                    transports.add(pending.result())
+                    pending = None
+                if sender.concurrent:
+                    transports.add(self._deliver(info, sender))
+                else:
+                    pending = pool.submit(self._deliver, info, sender)
+            if pending is not None:
+                transports.add(pending.result())
+                pending = None
+            update_s = time.perf_counter() - began - encode_s
         except BaseException:
+            if pending is not None:  # a chunk still in flight: let it end before the abort
+                with contextlib.suppress(BaseException):
+                    pending.result()
             # When update_weights fails, vLLM has ended the update on every worker already
             # (ending it again is an error there). A failure of the trainer's own (a patch
             # that cannot be encoded, a payload a transport refuses) must end it too, or every
@@ -721,6 +738,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             if self.sender is not None:
                 self._writing(self.sender).release(reuse=finished)
             self.inline.release(reuse=finished)
+            pool.shutdown()
         self.version = target
         get_version = getattr(self.client, "get_weight_version", None)
         served = get_version() if callable(get_version) else None

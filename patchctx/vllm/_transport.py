@@ -350,7 +350,7 @@ class SharedMemoryTransport:
 
     def __init__(
         self,
-        directory: str | Path = "/dev/shm",
+        directory: str = "/dev/shm",
         *,
         owner: str | None = None,
         limit: int | None = None,

@@ -183,3 +183,45 @@ def test_each_transport_requires_its_checksum(tmp_path: Path) -> None:
             with pytest.raises(InvalidPatchError, match="requires a sha256 checksum"):
                 send(worker, info)
             assert worker.model.w.view(-1)[0] == 0.0
+
+
+def test_the_next_chunk_is_written_while_the_workers_take_this_one(tmp_path: Path) -> None:
+    """Chunks pipeline: while chunk k's update_weights runs, chunk k+1 is written; the update
+    is still applied whole at its finish, in order."""
+    import time
+
+    worker = worker_engine()
+    client = LocalClient(worker)
+    trainer = trainer_for(client, tmp_path, chunk_bytes=8)  # one patch per chunk
+    update = client.update_weights
+    overlapped: list[bool] = []
+    before = [worker.model.w.clone()]  # the weights when the update started
+
+    def slow(info: dict[str, Any]) -> None:
+        deadline = time.monotonic() + 10
+        wanted = min(info["chunk"] + 2, 3)  # this chunk's file and the next one's
+        while len(list(tmp_path.iterdir())) < wanted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        overlapped.append(len(list(tmp_path.iterdir())) >= wanted)
+        assert torch.equal(worker.model.w, before[0])  # nothing applied before the finish
+        update(info)
+
+    client.update_weights = slow  # type: ignore[method-assign,assignment]
+    patches = [sparse("w", (4, 4), [float(i + 1)], [i]) for i in range(3)]
+    stats = trainer.send_weights(patches)
+    assert overlapped == [True, True, True] and stats is not None
+    assert worker.model.w.view(-1)[:3].tolist() == [1.0, 2.0, 3.0]
+    # A chunk the trainer cannot encode, after one already in flight: the update is ended
+    # (nothing of it applied) and its files deleted.
+    before[0] = worker.model.w.clone()
+    bad = [
+        sparse("w", (4, 4), [9.0], [5]),
+        CheckpointWeightPatch("b", (2,), torch.float32, torch.ones(3)),
+    ]
+    with pytest.raises(InvalidPatchError, match="needs 2 values"):
+        trainer.send_weights(bad)
+    assert worker.model.w.view(-1)[5] == 0.0
+    trainer.send_weights([sparse("w", (4, 4), [7.0], [6])])
+    assert worker.model.w.view(-1)[6] == 7.0
+    trainer.shutdown()
+    assert list(tmp_path.iterdir()) == []

@@ -45,7 +45,7 @@ import math
 import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -244,13 +244,16 @@ class _Entry:
     blocks: list[_Block]
 
 
-@dataclass(slots=True)
 class PayloadPlan:
     """A payload laid out but not written: its header and where each tensor goes.
 
-    `nbytes` is the payload's size; `write_into` fills a buffer of that size (a mapped
-    shared-memory file, a pinned tensor's memory, a `bytearray`) with one copy of each
-    tensor and returns the checksum and per-patch digests (`Sealed`).
+    `write_into` fills a buffer of `nbytes` (a mapped shared-memory file, a pinned tensor's
+    memory, a `bytearray`) with one copy of each tensor and returns the checksum and
+    per-patch digests (`Sealed`). Made by `plan_payload`.
+
+    Attributes:
+        header: The payload's first bytes: the header's length and the header.
+        nbytes: The payload's size in bytes.
 
     Examples:
         >>> import torch
@@ -266,12 +269,14 @@ class PayloadPlan:
         [1.0, 2.0]
     """
 
-    header: bytes
-    entries: list[_Entry]
-    nbytes: int = 0
-    count: int = field(default=0)
+    __slots__ = ("_entries", "header", "nbytes")
 
-    def write_into(self, buffer: Any, *, algorithm: str = FAST) -> Sealed:
+    def __init__(self, header: bytes, entries: list[Any], nbytes: int) -> None:
+        self.header = header
+        self.nbytes = nbytes
+        self._entries: list[_Entry] = entries
+
+    def write_into(self, buffer: Any, *, algorithm: str = "xxh3_128") -> Sealed:
         """Write the payload into `buffer` (writable, exactly `nbytes`); its `Sealed` hashes."""
         view = memoryview(buffer).cast("B")
         if view.readonly or view.nbytes != self.nbytes:
@@ -283,7 +288,7 @@ class PayloadPlan:
         view[:start] = self.header
         data = torch.frombuffer(view, dtype=torch.uint8) if self.nbytes else None
         digests = []
-        for entry in self.entries:
+        for entry in self._entries:
             digest = hasher(algorithm)
             digest.update(entry.canonical)
             for block in entry.blocks:
@@ -565,7 +570,7 @@ def plan_payload(
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-(_LENGTH.size + len(text)) % _ALIGN)
     prefix = _LENGTH.pack(len(text)) + text
-    return PayloadPlan(prefix, planned, len(prefix) + offset, len(planned))
+    return PayloadPlan(prefix, planned, len(prefix) + offset)
 
 
 def encode_patches(

@@ -667,6 +667,47 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             self._ended_by_workers = True  # vLLM ends an update whose update_weights raised
             raise
 
+    def _send_chunks(
+        self,
+        groups: list[list[CheckpointWeightPatch]],
+        target: str,
+        update_id: str,
+        pool: ThreadPoolExecutor,
+        in_flight: list[Future[str]],
+    ) -> tuple[float, float, int, set[str]]:
+        """Write and deliver every chunk: encode and update seconds, bytes, transports.
+
+        Chunk k+1 is written while the workers receive and check chunk k (one delivery at a
+        time, in order, from `pool`; a collective sender delivers each chunk as it is
+        written). The delivery in flight is in `in_flight`, for the caller to wait on.
+        """
+        began = time.perf_counter()
+        encode_s, nbytes, transports = 0.0, 0, set()
+        for position, group in enumerate(groups):
+            begin = time.perf_counter()
+            plan, sender = self._plan(group, self.version, target)
+            info = self._write(
+                plan,
+                sender,
+                pooled=True,
+                last=position == len(groups) - 1,
+                update_id=update_id,
+                chunk=position,
+            )
+            encode_s += time.perf_counter() - begin
+            nbytes += plan.nbytes
+            while in_flight:
+                transports.add(in_flight[0].result())
+                in_flight.pop()
+            if sender.concurrent:
+                transports.add(self._deliver(info, sender))
+            else:
+                in_flight.append(pool.submit(self._deliver, info, sender))
+        while in_flight:
+            transports.add(in_flight[0].result())
+            in_flight.pop()
+        return encode_s, time.perf_counter() - began - encode_s, nbytes, transports
+
     def _send(
         self,
         patches: list[CheckpointWeightPatch],
@@ -677,45 +718,19 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if not self.is_sender:
             return None
         target = target_version or next_version(self.version)
-        encode_s = update_s = 0.0
-        nbytes, transports = 0, set()
         groups = _chunks(patches, self.init_info.chunk_bytes)
         self._ended_by_workers = False
         update_id = uuid.uuid4().hex[:16]
         self.client.start_weight_update()
         finished = False
-        began = time.perf_counter()
-        # Chunk k+1 is written while the workers receive and check chunk k (one delivery at a
-        # time, in order; a collective sender delivers each chunk as it is written).
         pool = ThreadPoolExecutor(max_workers=1)
-        pending: Future[str] | None = None
+        in_flight: list[Future[str]] = []
         try:
-            for position, group in enumerate(groups):
-                begin = time.perf_counter()
-                plan, sender = self._plan(group, self.version, target)
-                info = self._write(
-                    plan,
-                    sender,
-                    pooled=True,
-                    last=position == len(groups) - 1,
-                    update_id=update_id,
-                    chunk=position,
-                )
-                encode_s += time.perf_counter() - begin
-                nbytes += plan.nbytes
-                if pending is not None:
-                    transports.add(pending.result())
-                    pending = None
-                if sender.concurrent:
-                    transports.add(self._deliver(info, sender))
-                else:
-                    pending = pool.submit(self._deliver, info, sender)
-            if pending is not None:
-                transports.add(pending.result())
-                pending = None
-            update_s = time.perf_counter() - began - encode_s
+            encode_s, update_s, nbytes, transports = self._send_chunks(
+                groups, target, update_id, pool, in_flight
+            )
         except BaseException:
-            if pending is not None:  # a chunk still in flight: let it end before the abort
+            for pending in in_flight:  # a chunk still in flight: let it end before the abort
                 with contextlib.suppress(BaseException):
                     pending.result()
             # When update_weights fails, vLLM has ended the update on every worker already

@@ -304,6 +304,89 @@ def _map_shared(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+class _Pool:
+    """The trainer's payload files: fresh ones (deleted at release) and pooled ones."""
+
+    def __init__(self, directory: Path, owner: str | None) -> None:
+        self.directory, self.owner = directory, owner
+        self.written: list[Path] = []
+        self.free: list[_PoolFile] = []  # pooled files no worker reads: may be written
+        self.busy: list[_PoolFile] = []  # pooled files of the update in flight
+
+    def name(self, pooled: bool) -> Path:
+        owner = f"{self.owner}-" if self.owner is not None else ""
+        mark = POOL_MARK.lstrip("-") if pooled else ""
+        return self.directory / f"{SHM_PREFIX}{owner}{mark}{uuid.uuid4().hex}"
+
+    def fresh(self, size: int) -> Path:
+        """A new file of `size` bytes, mode 0600, deleted at release."""
+        path = self.name(pooled=False)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.written.append(path)
+        with os.fdopen(fd, "r+b") as file:
+            file.truncate(size)
+        return path
+
+    def take(self, size: int) -> _PoolFile:
+        """A pooled file of `size` bytes no worker reads (one of the same size if any)."""
+        same = [f for f in self.free if f.size == size]
+        if same or self.free:
+            chosen = (same or self.free)[0]
+            self.free.remove(chosen)
+        else:
+            path = self.name(pooled=True)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            chosen = _PoolFile(path, -1, None)
+        self.busy.append(chosen)
+        chosen.resize(size)
+        return chosen
+
+    def release(self, *, reuse: bool) -> None:
+        while self.written:
+            self.written.pop().unlink(missing_ok=True)
+        while self.busy:
+            pooled = self.busy.pop()
+            if reuse:
+                self.free.append(pooled)
+            else:
+                pooled.drop()
+
+    def close(self) -> None:
+        self.release(reuse=False)
+        while self.free:
+            self.free.pop().drop()
+
+
+Kept = dict[str, tuple[tuple[int, int, int], mmap.mmap]]
+
+
+def _kept_mapping(
+    mapped: Kept, directory: Path, name: str, info: os.stat_result, fd: int
+) -> mmap.mmap:
+    """The worker's mapping of a pooled file, kept across updates (its page tables too).
+
+    The trainer writes a pooled file again only after the finish of the update that read it,
+    when no view of it is left here; a mapping of another file (or size) than the one the
+    name now holds is dropped, and so is every mapping of a file no longer there.
+    """
+    key = (info.st_dev, info.st_ino, info.st_size)
+    for other, (known, _) in list(mapped.items()):
+        try:
+            now = os.stat(directory / other, follow_symlinks=False)
+            alive = (now.st_dev, now.st_ino, now.st_size) == known
+        except OSError:
+            alive = False
+        if not alive or (other == name and known != key):
+            mapped.pop(other)  # closed once its last view is gone
+    entry = mapped.get(name)
+    if entry is None:
+        mapping = mmap.mmap(
+            fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        entry = mapped[name] = (key, mapping)
+    return entry[1]
+
+
 class SharedMemoryTransport:
     """A file per payload in a shared-memory directory of this host (default ``/dev/shm``).
 
@@ -362,11 +445,9 @@ class SharedMemoryTransport:
         self.owner = owner
         self.limit = limit
         self.copy = copy
-        self._written: list[Path] = []
-        self._free: list[_PoolFile] = []  # pooled files no worker reads: may be written
-        self._busy: list[_PoolFile] = []  # pooled files of the update in flight
+        self._pool = _Pool(self.directory, owner)  # trainer side: the files it wrote
         # Worker side: pooled files kept mapped, by name: ((device, inode, size), mapping).
-        self._mapped: dict[str, tuple[tuple[int, int, int], mmap.mmap]] = {}
+        self._mapped: Kept = {}
 
     def _path(self, name: object) -> Path:
         if (
@@ -413,7 +494,7 @@ class SharedMemoryTransport:
             if nbytes == 0:
                 return bytearray()
             if not self.copy and POOL_MARK in path.name:
-                return self._cached(path.name, info, fd, nbytes)
+                return _kept_mapping(self._mapped, self.directory, path.name, info, fd)
             if self.copy:
                 buffer = bytearray(nbytes)
                 with os.fdopen(os.dup(fd), "rb", buffering=0) as file:
@@ -428,30 +509,6 @@ class SharedMemoryTransport:
             )
         finally:
             os.close(fd)
-
-    def _cached(self, name: str, info: os.stat_result, fd: int, nbytes: int) -> mmap.mmap:
-        """The worker's mapping of a pooled file, kept across updates (its page tables too).
-
-        The trainer writes a pooled file again only after the finish of the update that read
-        it, when no view of it is left here; a mapping of another file (or size) than the one
-        the name now holds is dropped, and so is every mapping of a file no longer there.
-        """
-        key = (info.st_dev, info.st_ino, nbytes)
-        for other, (known, _) in list(self._mapped.items()):
-            try:
-                now = os.stat(self.directory / other, follow_symlinks=False)
-                alive = (now.st_dev, now.st_ino, now.st_size) == known
-            except OSError:
-                alive = False
-            if not alive or (other == name and known != key):
-                self._mapped.pop(other)  # closed once its last view is gone
-        entry = self._mapped.get(name)
-        if entry is None:
-            mapping = mmap.mmap(
-                fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
-            entry = self._mapped[name] = (key, mapping)
-        return entry[1]
 
     def forget(self, descriptor: Mapping[str, Any]) -> None:
         """Drop the kept mapping of ``descriptor["shm"]`` (after a refusal: map it afresh)."""
@@ -490,20 +547,6 @@ class SharedMemoryTransport:
                 pass
         return removed
 
-    def _new_name(self, pooled: bool) -> Path:
-        owner = f"{self.owner}-" if self.owner is not None else ""
-        mark = POOL_MARK.lstrip("-") if pooled else ""
-        return self.directory / f"{SHM_PREFIX}{owner}{mark}{uuid.uuid4().hex}"
-
-    def _fresh(self, size: int) -> Path:
-        """A new file of `size` bytes, mode 0600; written through a mapping closed here."""
-        path = self._new_name(pooled=False)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._written.append(path)
-        with os.fdopen(fd, "r+b") as file:
-            file.truncate(size)
-        return path
-
     def write(
         self, plan: PayloadPlan, *, algorithm: str, pooled: bool = False
     ) -> tuple[dict[str, Any], Sealed]:
@@ -514,30 +557,19 @@ class SharedMemoryTransport:
         ``release(reuse=True)``.
         """
         if not pooled:
-            path = self._fresh(plan.nbytes)
+            path = self._pool.fresh(plan.nbytes)
             if plan.nbytes == 0:
                 return {"shm": path.name}, plan.write_into(bytearray())
             with open(path, "r+b") as file, _map_shared(file.fileno(), plan.nbytes) as mapping:
                 sealed = plan.write_into(mapping, algorithm=algorithm)
             return {"shm": path.name}, sealed
-        same = [f for f in self._free if f.size == plan.nbytes]
-        if same or self._free:
-            chosen = (same or self._free)[0]
-            self._free.remove(chosen)
-        else:
-            path = self._new_name(pooled=True)
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-            chosen = _PoolFile(path, -1, None)
-        self._busy.append(chosen)
-        chosen.resize(plan.nbytes)
-        sealed = plan.write_into(
-            chosen.mapping if chosen.mapping is not None else bytearray(), algorithm=algorithm
-        )
-        return {"shm": chosen.path.name}, sealed
+        chosen = self._pool.take(plan.nbytes)
+        target = chosen.mapping if chosen.mapping is not None else bytearray()
+        return {"shm": chosen.path.name}, plan.write_into(target, algorithm=algorithm)
 
     def describe(self, payload: bytes) -> dict[str, Any]:
         """Write ready-made `payload` bytes to a new file; ``{"shm": its name}``."""
-        path = self._fresh(len(payload))
+        path = self._pool.fresh(len(payload))
         with open(path, "r+b") as file:
             file.write(payload)
         return {"shm": path.name}
@@ -547,20 +579,11 @@ class SharedMemoryTransport:
 
     def release(self, *, reuse: bool = False) -> None:
         """Delete the fresh files; pooled ones go back to the pool with `reuse`, else too."""
-        while self._written:
-            self._written.pop().unlink(missing_ok=True)
-        while self._busy:
-            pooled = self._busy.pop()
-            if reuse:
-                self._free.append(pooled)
-            else:
-                pooled.drop()
+        self._pool.release(reuse=reuse)
 
     def close(self) -> None:
         """Delete every file this sender holds; drop every mapping this worker kept."""
-        self.release()
-        while self._free:
-            self._free.pop().drop()
+        self._pool.close()
         self._mapped.clear()
 
 

@@ -28,6 +28,7 @@ import os
 import re
 import stat
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -446,6 +447,9 @@ class SharedMemoryTransport:
         self.limit = limit
         self.copy = copy
         self._pool = _Pool(self.directory, owner)  # trainer side: the files it wrote
+        # A trainer that exits without closing its sender deletes its pool all the same (a
+        # killed one leaves it to the workers' sweep at the next connect).
+        weakref.finalize(self, self._pool.close)
         # Worker side: pooled files kept mapped, by name: ((device, inode, size), mapping).
         self._mapped: Kept = {}
 

@@ -225,3 +225,34 @@ def test_the_next_chunk_is_written_while_the_workers_take_this_one(tmp_path: Pat
     assert worker.model.w.view(-1)[6] == 7.0
     trainer.shutdown()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_trainer_that_exits_without_closing_its_sender_leaves_no_pooled_file(
+    tmp_path: Path,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from patchctx import CheckpointWeightPatch\n"
+        "from patchctx.vllm import SharedMemoryTransport, plan_payload\n"
+        "sender = SharedMemoryTransport(sys.argv[1], owner='gone')\n"
+        "plan = plan_payload([CheckpointWeightPatch('w', (4,), torch.float32, torch.ones(4))])\n"
+        "sender.write(plan, algorithm='xxh3_128', pooled=True)\n"
+        "sender.release(reuse=True)\n"
+        "print(len(list(__import__('pathlib').Path(sys.argv[1]).iterdir())))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    assert done.stdout.strip() == "1"  # the pooled file, while the trainer lived
+    assert list(tmp_path.iterdir()) == []  # deleted when it exited

@@ -1,35 +1,33 @@
 """The data plane, stage by stage, against one memcpy of the payload (issue 29's copy limit).
 
 ``./dev bench --engine --dataplane`` (vLLM's environment: ``patchctx.vllm`` is imported) times,
-in this process with one torch thread, what an update's payload goes through today over
-shared memory, each stage on its own: the trainer's `encode_patches` and SHA-256 and the
-file written to ``/dev/shm``; the worker's read, SHA-256 and `decode_payload`. Next to them:
-one ``memcpy`` of the payload's bytes (a torch ``copy_`` of that many bytes, the unit of the
-issue's goal) and what a data plane at the copy limit would use instead: the tensors' bytes
-written once straight into a mapped shared-memory file, read back as a view of the mapping
-(no copy), and the checksums that run near memory speed (``zlib.crc32`` from the standard
-library; ``xxhash``'s XXH3 when it is installed). A mapped file made fresh per update pays
-for its pages (tmpfs allocates and zeroes them on first touch, about a copy's cost): the
-stage "into a mapping reused across updates" is the copy alone. Min and median over
-``--repeats``.
+in this process with one torch thread, what an update's payload goes through over shared
+memory, each stage on its own and then the whole path in one go:
 
-Two payloads: a dense fp32 tensor (``--numel`` elements) and a sparse patch of 1% of it
-(int32 positions and fp32 values, the raw bytes the goal counts). The ratio column is each
-stage's time over one memcpy of the payload (dense) or of its raw positions and values
-(sparse); the goal is at most 2.5 (dense) and 4 (sparse) for the whole path.
+- trainer: `plan_payload` (the header; nothing copied), then the shared-memory sender's
+  ``write``: each tensor copied once straight into a pooled mapped file, each patch hashed
+  (XXH3-128) as it is written;
+- worker: the file mapped (privately, no copy), `decode_payload` with the descriptor's
+  checksum and per-patch digests (one hash pass), tensors built as views of the mapping;
+- sparse patches: the worker's check of the positions (`validate_patches`: range, order,
+  duplicates), which every update gets before it is applied.
+
+The unit is one ``memcpy`` of the payload's bytes (a torch ``copy_`` of that many bytes), or
+for a sparse patch of its raw int32 positions and fp32 values. The goal: the whole path at
+most 2.5 of them (dense) and 4 (sparse). Two payloads: a dense fp32 tensor of ``--numel``
+elements (the default is 197 MB, the size of the issue's dense update) and a sparse patch of
+1% of it. The sparse one is also shown with its positions in the smallest encoding (gaps),
+what the inline and NCCL paths send. Min and median over ``--repeats``, stages interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import mmap
 import os
 import statistics
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,90 +45,83 @@ def _times(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return min(got), statistics.median(got)
 
 
-def stages(patch: Any, raw_bytes: int, repeats: int) -> list[dict[str, Any]]:
-    from patchctx.vllm import SharedMemoryTransport, decode_payload, encode_patches
-    from patchctx.vllm._transport import digest
+def path_stages(patch: Any, unit_bytes: int, repeats: int, positions: str) -> list[dict[str, Any]]:
+    """Each stage of one payload's way from trainer to worker, and the whole way."""
+    from patchctx import validate_patches
+    from patchctx.vllm import SharedMemoryTransport, decode_payload
+    from patchctx.vllm._codec import FAST, plan_payload
 
-    payload = encode_patches([patch], base_version="a", target_version="b")
-    sender = SharedMemoryTransport(tempfile.mkdtemp(dir="/dev/shm"))
-    source = torch.empty(raw_bytes, dtype=torch.uint8).random_(0, 255)
+    directory = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    sender = SharedMemoryTransport(directory, owner="bench")
+    receiver = SharedMemoryTransport(directory, limit=1 << 40)
+    source = torch.empty(unit_bytes, dtype=torch.uint8).random_(0, 255)
     target = torch.empty_like(source)
-    descriptor = {**sender.describe(payload), "nbytes": len(payload)}  # size: the caller adds it
-
-    writer = SharedMemoryTransport(str(sender.directory))
+    plan = plan_payload([patch], base_version="a", target_version="b", positions=positions)
+    state: dict[str, Any] = {}
 
     def write() -> None:
-        writer.describe(payload)
-        writer.release()
+        fields, sealed = sender.write(plan, algorithm=FAST, pooled=True)
+        sender.release(reuse=True)  # as after a finish that returned
+        state.update(descriptor={**fields, "nbytes": plan.nbytes}, sealed=sealed)
 
-    receiver = SharedMemoryTransport(str(sender.directory))
-    path = sender.directory / descriptor["shm"]
+    write()
 
-    def mapped_write() -> None:  # the tensors' bytes written once into a mapped file
-        with open(path.with_suffix(".map"), "w+b") as file:
-            file.truncate(raw_bytes)
-            with mmap.mmap(file.fileno(), raw_bytes) as mapping:
-                torch.frombuffer(mapping, dtype=torch.uint8).copy_(source)
-                del mapping  # the view above is gone; the mapping may close
+    def receive() -> Any:
+        return receiver.receive(state["descriptor"])
 
-    arena = open(path.with_suffix(".arena"), "w+b")  # noqa: SIM115 (closed below)
-    arena.truncate(raw_bytes)
-    arena_map = mmap.mmap(arena.fileno(), raw_bytes)
-    arena_views = [torch.frombuffer(arena_map, dtype=torch.uint8)]  # cleared before closing
+    def decode() -> Any:
+        sealed = state["sealed"]
+        return decode_payload(receive(), checksum=sealed.checksum, intent=sealed.intent)
 
-    def arena_write() -> None:  # the same, into a mapping made (and faulted in) once
-        arena_views[0].copy_(source)
+    def check() -> None:
+        validate_patches(decode().patches)
 
-    def mapped_read() -> None:  # a view of the mapping: no copy
-        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as m:
-            memoryview(m)[:8].tobytes()
+    def whole(checked: bool = True) -> None:
+        fresh = plan_payload([patch], base_version="a", target_version="b", positions=positions)
+        fields, sealed = sender.write(fresh, algorithm=FAST, pooled=True)
+        data = receiver.receive({**fields, "nbytes": fresh.nbytes})
+        payload = decode_payload(data, checksum=sealed.checksum, intent=sealed.intent)
+        if checked and patch.indices is not None:
+            validate_patches(payload.patches)
+        del payload, data  # the worker drops its views at commit
+        sender.release(reuse=True)
 
-    rows: list[tuple[str, str, Callable[[], object]]] = [
-        ("memcpy of the payload's bytes (the unit)", "unit", lambda: target.copy_(source)),
-        ("trainer: encode_patches", "today", lambda: encode_patches([patch])),
-        ("trainer: SHA-256", "today", lambda: digest(payload)),
-        ("trainer: shm file write", "today", write),
-        ("worker: shm file read", "today", lambda: receiver.receive(descriptor)),
-        ("worker: SHA-256", "today", lambda: digest(payload)),
-        ("worker: decode_payload", "today", lambda: decode_payload(payload)),
-        ("bytes written once into a mapped shm file", "limit", mapped_write),
-        ("the same into a mapping reused across updates", "limit", arena_write),
-        ("a view of the mapped file (no copy)", "limit", mapped_read),
-        ("zlib.crc32", "limit", lambda: zlib.crc32(payload)),
-        ("blake2b (keyed, for untrusted links)", "limit", lambda: hashlib.blake2b(payload)),
+    decoded = decode().patches[0]
+    assert torch.equal(decoded.values, patch.values.to(patch.dtype)), "decoded other values"
+    rows: list[tuple[str, Callable[[], object]]] = [
+        ("memcpy (the unit)", lambda: target.copy_(source)),
+        (
+            "trainer: plan_payload",
+            lambda: plan_payload(
+                [patch], base_version="a", target_version="b", positions=positions
+            ),
+        ),
+        ("trainer: write into the pooled mapping (+ XXH3)", write),
+        ("worker: map the file (no copy)", receive),
+        ("worker: map + check XXH3 + decode as views", decode),
     ]
-    try:
-        import xxhash  # type: ignore[import-not-found,unused-ignore]
-
-        rows.append(("xxhash XXH3-64", "limit", lambda: xxhash.xxh3_64_intdigest(payload)))
-    except ImportError:
-        pass
+    if patch.indices is not None:
+        rows.append(("worker: ... + check the positions", check))
+        rows.append(("the data plane alone (no positions check)", lambda: whole(False)))
+    rows.append(("whole path, trainer's tensors to the worker's patches", whole))
     out = []
-    unit = None
-    for label, kind, fn in rows:
+    unit: tuple[float, float] | None = None
+    for label, fn in rows:
         low, mid = _times(fn, repeats)
         unit = unit or (low, mid)
-        out.append(
-            {
-                "stage": label,
-                "kind": kind,
-                "ms": (low, mid),
-                "memcpys": (low / unit[0], mid / unit[1]),
-            }
-        )
-    arena_views.clear()
-    arena_map.close()
-    arena.close()
+        out.append({"stage": label, "ms": (low, mid), "memcpys": (low / unit[0], mid / unit[1])})
     sender.close()
-    for extra in sender.directory.iterdir():
+    for extra in Path(directory).iterdir():
         extra.unlink()
-    sender.directory.rmdir()
+    Path(directory).rmdir()
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the data plane against one memcpy")
-    parser.add_argument("--numel", type=int, default=1 << 24, help="fp32 elements (dense)")
+    parser.add_argument(
+        "--numel", type=int, default=49_283_072, help="fp32 elements (dense; default 197 MB)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -144,16 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     positions = torch.randperm(numel)[:nnz].sort().values.to(torch.int32)
     sparse = CheckpointWeightPatch("w", (numel,), torch.float32, torch.randn(nnz), positions)
     report = {}
-    for name, patch, raw in (
-        ("dense", dense, numel * 4),
-        ("sparse 1%", sparse, nnz * 8),
+    goals = {"dense": 2.5, "sparse 1%": 4.0, "sparse 1%, gap-coded": 4.0}
+    for name, patch, raw, encoding in (
+        ("dense", dense, numel * 4, "flat"),
+        ("sparse 1%", sparse, nnz * 8, "flat"),
+        ("sparse 1%, gap-coded", sparse, nnz * 8, "smallest"),
     ):
-        rows = stages(patch, raw, args.repeats)
+        rows = path_stages(patch, raw, args.repeats, encoding)
         report[name] = rows
-        today = sum(r["memcpys"][1] for r in rows if r["kind"] == "today")
+        total = rows[-1]["memcpys"]
         print(
-            f"\n{name}: {raw / 1e6:.1f} MB of raw bytes; today's path (median) costs "
-            f"{today:.1f} memcpys of them\n"
+            f"\n{name}: {raw / 1e6:.1f} MB of raw bytes; the whole path costs "
+            f"{total[0]:.2f} / {total[1]:.2f} memcpys of them (min / median; goal <= "
+            f"{goals[name]})\n"
             "| stage | ms (min / median) | memcpys (min / median) |\n| --- | ---: | ---: |"
         )
         for r in rows:

@@ -36,7 +36,15 @@ from patchctx.vllm._backend import (
     PatchctxUpdateInfo,
     PatchctxWeightTransferEngine,
 )
-from patchctx.vllm._codec import PatchPayload, decode_patches, decode_payload, encode_patches
+from patchctx.vllm._codec import (
+    PatchPayload,
+    PayloadPlan,
+    Sealed,
+    decode_patches,
+    decode_payload,
+    encode_patches,
+    plan_payload,
+)
 from patchctx.vllm._driver import PatchStats, apply_patches, set_weight_version
 from patchctx.vllm._extension import PatchWorkerExtension
 from patchctx.vllm._layout import install_from_environment, keep_checkpoint_layout
@@ -70,6 +78,8 @@ __all__ = [
     "PatchctxTrainerInitInfo",
     "PatchctxUpdateInfo",
     "PatchctxWeightTransferEngine",
+    "PayloadPlan",
+    "Sealed",
     "SendStats",
     "Sender",
     "SharedMemoryTransport",
@@ -83,6 +93,7 @@ __all__ = [
     "decode_payload",
     "encode_patches",
     "keep_checkpoint_layout",
+    "plan_payload",
     "set_weight_version",
     "sync_server",
     "tied_aliases",

@@ -8,7 +8,6 @@ chunks) -> ``finish_weight_update``, from ``vllm serve``'s HTTP endpoints, ``LLM
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import math
@@ -44,7 +43,7 @@ from patchctx._errors import (  # public as patchctx.vllm.WeightVersionError, ..
 from patchctx._model import read_names
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._apply import WorkerPatcher
-from patchctx.vllm._codec import PatchPayload, decode_payload
+from patchctx.vllm._codec import ALGORITHMS, FAST, SECURE, PatchPayload, decode_payload
 from patchctx.vllm._transport import (
     OWNER,
     InlineTransport,
@@ -62,7 +61,6 @@ __all__ = [
     "PatchctxInitInfo",
     "PatchctxUpdateInfo",
     "PatchctxWeightTransferEngine",
-    "patch_digest",
     "worker_error",
 ]
 
@@ -72,6 +70,9 @@ VLLM_START_VERSION = "default"
 """The weight version a vLLM 0.32 engine reports (``/weight_info``) before any update."""
 
 TRANSPORTS = ("shm", "nccl", "inline")
+# The checksum each transport needs by default: a fast one where the link is trusted (this
+# host's shared memory, the NCCL group), SHA-256 where it is not (bytes inside HTTP requests).
+DEFAULT_INTEGRITY = {"shm": FAST, "nccl": FAST, "inline": SECURE}
 APPLIERS = ("patchctx", "vllm", "load_weights", "layerwise")
 # The classes a worker's error may come back as, by name.
 _CLASSES: dict[str, type[PatchError]] = {
@@ -118,6 +119,11 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
         master_address: Rendezvous address of the NCCL group (``"nccl"``).
         master_port: Rendezvous port (``"nccl"``).
         world_size: The NCCL group's size: the trainer plus every worker (``"nccl"``).
+        integrity: The checksum the worker requires: ``"xxh3_128"`` (XXH3-128, near memory
+            speed; for links only the trainer writes to), ``"sha256"`` (for links that are
+            not trusted: a shared-memory payload is then read into the worker's own memory
+            before it is checked, so that it cannot change after) or `None` (the default:
+            ``"xxh3_128"`` on ``shm`` and ``nccl``, ``"sha256"`` for inline payloads).
         apply: How updates are applied: ``"patchctx"`` (the default, all of the above).
             For comparisons (``./dev bench --engine``), with the same transport and checks
             of the payload and version: ``"vllm"`` (vLLM's own
@@ -144,9 +150,12 @@ class PatchctxInitInfo(WeightTransferInitInfo):  # type: ignore[misc,unused-igno
     master_address: str | None = None
     master_port: int | None = None
     world_size: int | None = None
+    integrity: str | None = None
     apply: str = "patchctx"
 
     def __post_init__(self) -> None:
+        if self.integrity is not None and self.integrity not in ALGORITHMS:
+            raise ValueError(f"integrity={self.integrity!r}: one of {ALGORITHMS} or None")
         if self.apply not in APPLIERS:
             raise ValueError(f"apply={self.apply!r}: one of {APPLIERS}")
         if self.transport not in TRANSPORTS:
@@ -174,16 +183,21 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
 
     Attributes:
         nbytes: The payload's size in bytes (an `encode_patches` payload).
-        sha256: Its SHA-256, hex; a payload that does not match is refused.
+        checksum: ``"<algorithm>:<hex>"``, the payload's checksum as the trainer wrote it
+            (`Sealed.checksum`: the header and every patch's digest, so every byte once);
+            ``xxh3_128`` or ``sha256``, as the worker's ``integrity`` requires.
+        sha256: Or the SHA-256 of the payload's bytes, hex (for a sender that has the
+            bytes only). A chunk with neither is refused, and so is one that does not match.
         update_id: The update this chunk belongs to (1-64 of ``[A-Za-z0-9_.-]``), the same
             on every chunk of one update. A chunk of another update while one is open is
             refused (`UpdateConflictError`), unless its trainer opened the open one (it
             started over: the open one is dropped, nothing of it was applied).
         trainer_id: The sending trainer's id, as given at init.
         chunk: The chunk's position in its update (0, 1, ...); out of order is refused.
-        intent: One `patch_digest` per patch, as the trainer computed them from the values
-            it meant to send: a payload that decodes to anything else (retyped, re-encoded
-            with a new checksum) is refused, naming the patches that differ.
+        intent: Each patch's digest as the trainer wrote it (`Sealed.intent`: its manifest
+            entry and its tensors' bytes, in the checksum's algorithm, or ``xxh3_128``):
+            a payload that decodes to anything else (retyped, re-encoded, re-laid out with a
+            new checksum) is refused, naming the patches that differ.
         inline: The payload itself, base64 (below the workers' inline limit); `None`: fetch
             it through the transport chosen at init.
         shm: The payload file's name (``"shm"`` transport).
@@ -193,7 +207,8 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
 
     Examples:
         >>> from patchctx.vllm import PatchctxUpdateInfo
-        >>> PatchctxUpdateInfo(nbytes=96, sha256="0" * 64, update_id="u1", shm="patchctx-1").last
+        >>> PatchctxUpdateInfo(nbytes=96, checksum="xxh3_128:" + "0" * 32, update_id="u1",
+        ...                    shm="patchctx-1").last
         True
         >>> PatchctxUpdateInfo(nbytes=-1, sha256="", update_id="u1")
         Traceback (most recent call last):
@@ -202,7 +217,8 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
     """
 
     nbytes: int
-    sha256: str
+    sha256: str | None = None
+    checksum: str | None = None
     update_id: str | None = None
     trainer_id: str | None = None
     chunk: int | None = None
@@ -214,8 +230,17 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
     def __post_init__(self) -> None:
         if not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool) or self.nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {self.nbytes!r}")
-        if not isinstance(self.sha256, str):
+        if self.sha256 is not None and not isinstance(self.sha256, str):
             raise ValueError(f"sha256 must be hex text, got {self.sha256!r}")
+        if self.checksum is not None and (
+            not isinstance(self.checksum, str)
+            or len(self.checksum) > 200
+            or self.checksum.partition(":")[0] not in ALGORITHMS
+        ):
+            raise ValueError(
+                f"checksum must be '<algorithm>:<hex>' with an algorithm of {ALGORITHMS}, "
+                f"got {self.checksum!r:.80}"
+            )
         if not isinstance(self.last, bool):
             raise ValueError(f"last must be a bool, got {self.last!r}")
         for what in ("update_id", "trainer_id"):
@@ -242,40 +267,10 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
         return {
             "nbytes": self.nbytes,
             "sha256": self.sha256,
+            "checksum": self.checksum,
             "inline": self.inline,
             "shm": self.shm,
         }
-
-
-def patch_digest(patch: CheckpointWeightPatch) -> str:
-    """A digest of what a patch means: name, shape, dtype, its values in that dtype, positions.
-
-    The trainer computes it from the patches it means to send; the worker from the patches
-    it decoded. Equal digests: the worker holds exactly what the trainer meant, whatever the
-    wire did (a payload retyped and re-encoded with a new checksum decodes to other values).
-
-    Examples:
-        >>> import torch
-        >>> from patchctx import CheckpointWeightPatch
-        >>> from patchctx.vllm._backend import patch_digest
-        >>> a = CheckpointWeightPatch("w", (4,), torch.float32, torch.tensor([1.0]),
-        ...                           torch.tensor([2]))
-        >>> b = a._replace(values=torch.tensor([1.0], dtype=torch.float64))
-        >>> patch_digest(a) == patch_digest(b), patch_digest(a) == patch_digest(a._replace(
-        ...     indices=torch.tensor([3])))
-        (True, False)
-    """
-    from patchctx.vllm._codec import _host_bytes
-
-    digest = hashlib.sha256()
-    digest.update(repr((patch.name, tuple(int(d) for d in patch.shape), str(patch.dtype))).encode())
-    values = patch.values.detach().to(patch.dtype)
-    digest.update(_host_bytes(values).numpy().data)
-    if patch.indices is None:
-        digest.update(b"dense")
-    else:
-        digest.update(_host_bytes(patch.indices.detach().to(torch.int64)).numpy().data)
-    return digest.hexdigest()[:32]
 
 
 def worker_error(error: BaseException, rank: int) -> PatchError:
@@ -518,6 +513,7 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         self.verify_landing = os.environ.get("PATCHCTX_VLLM_VERIFY_LANDING", "1") != "0"
         self.last_stats: dict[str, Any] | None = None
         self.applier = "patchctx"
+        self.integrity: str | None = None  # None: by transport (DEFAULT_INTEGRITY)
         tensor_parallel = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         self.tensor_parallel = tensor_parallel
         self.model_bytes = sum(
@@ -633,8 +629,11 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             self.served = [info.weight_version]
         self.trainer_id = info.trainer_id
         self.applier = info.apply
+        self.integrity = info.integrity
         if info.transport == "shm":
-            self.transport = SharedMemoryTransport(info.shm_dir, limit=self.max_payload)
+            self.transport = SharedMemoryTransport(
+                info.shm_dir, limit=self.max_payload, copy=info.integrity == SECURE
+            )
             self.transport.sweep(info.trainer_id)  # its own, from an earlier life
         elif info.transport == "nccl":
             assert info.master_address is not None
@@ -686,6 +685,8 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         checked = agree(error)  # every worker has read the payload now
         if descriptor and isinstance(self.transport, SharedMemoryTransport):
             self.transport.consume(descriptor)  # nothing stays in /dev/shm once read
+            if checked.error is not None:
+                self.transport.forget(descriptor)  # a refused file is mapped afresh next time
         if checked.error is not None:
             if not keep_open:
                 self.update = None
@@ -760,16 +761,27 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             )
         check_size(info.nbytes, self.max_payload)
         descriptor = info.descriptor()
+        transport: Transport
         if info.inline is not None:
-            data = self.inline.receive(descriptor)
+            transport = self.inline
         elif self.transport is None:
             raise InvalidPatchError(
                 "no transport: call init_weight_transfer_engine first, or send the payload inline"
             )
         else:
-            data = self.transport.receive(descriptor)
-        payload = decode_payload(check_received(data, descriptor))
-        self._check_intent(payload.patches, info.intent)
+            transport = self.transport
+        self._check_integrity(info, transport.name)
+        data = transport.receive(descriptor)
+        if info.sha256 is not None:
+            check_received(data, descriptor)
+        elif len(data) != info.nbytes:
+            raise InvalidPatchError(
+                f"the payload is truncated or corrupt: {len(data)} bytes received, "
+                f"{info.nbytes} announced; nothing was written"
+            )
+        # Views of `data` (a private mapping of the trainer's file): held until commit/abort.
+        payload = decode_payload(data, checksum=info.checksum, intent=info.intent)
+        del data
         self._bound(payload.patches)
         if open_update is None:
             self.patcher.check_base(payload.base_version)
@@ -798,30 +810,22 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         open_update.complete = info.last
         self.update = open_update
 
-    def _check_intent(
-        self, patches: Sequence[CheckpointWeightPatch], intent: list[str] | None
-    ) -> None:
-        """The decoded patches are what the trainer meant (`patch_digest`), if it said."""
-        if intent is None:
-            return
-        if len(intent) != len(patches):
+    def _check_integrity(self, info: PatchctxUpdateInfo, transport: str) -> None:
+        """The chunk carries a checksum of the strength this transport needs (before a read)."""
+        need = self.integrity or DEFAULT_INTEGRITY.get(transport, SECURE)
+        if info.sha256 is not None:
+            return  # the payload's own SHA-256: strong enough anywhere
+        if info.checksum is None:
             raise InvalidPatchError(
-                f"the trainer meant {len(intent)} patches; the payload decodes to "
-                f"{len(patches)}; nothing was written"
+                "the chunk carries no checksum (checksum or sha256); nothing was read or written"
             )
-        problems = [
-            PatchProblem(
-                i,
-                patch.name,
-                "decodes to other values, positions, shape or dtype than the trainer meant "
-                "(its digest differs: the payload was altered after it was made); nothing "
-                "was written",
+        algorithm = info.checksum.partition(":")[0]
+        if need == SECURE and algorithm != SECURE:
+            raise InvalidPatchError(
+                f"this worker requires a {SECURE} checksum on the {transport} transport (its "
+                f"integrity setting); the chunk carries {algorithm!r}; nothing was read or "
+                "written"
             )
-            for i, (patch, meant) in enumerate(zip(patches, intent, strict=True))
-            if patch_digest(patch) != meant
-        ]
-        if problems:
-            raise InvalidPatchError(problems)
 
     def _bound(self, patches: Sequence[CheckpointWeightPatch]) -> None:
         """Every declared name, shape and dtype is one the worker knows, before any staging.

@@ -15,9 +15,9 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -34,14 +34,13 @@ from patchctx import (
     patch_nbytes,
 )
 from patchctx._errors import UpdateConflictError
-from patchctx.vllm._backend import VLLM_START_VERSION, patch_digest, raise_worker_error
-from patchctx.vllm._codec import encode_patches
+from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
+from patchctx.vllm._codec import ALGORITHMS, FAST, SECURE, PayloadPlan, Sealed, plan_payload
 from patchctx.vllm._transport import (
     InlineTransport,
     NCCLTransport,
     Sender,
     SharedMemoryTransport,
-    digest,
 )
 
 __all__ = [
@@ -212,7 +211,8 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
         dtype: The receiver's dtype for `diff_state_dicts` (`None`: each tensor's own).
         chunk_bytes: Split an update into ``update_weights`` chunks of about this many
             bytes of values and indices (`None`: one chunk). The workers check each chunk
-            as it arrives and apply all of them, atomically, with the last.
+            as it arrives and apply all of them, atomically, with the last; the trainer
+            writes the next chunk meanwhile.
         cost: How `diff_state_dicts` chooses sparse or dense per tensor (`UpdateCost`). Its
             defaults assume a 10 GB/s link and this library's 2-core CPU: pass
             ``UpdateCost(link_bytes_per_second=...)`` for your link, or
@@ -230,6 +230,9 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
             connect; without it, connecting while one is open is refused.
         trainer_id: This trainer's id (1-64 of ``[A-Za-z0-9_.-]``): its chunks carry it, and
             the workers refuse another trainer's chunks. `None`: a random one.
+        integrity: The checksum of every chunk, and what the workers require
+            (`PatchctxInitInfo.integrity`): ``"xxh3_128"``, ``"sha256"``, or `None` (XXH3 on
+            ``shm`` and ``nccl``, SHA-256 for inline payloads).
         rank: This trainer process's rank; rank 0 sends.
 
     Examples:
@@ -254,6 +257,11 @@ class PatchctxTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc,unused-igno
     adopt_version: bool = False
     takeover: bool = False
     trainer_id: str | None = None
+    integrity: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.integrity is not None and self.integrity not in ALGORITHMS:
+            raise ValueError(f"integrity={self.integrity!r}: one of {ALGORITHMS} or None")
 
 
 @dataclass(frozen=True)
@@ -265,7 +273,7 @@ class SendStats:
         nbytes: Payload bytes on the wire (values and indices plus a small header per
             chunk).
         diff_ms: Time to compute the patches (`diff_state_dicts`), 0 when given.
-        encode_ms: Time to encode the payload and hand it to the transport.
+        encode_ms: Time to encode the payload into the transport's buffer, hashes included.
         update_ms: Time of the ``update_weights`` round trip: transfer and apply on every
             worker.
         total_ms: Start to finish, diff included.
@@ -312,6 +320,70 @@ def next_version(version: str | None) -> str:
     if numbered is not None:
         return f"{numbered.group(1)}.{int(numbered.group(2)) + 1}"
     return f"{version}.1"
+
+
+@runtime_checkable
+class BytesSender(Protocol):
+    """A sender that takes ready-made payload bytes (`Sender` without ``write``).
+
+    Examples:
+        >>> from patchctx.vllm._trainer import BytesSender
+        >>> from patchctx.vllm._transport import InlineTransport
+        >>> isinstance(InlineTransport(), BytesSender)
+        True
+    """
+
+    name: str
+    concurrent: bool
+
+    def describe(self, payload: bytes) -> dict[str, Any]:
+        """The descriptor's transport fields for `payload`."""
+        ...
+
+    def transmit(self, payload: bytes) -> None:
+        """Move the bytes."""
+        ...
+
+    def release(self) -> None:
+        """Free what the update held."""
+        ...
+
+    def close(self) -> None:
+        """Release the sender's resources."""
+        ...
+
+
+class _FromBytes:
+    """A `Sender` over a `BytesSender`: the payload is written into bytes, then handed over."""
+
+    def __init__(self, inner: BytesSender) -> None:
+        self.inner = inner
+        self.name, self.concurrent = inner.name, inner.concurrent
+        self._payload: bytes | None = None
+
+    def write(
+        self, plan: PayloadPlan, *, algorithm: str, pooled: bool = False
+    ) -> tuple[dict[str, Any], Sealed]:
+        buffer = bytearray(plan.nbytes)
+        sealed = plan.write_into(buffer, algorithm=algorithm)
+        self._payload = bytes(buffer)
+        return self.inner.describe(self._payload), sealed
+
+    def describe(self, payload: bytes) -> dict[str, Any]:
+        self._payload = payload
+        return self.inner.describe(payload)
+
+    def transmit(self, payload: bytes | None = None) -> None:
+        data = payload if payload is not None else self._payload
+        assert data is not None, "write first"
+        self.inner.transmit(data)
+
+    def release(self, *, reuse: bool = False) -> None:
+        self._payload = None
+        self.inner.release()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def _chunks(
@@ -381,12 +453,13 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.init_info = init_info or PatchctxTrainerInitInfo(rank=0)
-        self.sender: Sender | None = None
+        self.sender: Sender | BytesSender | None = None
         self.inline = InlineTransport(limit=self.init_info.inline_below)  # None: the default
         self.version: str | None = None
         self.sent: dict[str, torch.Tensor] = {}
         self._ended_by_workers = False  # the current update's update_weights raised
         self.trainer_id = self.init_info.trainer_id or uuid.uuid4().hex[:16]
+        self._adapter: tuple[object, Sender] | None = None  # for a sender without `write`
         # The update a caller-owned session (`send_weight_chunk`) is sending, and its next chunk.
         self._session: tuple[str, int] | None = None
 
@@ -425,6 +498,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             "trainer_id": engine.trainer_id,
             "takeover": init_info.takeover,
             "shm_dir": init_info.shm_dir,
+            "integrity": init_info.integrity,
         }
         if init_info.transport == "nccl":
             worker_info.update(
@@ -496,49 +570,94 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         ``finish_weight_update``. The chunks of one session form one update (its id on each);
         each names the trainer's current version as base and the next one as target; pass
         the same target to ``finish_weight_update`` (`version` is it after the last chunk).
+        The caller owns the finish, so each chunk's buffer is a fresh one, never written again.
         """
         update_id, position = self._session or (uuid.uuid4().hex[:16], 0)
-        patches = list(patches)
-        payload = encode_patches(
-            patches, base_version=self.version, target_version=next_version(self.version)
-        )
+        plan, sender = self._plan(list(patches), self.version, next_version(self.version))
         self._session = None if last else (update_id, position + 1)
-        self._transfer(payload, patches, last=last, update_id=update_id, chunk=position)
+        try:
+            info = self._write(
+                plan, sender, pooled=False, last=last, update_id=update_id, chunk=position
+            )
+            self._deliver(info, sender)
+        finally:
+            sender.release()
         if last:
             self.version = next_version(self.version)
-        return len(payload)
+        return plan.nbytes
 
-    def _transfer(
+    def _writing(self, sender: Sender | BytesSender) -> Sender:
+        """`sender` itself if it writes plans, else an adapter (one per sender)."""
+        if isinstance(sender, Sender):
+            return sender
+        if self._adapter is None or self._adapter[0] is not sender:
+            self._adapter = (sender, _FromBytes(sender))
+        return self._adapter[1]
+
+    def _algorithm(self, sender: Sender) -> str:
+        chosen = self.init_info.integrity
+        if chosen is not None:
+            return chosen
+        return SECURE if sender.name == "inline" else FAST
+
+    def _plan(
         self,
-        payload: bytes,
         patches: list[CheckpointWeightPatch],
+        base: str | None,
+        target: str | None,
+    ) -> tuple[PayloadPlan, Sender]:
+        """The chunk's layout and the sender it goes by (inline when small enough).
+
+        Over shared memory, positions travel flat: a copy of them costs less than encoding
+        them smaller and decoding them again. Elsewhere (and inline) the smallest encoding.
+        """
+        assert self.sender is not None, "trainer_init() first"
+        main = self._writing(self.sender)
+        flat = main.name == "shm"
+        plan = plan_payload(
+            patches,
+            base_version=base,
+            target_version=target,
+            positions="flat" if flat else "smallest",
+        )
+        if 0 < plan.nbytes <= self.inline.limit:
+            if flat:
+                plan = plan_payload(patches, base_version=base, target_version=target)
+            return plan, self.inline
+        return plan, main
+
+    def _write(
+        self,
+        plan: PayloadPlan,
+        sender: Sender,
         *,
+        pooled: bool,
         last: bool,
         update_id: str,
         chunk: int,
-    ) -> str:
-        assert self.sender is not None, "trainer_init() first"
-        sender: Sender = self.inline if 0 < len(payload) <= self.inline.limit else self.sender
-        info = {
-            **sender.describe(payload),
-            "nbytes": len(payload),
-            "sha256": digest(payload),
+    ) -> dict[str, Any]:
+        """Write the chunk into the sender's buffer; its update info."""
+        fields, sealed = sender.write(plan, algorithm=self._algorithm(sender), pooled=pooled)
+        return {
+            **fields,
+            "nbytes": plan.nbytes,
+            "checksum": sealed.checksum,
             "last": last,
             "update_id": update_id,
             "trainer_id": self.trainer_id,
             "chunk": chunk,
-            "intent": [patch_digest(patch) for patch in patches],
+            "intent": sealed.intent,
         }
-        try:
-            if sender.concurrent:
-                with ThreadPoolExecutor(max_workers=1) as pool:
-                    pending = pool.submit(self._update_weights, info)
-                    sender.transmit(payload)
-                    pending.result()
-            else:
-                self._update_weights(info)
-        finally:
-            sender.release()
+
+    def _deliver(self, info: dict[str, Any], sender: Sender) -> str:
+        """Send a written chunk (its buffer is not released here)."""
+        if sender.concurrent:
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                pending = pool.submit(self._update_weights, info)
+                sender.transmit()
+                pending.result()
+        else:
+            self._update_weights(info)
         return sender.name
 
     def _update_weights(self, info: dict[str, Any]) -> None:
@@ -547,6 +666,47 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         except BaseException:
             self._ended_by_workers = True  # vLLM ends an update whose update_weights raised
             raise
+
+    def _send_chunks(
+        self,
+        groups: list[list[CheckpointWeightPatch]],
+        target: str,
+        update_id: str,
+        pool: ThreadPoolExecutor,
+        in_flight: list[Future[str]],
+    ) -> tuple[float, float, int, set[str]]:
+        """Write and deliver every chunk: encode and update seconds, bytes, transports.
+
+        Chunk k+1 is written while the workers receive and check chunk k (one delivery at a
+        time, in order, from `pool`; a collective sender delivers each chunk as it is
+        written). The delivery in flight is in `in_flight`, for the caller to wait on.
+        """
+        began = time.perf_counter()
+        encode_s, nbytes, transports = 0.0, 0, set()
+        for position, group in enumerate(groups):
+            begin = time.perf_counter()
+            plan, sender = self._plan(group, self.version, target)
+            info = self._write(
+                plan,
+                sender,
+                pooled=True,
+                last=position == len(groups) - 1,
+                update_id=update_id,
+                chunk=position,
+            )
+            encode_s += time.perf_counter() - begin
+            nbytes += plan.nbytes
+            while in_flight:
+                transports.add(in_flight[0].result())
+                in_flight.pop()
+            if sender.concurrent:
+                transports.add(self._deliver(info, sender))
+            else:
+                in_flight.append(pool.submit(self._deliver, info, sender))
+        while in_flight:
+            transports.add(in_flight[0].result())
+            in_flight.pop()
+        return encode_s, time.perf_counter() - began - encode_s, nbytes, transports
 
     def _send(
         self,
@@ -558,30 +718,21 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if not self.is_sender:
             return None
         target = target_version or next_version(self.version)
-        encode_s = update_s = 0.0
-        nbytes, transports = 0, set()
         groups = _chunks(patches, self.init_info.chunk_bytes)
         self._ended_by_workers = False
         update_id = uuid.uuid4().hex[:16]
         self.client.start_weight_update()
+        finished = False
+        pool = ThreadPoolExecutor(max_workers=1)
+        in_flight: list[Future[str]] = []
         try:
-            for position, group in enumerate(groups):
-                begin = time.perf_counter()
-                payload = encode_patches(group, base_version=self.version, target_version=target)
-                encoded = time.perf_counter()
-                transports.add(
-                    self._transfer(
-                        payload,
-                        group,
-                        last=position == len(groups) - 1,
-                        update_id=update_id,
-                        chunk=position,
-                    )
-                )
-                update_s += time.perf_counter() - encoded
-                encode_s += encoded - begin
-                nbytes += len(payload)
+            encode_s, update_s, nbytes, transports = self._send_chunks(
+                groups, target, update_id, pool, in_flight
+            )
         except BaseException:
+            for pending in in_flight:  # a chunk still in flight: let it end before the abort
+                with contextlib.suppress(BaseException):
+                    pending.result()
             # When update_weights fails, vLLM has ended the update on every worker already
             # (ending it again is an error there). A failure of the trainer's own (a patch
             # that cannot be encoded, a payload a transport refuses) must end it too, or every
@@ -591,8 +742,18 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
                 with contextlib.suppress(Exception):
                     self.client.finish_weight_update()
             raise
-        # The workers apply the update here, whole, or refuse (vLLM then records no version).
-        self.client.finish_weight_update(target)
+        else:
+            # The workers apply the update here, whole, or refuse (vLLM then records no
+            # version). Either way, once this returns no worker holds a view of its buffers.
+            self.client.finish_weight_update(target)
+            finished = True
+        finally:
+            # Pooled buffers are written again only after a finish that returned; after any
+            # failure (a timeout: a worker may still be reading) they are deleted instead.
+            if self.sender is not None:
+                self._writing(self.sender).release(reuse=finished)
+            self.inline.release(reuse=finished)
+            pool.shutdown()
         self.version = target
         get_version = getattr(self.client, "get_weight_version", None)
         served = get_version() if callable(get_version) else None

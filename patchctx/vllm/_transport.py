@@ -1,18 +1,21 @@
 """The data plane of the ``patchctx`` backend: how payload bytes get from trainer to workers.
 
 The control plane is vLLM's (``update_weights`` over HTTP, Ray or ``collective_rpc``): it
-carries an update descriptor, a small JSON object with the payload's size, its SHA-256 and
+carries an update descriptor, a small JSON object with the payload's size, its checksum and
 where to fetch it. A transport has two halves:
 
-- the worker's (`Transport`): ``receive(descriptor)`` returns the bytes;
-- the trainer's (`Sender`): ``describe(payload)`` returns the descriptor, ``transmit(payload)``
-  moves the bytes (while ``update_weights`` is in flight when ``concurrent``, as collectives
-  need), ``release()`` frees what one update held.
+- the worker's (`Transport`): ``receive(descriptor)`` returns the payload as a buffer (a
+  private mapping of a shared-memory file, a host copy of a broadcast), which the worker
+  decodes as views;
+- the trainer's (`Sender`): ``write(plan)`` writes a planned payload straight into the
+  transport's buffer and returns the descriptor and checksums, ``transmit()`` moves the bytes
+  (while ``update_weights`` is in flight when ``concurrent``, as collectives need),
+  ``release(reuse=)`` frees (or keeps for a later update) what one update held.
 
 Three are built in: ``inline`` (base64 inside the descriptor, below a size limit), ``shm``
 (a file in a shared-memory directory of this host; what CI exercises) and ``nccl`` (a
 broadcast over a trainer-worker NCCL group made by vLLM's own rendezvous helpers). Every
-received payload is checked against the descriptor's size and digest before it is decoded.
+received payload is checked against the descriptor's size and checksum before it is decoded.
 """
 
 from __future__ import annotations
@@ -20,17 +23,21 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import mmap
 import os
 import re
 import stat
 import uuid
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from patchctx import InvalidPatchError
+from patchctx.vllm._codec import PayloadPlan, Sealed
 
 __all__ = [
     "DEFAULT_INLINE_LIMIT",
@@ -52,6 +59,8 @@ DEFAULT_INLINE_LIMIT = 4 << 20
 INLINE_LIMIT_ENV = "PATCHCTX_VLLM_INLINE_LIMIT"
 DEFAULT_SHM_DIR = "/dev/shm"
 SHM_PREFIX = "patchctx-"
+POOL_MARK = "-pool-"
+"""Marks a payload file the trainer keeps for later updates (the worker does not delete it)."""
 MAX_PAYLOAD_ENV = "PATCHCTX_VLLM_MAX_PAYLOAD"
 """Largest payload (bytes) a worker accepts from any transport (default: see `payload_limit`)."""
 # A trainer's id, as it appears in its payload files' names.
@@ -100,8 +109,8 @@ def digest(payload: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
-def check_received(payload: bytes, descriptor: Mapping[str, Any]) -> bytes:
-    """`payload` if its size and SHA-256 are the descriptor's; `InvalidPatchError` if not.
+def check_received(payload: Any, descriptor: Mapping[str, Any]) -> Any:
+    """`payload` (any buffer) if its size and SHA-256 are the descriptor's, else refused.
 
     Examples:
         >>> from patchctx.vllm._transport import check_received, digest
@@ -138,8 +147,8 @@ class Transport(Protocol):
 
     name: str
 
-    def receive(self, descriptor: Mapping[str, Any]) -> bytes:
-        """The payload's bytes (checked by the caller against size and digest)."""
+    def receive(self, descriptor: Mapping[str, Any]) -> Any:
+        """The payload, a buffer of ``descriptor["nbytes"]`` bytes (checked by the caller)."""
         ...
 
     def close(self) -> None:
@@ -161,16 +170,30 @@ class Sender(Protocol):
     concurrent: bool
     """Whether `transmit` must run while the worker's ``update_weights`` is in flight."""
 
-    def describe(self, payload: bytes) -> dict[str, Any]:
-        """The descriptor's transport fields for `payload` (size and digest are added)."""
+    def write(
+        self, plan: PayloadPlan, *, algorithm: str, pooled: bool = False
+    ) -> tuple[dict[str, Any], Sealed]:
+        """Write `plan` into the transport's buffer; the descriptor's fields and its hashes.
+
+        With `pooled`, the buffer may be one an earlier update used (and is kept until
+        ``release(reuse=True)``); without, it is fresh and never written again.
+        """
         ...
 
-    def transmit(self, payload: bytes) -> None:
+    def describe(self, payload: bytes) -> dict[str, Any]:
+        """The descriptor's transport fields for ready-made bytes (size and digest added)."""
+        ...
+
+    def transmit(self, payload: bytes | None = None) -> None:
         """Move the bytes (a collective, for example); may do nothing."""
         ...
 
-    def release(self) -> None:
-        """Free what the last update held, once the worker has it."""
+    def release(self, *, reuse: bool = False) -> None:
+        """Free what the update held; with `reuse`, keep pooled buffers for the next one.
+
+        Pass `reuse` only once the update's ``finish_weight_update`` has returned: no worker
+        holds a view of them any more.
+        """
         ...
 
     def close(self) -> None:
@@ -225,39 +248,178 @@ class InlineTransport:
         except (binascii.Error, ValueError) as error:
             raise InvalidPatchError(f"inline is not valid base64: {error}") from None
 
+    def write(
+        self, plan: PayloadPlan, *, algorithm: str, pooled: bool = False
+    ) -> tuple[dict[str, Any], Sealed]:
+        """``{"inline": base64 text}`` of the payload, written into a fresh buffer."""
+        self._check_size(plan.nbytes)
+        buffer = bytearray(plan.nbytes)
+        sealed = plan.write_into(buffer, algorithm=algorithm)
+        return {"inline": base64.b64encode(buffer).decode("ascii")}, sealed
+
     def describe(self, payload: bytes) -> dict[str, Any]:
         """``{"inline": base64 text}``."""
         self._check_size(len(payload))
         return {"inline": base64.b64encode(payload).decode("ascii")}
 
-    def transmit(self, payload: bytes) -> None:
+    def transmit(self, payload: bytes | None = None) -> None:
         """Nothing to do: the bytes travel in the request."""
 
-    def release(self) -> None:
+    def release(self, *, reuse: bool = False) -> None:
         """Nothing to free."""
 
     def close(self) -> None:
         """Nothing to release."""
 
 
-class SharedMemoryTransport:
-    """A file per update in a shared-memory directory of this host (default ``/dev/shm``).
+@dataclass(eq=False)
+class _PoolFile:
+    """A payload file the trainer keeps mapped between updates (tmpfs pages stay resident)."""
 
-    The trainer writes the payload to ``<directory>/patchctx-<random>`` and names the file in
-    the descriptor; each worker reads it (all tensor-parallel ranks read the same file) and
-    the trainer deletes it after the update. A worker reads only files named
-    ``patchctx-*`` directly inside its own directory, never through a link, and checks size
-    and digest, so a trainer killed while writing leaves a payload that is refused.
+    path: Path
+    size: int
+    mapping: mmap.mmap | None
+
+    def resize(self, size: int) -> None:
+        if size == self.size and (self.mapping is not None or size == 0):
+            return
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+        with open(self.path, "r+b") as file:
+            file.truncate(size)
+            if size:
+                self.mapping = _map_shared(file.fileno(), size)
+        self.size = size
+
+    def drop(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+        self.path.unlink(missing_ok=True)
+
+
+def _map_shared(fd: int, size: int) -> mmap.mmap:
+    """A writable shared mapping, its page tables filled at once where the OS can."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+class _Pool:
+    """The trainer's payload files: fresh ones (deleted at release) and pooled ones."""
+
+    def __init__(self, directory: Path, owner: str | None) -> None:
+        self.directory, self.owner = directory, owner
+        self.written: list[Path] = []
+        self.free: list[_PoolFile] = []  # pooled files no worker reads: may be written
+        self.busy: list[_PoolFile] = []  # pooled files of the update in flight
+
+    def name(self, pooled: bool) -> Path:
+        owner = f"{self.owner}-" if self.owner is not None else ""
+        mark = POOL_MARK.lstrip("-") if pooled else ""
+        return self.directory / f"{SHM_PREFIX}{owner}{mark}{uuid.uuid4().hex}"
+
+    def fresh(self, size: int) -> Path:
+        """A new file of `size` bytes, mode 0600, deleted at release."""
+        path = self.name(pooled=False)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.written.append(path)
+        with os.fdopen(fd, "r+b") as file:
+            file.truncate(size)
+        return path
+
+    def take(self, size: int) -> _PoolFile:
+        """A pooled file of `size` bytes no worker reads (one of the same size if any)."""
+        same = [f for f in self.free if f.size == size]
+        if same or self.free:
+            chosen = (same or self.free)[0]
+            self.free.remove(chosen)
+        else:
+            path = self.name(pooled=True)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            chosen = _PoolFile(path, -1, None)
+        self.busy.append(chosen)
+        chosen.resize(size)
+        return chosen
+
+    def release(self, *, reuse: bool) -> None:
+        while self.written:
+            self.written.pop().unlink(missing_ok=True)
+        while self.busy:
+            pooled = self.busy.pop()
+            if reuse:
+                self.free.append(pooled)
+            else:
+                pooled.drop()
+
+    def close(self) -> None:
+        self.release(reuse=False)
+        while self.free:
+            self.free.pop().drop()
+
+
+Kept = dict[str, tuple[tuple[int, int, int], mmap.mmap]]
+
+
+def _kept_mapping(
+    mapped: Kept, directory: Path, name: str, info: os.stat_result, fd: int
+) -> mmap.mmap:
+    """The worker's mapping of a pooled file, kept across updates (its page tables too).
+
+    The trainer writes a pooled file again only after the finish of the update that read it,
+    when no view of it is left here; a mapping of another file (or size) than the one the
+    name now holds is dropped, and so is every mapping of a file no longer there.
+    """
+    key = (info.st_dev, info.st_ino, info.st_size)
+    for other, (known, _) in list(mapped.items()):
+        try:
+            now = os.stat(directory / other, follow_symlinks=False)
+            alive = (now.st_dev, now.st_ino, now.st_size) == known
+        except OSError:
+            alive = False
+        if not alive or (other == name and known != key):
+            mapped.pop(other)  # closed once its last view is gone
+    entry = mapped.get(name)
+    if entry is None:
+        mapping = mmap.mmap(
+            fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        entry = mapped[name] = (key, mapping)
+    return entry[1]
+
+
+class SharedMemoryTransport:
+    """A file per payload in a shared-memory directory of this host (default ``/dev/shm``).
+
+    The trainer writes the payload straight into a mapped ``<directory>/patchctx-<id>-...``
+    file and names it in the descriptor; each worker maps it (all tensor-parallel ranks map
+    the same file) and decodes views of it, without a copy. A worker opens only files named
+    ``patchctx-*`` directly inside its own directory, never through a link, a FIFO or a
+    device, and checks the size before it maps a byte.
+
+    Lifetimes (so that no byte changes after a worker checked it): a file is written once
+    per update, before it is described, and never while a worker may read it. A fresh file
+    (``send_weight_chunk``) is deleted by the worker once read and by the trainer after the
+    chunk; the worker's mapping keeps its bytes. A pooled file (``send_weights``: names with
+    ``-pool-``) is written again only for a later update, after the ``finish_weight_update``
+    of the one that used it returned (every worker has then applied or dropped the update,
+    and holds no view of it); the trainer deletes its pool at shutdown, and a worker sweeps
+    a dead trainer's files when another connects. With ``copy=True`` (an untrusted link:
+    ``integrity="sha256"``) a worker reads the file into its own memory instead of mapping
+    it, so that what it checked cannot change.
 
     Args:
         directory: The directory; the trainer and the workers must name the same one.
+        owner: The trainer's id (its files' names start with it).
+        limit: The largest payload a worker maps.
+        copy: Read a private copy instead of mapping the file (worker side).
 
     Examples:
         >>> import tempfile
         >>> from patchctx.vllm._transport import SharedMemoryTransport, digest
         >>> sender = SharedMemoryTransport(tempfile.mkdtemp())
         >>> descriptor = {**sender.describe(b"payload"), "nbytes": 7}
-        >>> SharedMemoryTransport(sender.directory).receive(descriptor)
+        >>> bytes(SharedMemoryTransport(sender.directory).receive(descriptor))
         b'payload'
         >>> sender.release()  # the file is gone
         >>> try:
@@ -271,14 +433,25 @@ class SharedMemoryTransport:
     concurrent = False
 
     def __init__(
-        self, directory: str = "/dev/shm", *, owner: str | None = None, limit: int | None = None
+        self,
+        directory: str = "/dev/shm",
+        *,
+        owner: str | None = None,
+        limit: int | None = None,
+        copy: bool = False,
     ) -> None:
         self.directory = Path(directory)
         if owner is not None and not OWNER.fullmatch(owner):
             raise InvalidPatchError(f"a trainer id is 1-64 of [A-Za-z0-9_.-], got {owner!r}")
         self.owner = owner
         self.limit = limit
-        self._written: list[Path] = []
+        self.copy = copy
+        self._pool = _Pool(self.directory, owner)  # trainer side: the files it wrote
+        # A trainer that exits without closing its sender deletes its pool all the same (a
+        # killed one leaves it to the workers' sweep at the next connect).
+        weakref.finalize(self, self._pool.close)
+        # Worker side: pooled files kept mapped, by name: ((device, inode, size), mapping).
+        self._mapped: Kept = {}
 
     def _path(self, name: object) -> Path:
         if (
@@ -292,11 +465,13 @@ class SharedMemoryTransport:
             )
         return self.directory / name
 
-    def receive(self, descriptor: Mapping[str, Any]) -> bytes:
-        """Read the file ``descriptor["shm"]`` names: a regular file of exactly ``nbytes``.
+    def receive(self, descriptor: Mapping[str, Any]) -> Any:
+        """Map (or, with `copy`, read) the file ``descriptor["shm"]`` names.
 
-        Opened without following a link and without blocking (a FIFO or device named like
-        a payload is refused, not waited on); its size is checked before a byte is read.
+        A regular file of exactly ``nbytes``, opened without following a link and without
+        blocking (a FIFO or device named like a payload is refused, not waited on); its size
+        is checked before a byte is read. The mapping is private: a write into a decoded
+        tensor never reaches the file.
         """
         path = self._path(descriptor.get("shm"))
         nbytes = check_size(descriptor.get("nbytes"), self.limit)
@@ -310,29 +485,51 @@ class SharedMemoryTransport:
             ) from None
         try:
             info = os.fstat(fd)
-            regular = stat.S_ISREG(info.st_mode)
-        except BaseException:
-            os.close(fd)
-            raise
-        if not regular:
-            os.close(fd)
-            raise InvalidPatchError(
-                f"the payload file {str(path)!r} is not a regular file (a FIFO, a device, "
-                "a directory); nothing was read or written"
-            )
-        with os.fdopen(fd, "rb", buffering=0) as file:
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidPatchError(
+                    f"the payload file {str(path)!r} is not a regular file (a FIFO, a device, "
+                    "a directory); nothing was read or written"
+                )
             if info.st_size != nbytes:
                 raise InvalidPatchError(
                     f"the payload is truncated or corrupt: the file {str(path)!r} holds "
                     f"{info.st_size} bytes, {nbytes} announced; nothing was read or written"
                 )
-            return file.read(nbytes)  # (a regular file: what it holds, at most nbytes)
+            if nbytes == 0:
+                return bytearray()
+            if not self.copy and POOL_MARK in path.name:
+                return _kept_mapping(self._mapped, self.directory, path.name, info, fd)
+            if self.copy:
+                buffer = bytearray(nbytes)
+                with os.fdopen(os.dup(fd), "rb", buffering=0) as file:
+                    got = file.readinto(buffer)
+                if got != nbytes:
+                    raise InvalidPatchError(
+                        f"the payload file {str(path)!r} changed while read; nothing was written"
+                    )
+                return buffer
+            return mmap.mmap(
+                fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        finally:
+            os.close(fd)
+
+    def forget(self, descriptor: Mapping[str, Any]) -> None:
+        """Drop the kept mapping of ``descriptor["shm"]`` (after a refusal: map it afresh)."""
+        name = descriptor.get("shm")
+        if isinstance(name, str):
+            self._mapped.pop(name, None)
 
     def consume(self, descriptor: Mapping[str, Any]) -> None:
-        """Delete the file ``descriptor["shm"]`` names, once every worker has read it."""
+        """Delete the file ``descriptor["shm"]`` names once every worker has it (not a pooled one).
+
+        The workers' mappings keep its bytes; a pooled file stays for its trainer to reuse.
+        """
         try:
             path = self._path(descriptor.get("shm"))
         except InvalidPatchError:
+            return
+        if POOL_MARK in path.name:
             return
         try:
             if stat.S_ISREG(os.lstat(path).st_mode):
@@ -341,7 +538,7 @@ class SharedMemoryTransport:
             pass
 
     def sweep(self, owner: str | None) -> int:
-        """Delete the payload files trainer `owner` left (it died before they were read)."""
+        """Delete the payload files trainer `owner` left (it died, or restarted)."""
         if owner is None or not OWNER.fullmatch(owner):
             return 0
         removed = 0
@@ -354,27 +551,44 @@ class SharedMemoryTransport:
                 pass
         return removed
 
+    def write(
+        self, plan: PayloadPlan, *, algorithm: str, pooled: bool = False
+    ) -> tuple[dict[str, Any], Sealed]:
+        """Write `plan` straight into a mapped file; ``{"shm": its name}`` and its hashes.
+
+        The mapping is the trainer's only handle on the file: a fresh one is closed before
+        this returns, a pooled one is kept by the pool and written again only after
+        ``release(reuse=True)``.
+        """
+        if not pooled:
+            path = self._pool.fresh(plan.nbytes)
+            if plan.nbytes == 0:
+                return {"shm": path.name}, plan.write_into(bytearray())
+            with open(path, "r+b") as file, _map_shared(file.fileno(), plan.nbytes) as mapping:
+                sealed = plan.write_into(mapping, algorithm=algorithm)
+            return {"shm": path.name}, sealed
+        chosen = self._pool.take(plan.nbytes)
+        target = chosen.mapping if chosen.mapping is not None else bytearray()
+        return {"shm": chosen.path.name}, plan.write_into(target, algorithm=algorithm)
+
     def describe(self, payload: bytes) -> dict[str, Any]:
-        """Write `payload` to a new file; ``{"shm": its name}``."""
-        owner = f"{self.owner}-" if self.owner is not None else ""
-        name = f"{SHM_PREFIX}{owner}{uuid.uuid4().hex}"
-        path = self.directory / name
-        with open(path, "xb") as file:
+        """Write ready-made `payload` bytes to a new file; ``{"shm": its name}``."""
+        path = self._pool.fresh(len(payload))
+        with open(path, "r+b") as file:
             file.write(payload)
-        self._written.append(path)
-        return {"shm": name}
+        return {"shm": path.name}
 
-    def transmit(self, payload: bytes) -> None:
-        """Nothing to do: `describe` wrote the file."""
+    def transmit(self, payload: bytes | None = None) -> None:
+        """Nothing to do: `write` wrote the file."""
 
-    def release(self) -> None:
-        """Delete the files this sender wrote."""
-        while self._written:
-            self._written.pop().unlink(missing_ok=True)
+    def release(self, *, reuse: bool = False) -> None:
+        """Delete the fresh files; pooled ones go back to the pool with `reuse`, else too."""
+        self._pool.release(reuse=reuse)
 
     def close(self) -> None:
-        """Delete what is left."""
-        self.release()
+        """Delete every file this sender holds; drop every mapping this worker kept."""
+        self._pool.close()
+        self._mapped.clear()
 
 
 class NCCLTransport:
@@ -384,7 +598,9 @@ class NCCLTransport:
     trainer is rank 0 of a ``StatelessProcessGroup`` rendezvous at
     ``master_address:master_port``, and each worker joins at ``1 +`` its global rank (vLLM's
     ``worker_init_process_group`` / ``trainer_init`` helpers). One update is one broadcast of
-    a ``uint8`` tensor of the announced size; the worker copies it to host memory to decode.
+    a ``uint8`` tensor of the announced size: the trainer writes the payload into a (pinned)
+    host buffer and broadcasts it; the worker copies it to host memory once and decodes
+    views of that copy.
 
     Args:
         communicator: A ``PyNcclCommunicator`` (or anything with ``broadcast(tensor, src=,
@@ -397,7 +613,7 @@ class NCCLTransport:
         ...     device = torch.device("cpu")
         ...     def broadcast(self, tensor, src, stream=None):
         ...         tensor.copy_(torch.tensor(list(b"hi"), dtype=torch.uint8))
-        >>> NCCLTransport(Loopback()).receive({"nbytes": 2})
+        >>> bytes(NCCLTransport(Loopback()).receive({"nbytes": 2}))
         b'hi'
     """
 
@@ -407,6 +623,7 @@ class NCCLTransport:
     def __init__(self, communicator: Any, *, limit: int | None = None) -> None:
         self.communicator = communicator
         self.limit = limit  # the most bytes a receive allocates (see `payload_limit`)
+        self._staged: torch.Tensor | None = None  # what `write` wrote, for `transmit`
 
     @classmethod
     def for_worker(
@@ -446,32 +663,52 @@ class NCCLTransport:
         )
         return cls(trainer_init(rendezvous))
 
-    def _stream(self) -> Any:
+    def _device(self) -> torch.device:
         device = getattr(self.communicator, "device", torch.device("cpu"))
+        return device if isinstance(device, torch.device) else torch.device(device)
+
+    def _stream(self) -> Any:
+        device = self._device()
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-    def receive(self, descriptor: Mapping[str, Any]) -> bytes:
+    def receive(self, descriptor: Mapping[str, Any]) -> Any:
         """Receive the broadcast of ``descriptor["nbytes"]`` bytes (at most `limit`)."""
         nbytes = check_size(descriptor.get("nbytes"), self.limit)
-        device = getattr(self.communicator, "device", torch.device("cpu"))
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device())
         self.communicator.broadcast(buffer, src=0, stream=self._stream())
-        return bytes(buffer.cpu().numpy().tobytes())
+        return buffer.cpu().numpy().data  # one device-to-host copy on CUDA, none here
+
+    def write(
+        self, plan: PayloadPlan, *, algorithm: str, pooled: bool = False
+    ) -> tuple[dict[str, Any], Sealed]:
+        """Write `plan` into a host buffer (pinned with CUDA) for `transmit`."""
+        pinned = self._device().type == "cuda"
+        host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        sealed = plan.write_into(host.numpy().data, algorithm=algorithm)
+        self._staged = host
+        return {}, sealed
 
     def describe(self, payload: bytes) -> dict[str, Any]:
         """Nothing but the size and digest (added by the caller)."""
+        self._staged = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return {}
 
-    def transmit(self, payload: bytes) -> None:
+    def transmit(self, payload: bytes | None = None) -> None:
         """Broadcast the bytes from rank 0 (while the workers' ``update_weights`` runs)."""
-        device = getattr(self.communicator, "device", torch.device("cpu"))
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        device = self._device()
+        if payload is not None:
+            self.describe(payload)
+        host = self._staged
+        if host is None:
+            raise InvalidPatchError("nothing to transmit: write or describe a payload first")
+        buffer = host.to(device, non_blocking=True) if device.type == "cuda" else host
         self.communicator.broadcast(buffer, src=0, stream=self._stream())
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 
-    def release(self) -> None:
-        """Nothing held between updates."""
+    def release(self, *, reuse: bool = False) -> None:
+        """Drop the staged buffer."""
+        self._staged = None
 
     def close(self) -> None:
         """Destroy the communicator."""

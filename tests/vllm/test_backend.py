@@ -149,7 +149,13 @@ def test_updates_through_the_trainer_engine(transport: str, tmp_path: Any) -> No
     assert worker.last_stats is not None and worker.last_stats["replayed"] == 1
     assert worker.model.w.view(-1)[[0, 5, 15]].tolist() == [1.0, 3.0, 2.0]
     assert (worker.patcher.version, client.version) == ("2", "2")
-    assert list(tmp_path.iterdir()) == []  # shared-memory files are deleted after use
+    # Both updates went through one pooled file (written again only after the first one's
+    # finish returned); the trainer deletes it at shutdown.
+    if transport == "shm":
+        [pooled] = tmp_path.iterdir()
+        assert "-pool-" in pooled.name
+    trainer.shutdown()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_refusal_on_the_worker_changes_nothing_and_names_class_and_rank() -> None:
@@ -400,11 +406,13 @@ def test_the_trainer_chooses_sparse_or_dense_by_its_cost_model(
 
     encoded: list[Any] = []
 
+    plan = _trainer.plan_payload  # type: ignore[attr-defined]  # (the name the trainer calls)
+
     def spy(patches: Any, **kwargs: Any) -> Any:
         encoded.append(list(patches))
-        return encode_patches(patches, **kwargs)
+        return plan(patches, **kwargs)
 
-    monkeypatch.setattr(_trainer, "encode_patches", spy)
+    monkeypatch.setattr(_trainer, "plan_payload", spy)
     state = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
     for cost, sparse in ((None, True), (UpdateCost(), False)):
         worker = worker_engine()

@@ -31,7 +31,7 @@ pytest.importorskip("vllm")
 
 from patchctx import CheckpointWeightPatch, InvalidPatchError, PatchError
 from patchctx.vllm import NCCLTransport, SharedMemoryTransport, encode_patches
-from patchctx.vllm._backend import patch_digest
+from patchctx.vllm._codec import plan_payload
 from patchctx.vllm._transport import digest
 from tests.vllm.test_backend import LocalClient, worker_engine
 
@@ -42,18 +42,31 @@ PATCHES = [
     CheckpointWeightPatch("b", (4,), torch.float32, torch.tensor([0.5, 1.0, 2.0, 4.0])),
 ]
 GOOD = encode_patches(PATCHES, base_version="default", target_version="1")
-INTENT = [patch_digest(p) for p in PATCHES]
+# What the trainer meant: each patch's digest, as it wrote them (the same bytes as GOOD).
+INTENT = (
+    plan_payload(PATCHES, base_version="default", target_version="1")
+    .write_into(bytearray(len(GOOD)))
+    .intent
+)
 
 
 def split(payload: bytes) -> tuple[dict[str, Any], bytes]:
-    (length,) = struct.unpack_from("<I", payload, 12)
-    return json.loads(payload[16 : 16 + length]), payload[16 + length :]
+    """The payload's header, its manifest opened up: versions, patches and tensors."""
+    (length,) = struct.unpack_from("<Q", payload, 0)
+    header = json.loads(payload[8 : 8 + length])
+    metadata = header.pop("__metadata__")
+    manifest = json.loads(metadata["manifest"])
+    return {**manifest, "tensors": header}, payload[8 + length :]
 
 
 def join(header: dict[str, Any], data: bytes) -> bytes:
-    text = json.dumps(header).encode()
-    text += b" " * (-(16 + len(text)) % 8)
-    return struct.pack("<8sII", b"PATCHCTX", 2, len(text)) + text + data
+    opened = dict(header)
+    tensors = opened.pop("tensors")
+    manifest = json.dumps(opened)
+    metadata = {"format": "patchctx.patches", "payload_version": "3", "manifest": manifest}
+    text = json.dumps({"__metadata__": metadata, **tensors}).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text + data
 
 
 def max_rss() -> int:
@@ -121,34 +134,49 @@ def _mutations() -> list[tuple[str, Any]]:
         out.append((f"name {value!r:.20}", at("patches", 0, "name")(value)))
     for value in ("float64", "int32", "bool", "bfloat16", "complex64", "nope"):
         out.append((f"dtype {value}", at("patches", 0, "dtype")(value)))
-        out.append((f"values dtype {value}", at("patches", 0, "values", "dtype")(value)))
-    for field in ("offset", "numel"):
-        for value in (-8, 2**40, 2**62, 1, 3):
-            out.append((f"values {field} {value}", at("patches", 0, "values", field)(value)))
-            out.append((f"dense values {field} {value}", at("patches", 1, "values", field)(value)))
-    for field in ("offset", "nbytes"):
-        for value in (-8, 0, 1, 2**40, 8):
-            out.append((f"indices {field} {value}", at("patches", 0, "indices", field)(value)))
+    for value in ("F64", "I32", "BOOL", "BF16", "C64", "nope"):
+        out.append((f"values dtype {value}", at("tensors", "0.values", "dtype")(value)))
+    for value in ([-8, 0], [0, 2**40], [2**62, 2**62 + 8], [1, 9], [3, 11], [8, 0]):
+        out.append((f"values offsets {value}", at("tensors", "0.values", "data_offsets")(value)))
+        out.append(
+            (f"dense values offsets {value}", at("tensors", "1.values", "data_offsets")(value))
+        )
+    for value in ([1], [3], [2**40], [2, 2], []):
+        out.append((f"values shape {value}", at("tensors", "0.values", "shape")(value)))
+        out.append((f"dense values shape {value}", at("tensors", "1.values", "shape")(value)))
+    for value in ([24, 26], [24, 24], [0, 2], [24, 2**40], [26, 28]):
+        out.append(
+            (f"positions offsets {value}", at("tensors", "0.bitmask", "data_offsets")(value))
+        )
+    for value in ([0], [1], [3], [2**40]):
+        out.append((f"positions shape {value}", at("tensors", "0.bitmask", "shape")(value)))
     for value in ("int64", "int32", "gaps", "bitmask", "zip"):
-        out.append((f"encoding {value}", at("patches", 0, "indices", "encoding")(value)))
+        out.append((f"encoding {value}", at("patches", 0, "positions", "encoding")(value)))
+    for value in (0, 1, 3, 2**40, -1, True):
+        out.append((f"count {value}", at("patches", 0, "positions", "count")(value)))
+    out.append(("zstd positions", at("patches", 0, "positions", "compression")("zstd")))
     out.append(
         (
-            "indices on the dense patch",
-            at("patches", 1, "indices")({"encoding": "int64", "offset": 0, "nbytes": 8}),
+            "positions on the dense patch",
+            at("patches", 1, "positions")(
+                {"encoding": "int32", "count": 4, "tensors": ["1.values"], "compression": None}
+            ),
         )
     )
-    out.append(("the sparse patch made dense", at("patches", 0, "indices")(None)))
+    out.append(("the sparse patch made dense", at("patches", 0, "positions")(None)))
+    out.append(("the values of another patch", at("patches", 0, "values")("1.values")))
     for key in ("base_version", "target_version"):
         for value in (1.5, [], {"a": 1}, "stale", 2**70):
             out.append((f"{key} {value!r}", at(key)(value)))
-    for value in (-1, 0, 2**62):
-        out.append((f"data_bytes {value}", at("data_bytes")(value)))
 
-    def overlap(header: dict[str, Any]) -> None:  # values and positions share bytes
-        header["patches"][1]["values"]["offset"] = header["patches"][0]["values"]["offset"]
+    def overlap(header: dict[str, Any]) -> None:  # two values tensors share bytes
+        tensors = header["tensors"]
+        tensors["1.values"]["data_offsets"] = tensors["0.values"]["data_offsets"]
 
     def overlap_positions(header: dict[str, Any]) -> None:
-        header["patches"][0]["indices"]["offset"] = header["patches"][0]["values"]["offset"]
+        tensors = header["tensors"]
+        begin = tensors["0.values"]["data_offsets"][0]
+        tensors["0.bitmask"]["data_offsets"] = [begin, begin + 2]
 
     out.append(("two values blocks overlap", overlap))
     out.append(("positions overlap values", overlap_positions))
@@ -156,6 +184,12 @@ def _mutations() -> list[tuple[str, Any]]:
         ("a patch duplicated", lambda h: h["patches"].append(copy.deepcopy(h["patches"][0])))
     )
     out.append(("an extra key", lambda h: h.update(extra=1)))
+    out.append(
+        (
+            "an extra tensor",
+            lambda h: h["tensors"].update(x={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}),
+        )
+    )
     return out
 
 

@@ -170,14 +170,14 @@ def test_updates_over_http_equal_transformers_and_a_fresh_load(served: Served) -
 
 
 def rewrite_header(payload: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """The payload with its JSON header edited (the data section kept as it is)."""
-    magic, version, length = struct.unpack_from("<8sII", payload)
-    header = json.loads(payload[16 : 16 + length])
-    data = payload[16 + length :]
+    """The payload with its safetensors header edited (the data kept as it is)."""
+    (length,) = struct.unpack_from("<Q", payload)
+    header = json.loads(payload[8 : 8 + length])
+    data = payload[8 + length :]
     edit(header)
     text = json.dumps(header).encode()
-    text += b" " * (-(16 + len(text)) % 8)
-    return struct.pack("<8sII", magic, version, len(text)) + text + data
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text + data
 
 
 def test_refused_updates_leave_the_served_weights_unchanged(served: Served) -> None:
@@ -220,7 +220,7 @@ def test_refused_updates_leave_the_served_weights_unchanged(served: Served) -> N
     good = encode_patches([norm], base_version=version, target_version="never")
     inline = {"inline": base64.b64encode(good).decode()}
     cut = good[:-9]
-    retyped = rewrite_header(good, lambda h: h["patches"][0]["values"].update(dtype="float64"))
+    retyped = rewrite_header(good, lambda h: h["0.values"].update(dtype="F16"))
     tied_bias = dense("lm_head.bias", (200,), seed=9)
     out_of_range = Patch(qkv, served.shape(qkv), torch.float32, torch.ones(1), torch.tensor([4096]))
     # Truncated in transit: the digest no longer matches, or the payload ends too early.

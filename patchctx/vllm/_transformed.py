@@ -29,7 +29,7 @@ import torch
 from patchctx._errors import LoaderContractError
 from patchctx._staged import StagedTensor
 from patchctx.vllm._layout import REPACK_MARK
-from patchctx.vllm._walk import ModelWalk, attribute, own_parameters
+from patchctx.vllm._walk import ModelWalk, attribute
 
 __all__ = ["refusing_transformed", "transformed_in", "transformed_weights"]
 
@@ -172,15 +172,15 @@ def transformed_in(walk: ModelWalk) -> dict[str, str]:
         recorded: Mapping[str, object] = (
             getattr(info, "restore_metadata", ({}, {}))[0] if info is not None else {}
         )
-        for local, param in own_parameters(module) if recorded else ():
+        for local, param in module.named_parameters(recurse=False) if recorded else ():
             meta = recorded.get(local)
             found = _differences(param, meta) if isinstance(meta, torch.Tensor) else []
             if found:
                 reasons.setdefault(
                     qualified(local), "replaced after loading (" + "; ".join(found) + ")"
                 )
-    for name, param in walk.params.items() if kernel_copies else ():
-        owner = kernel_copies.get(_storage(param) or -1)
+    for name, tensor in walk.params.items() if kernel_copies else ():
+        owner = kernel_copies.get(_storage(tensor) or -1)
         if owner is None or name in reasons:
             continue
         head = f"{owner}.weight" if owner else "weight"

@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ModelWalk", "attribute", "own_parameters"]
+__all__ = ["ModelWalk", "attribute"]
 
 _MISSING = object()
 _MODULE_GETATTR = torch.nn.Module.__getattr__
 _STORES = ("_parameters", "_buffers", "_modules")
-_NAMED_PARAMETERS = torch.nn.Module.named_parameters
-_NAMED_MEMBERS = torch.nn.Module._named_members
 
 
 def attribute(obj: object, name: str) -> object:
@@ -55,30 +53,6 @@ def attribute(obj: object, name: str) -> object:
                 return members[name]
         return None
     return getattr(obj, name, None)
-
-
-def own_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``list(module.named_parameters(recurse=False))``, without its generators.
-
-    Read straight from the module's parameters when its class keeps torch's listing (each
-    parameter once, `None` skipped), else through the method itself.
-
-    Examples:
-        >>> import torch
-        >>> from patchctx.vllm._walk import own_parameters
-        >>> [name for name, _ in own_parameters(torch.nn.Linear(2, 2))]
-        ['weight', 'bias']
-    """
-    kind = type(module)
-    if kind.named_parameters is not _NAMED_PARAMETERS or kind._named_members is not _NAMED_MEMBERS:
-        return list(module.named_parameters(recurse=False))
-    seen: set[int] = set()
-    found: list[tuple[str, torch.Tensor]] = []
-    for local, param in module._parameters.items():
-        if param is not None and id(param) not in seen:
-            seen.add(id(param))
-            found.append((local, param))
-    return found
 
 
 @dataclass

@@ -19,7 +19,7 @@ is one version:
 - ``window``: what the driver sees as the paused window: one request to the server's
   `patchctx.vllm.paused_apply` (``pause_generation(mode="keep")``, the apply on every worker,
   ``resume_generation``, inside the server; vLLM's ``pause_generation`` waits 20 ms by itself
-  before it returns), from sending it to its answer;
+  before it returns, which the apply overlaps), from sending it to its answer;
 - ``bare``: the same patches, read back from the version's folder beforehand (not timed),
   applied on the worker by a plain ``load_checkpoint_weight_patches(model, patches,
   routes=..., atomic=True)`` on the warm routes: the least a pause can cost. Applying a

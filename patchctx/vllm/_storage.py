@@ -13,6 +13,7 @@ the apply and the resume are one request, run inside the server.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import threading
@@ -226,8 +227,9 @@ async def paused_apply(request: Any, call_next: Any) -> Any:
 
     Start the server with ``--middleware patchctx.vllm.paused_apply``. A ``POST`` to
     `PAUSED_APPLY_PATH` then runs, inside the server, ``pause_generation(mode="keep")``,
-    ``patchctx_storage_apply`` on every worker (``collective_rpc``) and
-    ``resume_generation`` (also when the apply failed or raised), and answers ``{"results":
+    ``patchctx_storage_apply`` on every worker (``collective_rpc``) as soon as the engine is
+    paused, and ``resume_generation`` once both have returned (also when the apply failed or
+    raised), and answers ``{"results":
     [each worker's statistics], "window_ms": ms from the pause to the resume's end}``; the
     driver's pause and resume requests and their round trips are gone from the paused
     window. It applies only what the workers prepared (``patchctx_storage_prepare``, through
@@ -251,14 +253,25 @@ async def paused_apply(request: Any, call_next: Any) -> Any:
         return json_response({"error": f"a bad request body: {error}"}, status_code=400)
     engine = request.app.state.engine_client
     began = time.perf_counter()
+    pausing = asyncio.ensure_future(engine.pause_generation(mode="keep"))
+    failure: str | None = None
     try:
-        await engine.pause_generation(mode="keep")
+        # The apply starts once the engine says it is paused: steps are no longer scheduled,
+        # and each worker runs the apply after any step already sent to it. It overlaps the
+        # short wait pause_generation makes for the outputs on their way (20 ms in vLLM
+        # 0.32); the resume waits for the pause to have returned.
+        while not await engine.is_paused():
+            if pausing.done():
+                pausing.result()  # the pause raised: answered below
+                break
         results = await engine.collective_rpc("patchctx_storage_apply", args=(timeout,))
     except Exception as error:  # answered, after the resume below
-        failure: str | None = f"{type(error).__name__}: {error}"
-    else:
-        failure = None
+        failure = f"{type(error).__name__}: {error}"
     finally:
+        try:
+            await pausing
+        except Exception as error:
+            failure = failure or f"{type(error).__name__}: {error}"
         await engine.resume_generation()
     window_ms = (time.perf_counter() - began) * 1e3
     if failure is not None:

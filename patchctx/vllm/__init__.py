@@ -48,7 +48,12 @@ from patchctx.vllm._codec import (
 from patchctx.vllm._driver import PatchStats, apply_patches, set_weight_version
 from patchctx.vllm._extension import PatchWorkerExtension
 from patchctx.vllm._layout import install_from_environment, keep_checkpoint_layout
-from patchctx.vllm._storage import StorageWorkerExtension, sync_server
+from patchctx.vllm._storage import (
+    PAUSED_APPLY_PATH,
+    StorageWorkerExtension,
+    paused_apply,
+    sync_server,
+)
 from patchctx.vllm._trainer import (
     HTTPWeightSyncClient,
     LLMWeightSyncClient,
@@ -66,6 +71,7 @@ from patchctx.vllm._transport import (
 )
 
 __all__ = [
+    "PAUSED_APPLY_PATH",
     "HTTPWeightSyncClient",
     "InlineTransport",
     "LLMWeightSyncClient",
@@ -93,6 +99,7 @@ __all__ = [
     "decode_payload",
     "encode_patches",
     "keep_checkpoint_layout",
+    "paused_apply",
     "plan_payload",
     "set_weight_version",
     "sync_server",

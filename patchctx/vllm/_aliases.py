@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tied_aliases"]
+from patchctx.vllm._walk import ModelWalk
+
+__all__ = ["aliases_in", "tied_aliases"]
 
 
 def _embedding_classes() -> tuple[type[torch.nn.Module], ...]:
@@ -53,10 +55,15 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
         >>> tied_aliases(Tiny())
         {'lm_head.weight': 'embed_tokens.weight'}
     """
+    return aliases_in(ModelWalk.of(model))
+
+
+def aliases_in(walk: ModelWalk) -> dict[str, str]:
+    """`tied_aliases` of the model `walk` lists (read from it now, not cached)."""
     classes = _embedding_classes()
     canonical: dict[int, str] = {}
     aliases: dict[str, str] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
+    for prefix, module in walk.modules:
         if not isinstance(module, classes):
             continue
         for local, param in module.named_parameters(recurse=False):

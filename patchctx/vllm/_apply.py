@@ -33,9 +33,10 @@ from patchctx._bits import bit_view
 from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
 from patchctx._model import SupportsLoadWeights, model_tensors, read_names
 from patchctx._undo import storage_flat
-from patchctx.vllm._aliases import tied_aliases
+from patchctx.vllm._aliases import aliases_in, tied_aliases
 from patchctx.vllm._layout import repack_touched
-from patchctx.vllm._transformed import refusing_transformed, transformed_weights
+from patchctx.vllm._transformed import refusing_transformed, transformed_in, transformed_weights
+from patchctx.vllm._walk import ModelWalk
 
 __all__ = ["UNKNOWN", "WorkerPatcher", "audit_model", "check_version"]
 
@@ -101,8 +102,8 @@ def audit_model(
     )
 
 
-def layerwise_reload_active(model: torch.nn.Module) -> bool:
-    """Whether vLLM's layerwise reload is under way on `model`.
+def layerwise_reload_active(model: torch.nn.Module, walk: ModelWalk | None = None) -> bool:
+    """Whether vLLM's layerwise reload is under way on `model` (listed by `walk`, if given).
 
     Between ``initialize_layerwise_reload(model)`` and ``finalize_layerwise_reload``, vLLM
     has replaced the model's parameters by meta tensors and buffers what its loaders receive
@@ -112,7 +113,8 @@ def layerwise_reload_active(model: torch.nn.Module) -> bool:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     except ImportError:  # pragma: no cover - vLLM-internal
         return False
-    for module in model.modules():
+    modules = model.modules() if walk is None else (module for _, module in walk.modules)
+    for module in modules:
         info = LAYERWISE_INFO.get(module)
         if info is not None and info.can_load():
             return True
@@ -327,15 +329,17 @@ class WorkerPatcher:
         started = time.perf_counter()
         self.check_base(base_version)
         landing: dict[str, int] = {}
-        if layerwise_reload_active(model):
+        # Every fact below is read from the model now, in one walk shared by the checks.
+        walk = ModelWalk.of(model)
+        if layerwise_reload_active(model, walk):
             return self._apply_in_layerwise_reload(model, patches, target_version, started)
-        protect = transformed_weights(model)
+        protect = transformed_in(walk)
         atomic = atomic or bool(protect)
         before = replace(self.routes.stats)
         try:
             if self.check_consumed:
                 self._refuse_unconsumed(model, patches)
-            with refusing_transformed(model, protect):
+            with refusing_transformed(model, protect, walk.params):
                 loaded = load_checkpoint_weight_patches(
                     # Every vLLM model has load_weights; torch types Module attributes loosely.
                     cast("SupportsLoadWeights", model),
@@ -344,7 +348,7 @@ class WorkerPatcher:
                     validate_unique_indices=validate_unique_indices,
                     routes=self.routes,
                     atomic=atomic,
-                    aliases=tied_aliases(model),
+                    aliases=aliases_in(walk),
                     protect=protect,
                     # A name no loader of this rank consumes is refused (above, or by the
                     # load); with pipeline parallelism another stage holds it.

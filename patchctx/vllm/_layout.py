@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from patchctx.vllm._walk import attribute
+
 __all__ = [
     "KEEP_LAYOUT_ENV",
     "REPACK_ENV",
@@ -134,7 +136,7 @@ def _storage(tensor: torch.Tensor) -> int | None:
 
 def repackable(module: torch.nn.Module) -> bool:
     """Whether `module` keeps its weight next to vLLM's prepacked copy (see the module)."""
-    return callable(getattr(module, REPACK_MARK, None))
+    return callable(attribute(module, REPACK_MARK))
 
 
 def repack_touched(model: torch.nn.Module, written: Iterable[str]) -> list[str]:
@@ -155,15 +157,19 @@ def repack_touched(model: torch.nn.Module, written: Iterable[str]) -> list[str]:
         >>> repack_touched(torch.nn.Linear(2, 2), ["weight"])  # nothing vLLM prepacked
         []
     """
+    layers = [  # first, and cheap: an engine that keeps checkpoint layout has none
+        (prefix, module, dispatch)
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        if callable(dispatch := attribute(module, REPACK_MARK))
+    ]
+    repacked: list[str] = []
+    if not layers:
+        return repacked
     params = dict(model.named_parameters(remove_duplicate=False))
     storages = {_storage(params[name]) for name in written if name in params} - {None}
-    repacked: list[str] = []
-    if not storages:
-        return repacked
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dispatch = getattr(module, REPACK_MARK, None)
-        weight = getattr(module, "weight", None)
-        if callable(dispatch) and isinstance(weight, torch.Tensor) and _storage(weight) in storages:
+    for prefix, module, dispatch in layers:
+        weight = attribute(module, "weight")
+        if isinstance(weight, torch.Tensor) and storages and _storage(weight) in storages:
             dispatch(module, False)
             repacked.append(prefix)
     return repacked

@@ -5,12 +5,16 @@ published one in a background thread (`StorageFollower.prepare`: fetch, checks, 
 and the routes and loader checks of new names) while the engine keeps scheduling requests.
 The driver then pauses generation with ``pause_generation(mode="keep")`` (running requests are
 frozen, not aborted), has every worker apply its prepared update in one atomic call, and
-resumes. `sync_server` does those four steps against ``vllm serve`` over HTTP (the server runs
-with ``VLLM_SERVER_DEV_MODE=1`` for ``/pause``, ``/resume`` and ``/collective_rpc``).
+resumes. `sync_server` does those steps against ``vllm serve`` over HTTP (the server runs
+with ``VLLM_SERVER_DEV_MODE=1`` for ``/pause``, ``/resume`` and ``/collective_rpc``); with
+`paused_apply` installed (``vllm serve --middleware patchctx.vllm.paused_apply``) the pause,
+the apply and the resume are one request, run inside the server.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import json
 import threading
 import time
@@ -24,7 +28,10 @@ from patchctx._storage._sync import PreparedUpdate
 from patchctx.vllm._apply import failure_details
 from patchctx.vllm._extension import PatchWorkerExtension
 
-__all__ = ["StorageWorkerExtension", "sync_server"]
+__all__ = ["PAUSED_APPLY_PATH", "StorageWorkerExtension", "paused_apply", "sync_server"]
+
+PAUSED_APPLY_PATH = "/patchctx/paused_apply"
+"""The path `paused_apply` answers (``POST``, body ``{"timeout": seconds}``)."""
 
 
 class _Preparing:
@@ -215,6 +222,63 @@ class StorageWorkerExtension(PatchWorkerExtension):
         }
 
 
+async def paused_apply(request: Any, call_next: Any) -> Any:
+    """A ``vllm serve`` middleware: pause, apply the workers' prepared updates, resume, in one.
+
+    Start the server with ``--middleware patchctx.vllm.paused_apply``. A ``POST`` to
+    `PAUSED_APPLY_PATH` then runs, inside the server, ``pause_generation(mode="keep")``,
+    ``patchctx_storage_apply`` on every worker (``collective_rpc``) as soon as the engine is
+    paused, and ``resume_generation`` once both have returned (also when the apply failed or
+    raised), and answers ``{"results":
+    [each worker's statistics], "window_ms": ms from the pause to the resume's end}``; the
+    driver's pause and resume requests and their round trips are gone from the paused
+    window. It applies only what the workers prepared (``patchctx_storage_prepare``, through
+    ``/collective_rpc``, in dev mode). Every other request passes through. `sync_server` uses
+    it when the server has it.
+
+    Examples:
+        >>> from patchctx.vllm import PAUSED_APPLY_PATH, paused_apply
+        >>> PAUSED_APPLY_PATH, paused_apply.__name__  # a live server: see the vLLM page
+        ('/patchctx/paused_apply', 'paused_apply')
+    """
+    if request.url.path != PAUSED_APPLY_PATH or request.method != "POST":
+        return await call_next(request)
+    # The server's web framework (a dependency of vLLM's server, not of patchctx).
+    json_response: Any = importlib.import_module("starlette.responses").JSONResponse
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else {}
+        timeout = float(body.get("timeout", 60.0)) if isinstance(body, dict) else 60.0
+    except (ValueError, TypeError) as error:
+        return json_response({"error": f"a bad request body: {error}"}, status_code=400)
+    engine = request.app.state.engine_client
+    began = time.perf_counter()
+    pausing = asyncio.ensure_future(engine.pause_generation(mode="keep"))
+    failure: str | None = None
+    try:
+        # The apply starts once the engine says it is paused: steps are no longer scheduled,
+        # and each worker runs the apply after any step already sent to it. It overlaps the
+        # short wait pause_generation makes for the outputs on their way (20 ms in vLLM
+        # 0.32); the resume waits for the pause to have returned.
+        while not await engine.is_paused():
+            if pausing.done():
+                pausing.result()  # the pause raised: answered below
+                break
+        results = await engine.collective_rpc("patchctx_storage_apply", args=(timeout,))
+    except Exception as error:  # answered, after the resume below
+        failure = f"{type(error).__name__}: {error}"
+    finally:
+        try:
+            await pausing
+        except Exception as error:
+            failure = failure or f"{type(error).__name__}: {error}"
+        await engine.resume_generation()
+    window_ms = (time.perf_counter() - began) * 1e3
+    if failure is not None:
+        return json_response({"error": failure, "window_ms": window_ms}, status_code=500)
+    return json_response({"results": list(results), "window_ms": window_ms})
+
+
 def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
@@ -224,10 +288,19 @@ def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) 
         with urllib.request.urlopen(request, timeout=timeout) as response:
             text = response.read().decode()
     except urllib.error.HTTPError as error:
-        raise StoredUpdateError(
-            f"{url}: HTTP {error.code}: {error.read().decode()[:400]}"
-        ) from None
+        message = f"{url}: HTTP {error.code}: {error.read().decode()[:400]}"
+        raise _HTTPError(error.code, message) from None
     return json.loads(text) if text else None
+
+
+class _HTTPError(StoredUpdateError):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# Servers seen without `paused_apply` (answered 404): the driver pauses and resumes itself.
+_WITHOUT_PAUSED_APPLY: set[str] = set()
 
 
 def _rpc(base: str, method: str, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -256,6 +329,8 @@ def sync_server(
     3. ``patchctx_storage_apply`` on every worker (one atomic call each);
     4. ``POST /resume``, also when the apply failed.
 
+    Steps 2 to 4 are one request when the server runs `paused_apply` (else three).
+
     Args:
         url: The server's base URL (``http://127.0.0.1:8000``).
         location: The publisher's directory or fsspec URL, as the workers see it.
@@ -265,8 +340,9 @@ def sync_server(
 
     Returns:
         ``prepare_seconds`` (the background time, as the driver saw it), ``pause_seconds``
-        (from the pause request to the resume's answer), ``apply_ms`` (the slowest worker's
-        apply), ``version`` and ``workers`` (each worker's statistics).
+        (from the pause request to the resume's answer), ``server_window_ms`` (from the pause
+        to the resume inside the server, with `paused_apply`; else `None`), ``apply_ms`` (the
+        slowest worker's apply), ``version`` and ``workers`` (each worker's statistics).
 
     Raises:
         StoredUpdateError: A worker refused the update (nothing was applied on it) or the
@@ -288,11 +364,7 @@ def sync_server(
             raise StoredUpdateError(f"{base}: the workers did not prepare in {timeout} s")
         time.sleep(poll_seconds)
     prepared = time.perf_counter()
-    _post(f"{base}/pause?mode=keep", None, timeout)
-    try:
-        workers = _rpc(base, "patchctx_storage_apply", timeout, timeout=timeout)
-    finally:
-        _post(f"{base}/resume", None, timeout)
+    workers, server_window_ms = _paused_apply(base, timeout)
     resumed = time.perf_counter()
     failed = [w for w in workers if not w.get("ok", True)]
     if failed:
@@ -300,7 +372,32 @@ def sync_server(
     return {
         "prepare_seconds": prepared - started,
         "pause_seconds": resumed - prepared,
+        "server_window_ms": server_window_ms,
         "apply_ms": max(float(w.get("milliseconds", 0.0)) for w in workers),
         "version": workers[0].get("version"),
         "workers": workers,
     }
+
+
+def _paused_apply(base: str, timeout: float) -> tuple[list[Any], float | None]:
+    """Pause, apply on every worker, resume: in one request if the server can, else three."""
+    if base not in _WITHOUT_PAUSED_APPLY:
+        try:
+            answer = _post(f"{base}{PAUSED_APPLY_PATH}", {"timeout": timeout}, timeout)
+        except _HTTPError as error:
+            if error.code != 404:
+                raise
+            _WITHOUT_PAUSED_APPLY.add(base)  # nothing was paused: the path is not served
+        else:
+            results = answer.get("results") if isinstance(answer, dict) else None
+            if not isinstance(results, list):
+                raise StoredUpdateError(
+                    f"{base}{PAUSED_APPLY_PATH}: unexpected answer {answer!r:.200}"
+                )
+            return results, float(answer["window_ms"])
+    _post(f"{base}/pause?mode=keep", None, timeout)
+    try:
+        workers = _rpc(base, "patchctx_storage_apply", timeout, timeout=timeout)
+    finally:
+        _post(f"{base}/resume", None, timeout)
+    return workers, None

@@ -28,9 +28,10 @@ import torch
 
 from patchctx._errors import LoaderContractError
 from patchctx._staged import StagedTensor
-from patchctx.vllm._layout import repackable
+from patchctx.vllm._layout import REPACK_MARK
+from patchctx.vllm._walk import ModelWalk, attribute
 
-__all__ = ["refusing_transformed", "transformed_weights"]
+__all__ = ["refusing_transformed", "transformed_in", "transformed_weights"]
 
 _MISSING = object()
 _KEEP = (
@@ -109,6 +110,11 @@ def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
         >>> transformed_weights(torch.nn.Linear(2, 2))  # nothing vLLM did to it
         {}
     """
+    return transformed_in(ModelWalk.of(model))
+
+
+def transformed_in(walk: ModelWalk) -> dict[str, str]:
+    """`transformed_weights` of the model `walk` lists (read from it now, not cached)."""
     linear_classes = tuple(
         c
         for c in (
@@ -123,13 +129,13 @@ def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
     records = _layerwise_records()
     reasons: dict[str, str] = {}
     kernel_copies: dict[int, str] = {}  # storage -> module computing from its own copy
-    for prefix, module in model.named_modules():
+    for prefix, module in walk.unique_modules():
 
         def qualified(local: str, prefix: str = prefix) -> str:
             return f"{prefix}.{local}" if prefix else local
 
         kernel = getattr(
-            getattr(getattr(module, "quant_method", None), "moe_kernel", None),
+            getattr(attribute(module, "quant_method"), "moe_kernel", None),
             "fused_experts",
             None,
         )
@@ -140,15 +146,15 @@ def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
         ):
             isa = getattr(kernel, "isa", "?")
             for local in ("w13_weight", "w2_weight"):
-                if isinstance(getattr(module, local, None), torch.Tensor):
+                if isinstance(attribute(module, local), torch.Tensor):
                     reasons[qualified(local)] = (
                         f"repacked by the CPU MoE kernel into its own layout (isa {isa!r}) after "
                         "loading"
                     )
-        cpu_linear = getattr(module, "cpu_linear", None)
-        weight = getattr(module, "weight", None)
+        cpu_linear = attribute(module, "cpu_linear")
+        weight = attribute(module, "weight")
         if (
-            not repackable(module)  # its kept weight takes patches; repacked after them
+            not callable(attribute(module, REPACK_MARK))  # kept weight: repacked after patches
             and cpu_linear is not None
             and cpu_linear is not torch.nn.functional.linear
             and isinstance(module, linear_classes)
@@ -166,15 +172,15 @@ def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
         recorded: Mapping[str, object] = (
             getattr(info, "restore_metadata", ({}, {}))[0] if info is not None else {}
         )
-        for local, param in module.named_parameters(recurse=False):
+        for local, param in module.named_parameters(recurse=False) if recorded else ():
             meta = recorded.get(local)
             found = _differences(param, meta) if isinstance(meta, torch.Tensor) else []
             if found:
                 reasons.setdefault(
                     qualified(local), "replaced after loading (" + "; ".join(found) + ")"
                 )
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owner = kernel_copies.get(_storage(param) or -1)
+    for name, tensor in walk.params.items() if kernel_copies else ():
+        owner = kernel_copies.get(_storage(tensor) or -1)
         if owner is None or name in reasons:
             continue
         head = f"{owner}.weight" if owner else "weight"
@@ -212,21 +218,27 @@ def _refusal(name: str, reason: str) -> Any:
 
 
 @contextmanager
-def refusing_transformed(model: torch.nn.Module, reasons: Mapping[str, str]) -> Iterator[None]:
+def refusing_transformed(
+    model: torch.nn.Module,
+    reasons: Mapping[str, str],
+    params: Mapping[str, Any] | None = None,
+) -> Iterator[None]:
     """While the block runs, loading into a transformed parameter raises `LoaderContractError`.
 
     vLLM's loaders call ``param.weight_loader``: each transformed parameter gets one that
     refuses, naming the parameter and the reason, before anything is written to it (an empty
     prepacked weight would otherwise fail with an unrelated ``AttributeError`` or size
     assertion). Parameters whose ``weight_loader`` cannot be replaced (a property) keep it;
-    ``protect=`` refuses their writes at the write. Restored on exit.
+    ``protect=`` refuses their writes at the write. Restored on exit. `params`: the model's
+    ``named_parameters(remove_duplicate=False)``, when the caller has listed them already.
     """
     saved: list[tuple[Any, object]] = []
     seen: set[int] = set()
-    params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+    if reasons and params is None:
+        params = dict(model.named_parameters(remove_duplicate=False))
     try:
         for name, reason in reasons.items():
-            param = params.get(name)
+            param = None if params is None else params.get(name)
             if param is None or id(param) in seen:
                 continue
             seen.add(id(param))

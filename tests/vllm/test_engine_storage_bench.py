@@ -32,5 +32,5 @@ def test_the_storage_row_times_each_step_against_a_bare_apply(
             assert 0 < low <= middle, (step, row)
         assert row["replayed"] > 0  # the pause replayed learnt routes
         assert row["window"][0] >= row["apply"][0]  # the window holds the apply
-        assert 0 < row["window_share"] < 1
+        assert 0 < row["apply_share"] < row["window_share"] < 1
     assert "apply/bare" in text and "verdict (medians)" in text and "transformed_weights" in text

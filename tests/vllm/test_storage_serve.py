@@ -72,9 +72,12 @@ def test_a_sync_prepared_while_serving_and_applied_in_a_short_pause(tmp_path: Pa
     publisher = StoragePublisher(store, anchor_every=100)
     publisher.publish(truth)  # version 1: an anchor, the checkpoint the server loads
     extension = ["--worker-extension-cls", "patchctx.vllm.StorageWorkerExtension"]
+    # ... and the pause, the apply and the resume in one request, inside the server
+    extension += ["--middleware", "patchctx.vllm.paused_apply"]
     with vllm_serve(source, tmp_path / "server.log", extra_args=extension) as server:
         first = sync_server(server.url, str(store))
         assert first["version"] == 1
+        assert 0 < first["server_window_ms"] <= first["pause_seconds"] * 1e3
         old = completions(server)
         assert_same_generations(old, hf_greedy(source))
 
@@ -140,10 +143,13 @@ def test_a_sync_prepared_while_serving_and_applied_in_a_short_pause(tmp_path: Pa
         data.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
         with pytest.raises(StoredUpdateError, match="SHA-256"):
             sync_server(server.url, str(store))
+        with urllib.request.urlopen(f"{server.url}/is_paused", timeout=30) as answer:
+            assert json.loads(answer.read())["is_paused"] is False  # resumed after the refusal
         assert rpc(server, "patchctx_weight_version") == ["2"]  # the endpoint sends str()
         assert compare(server, reference_checksums(expected))["match"]
         data.write_bytes(good)
-        assert sync_server(server.url, str(store))["version"] == 3
+        repaired = sync_server(server.url, str(store))
+        assert repaired["version"] == 3 and repaired["server_window_ms"] is not None
 
 
 class Stream:
@@ -216,7 +222,8 @@ def test_generation_goes_on_while_a_sync_is_prepared_and_stops_only_for_the_paus
     publisher.publish(truth)
     extension = ["--worker-extension-cls", "patchctx.vllm.StorageWorkerExtension"]
     with vllm_serve(source, tmp_path / "server.log", extra_args=extension) as server:
-        assert sync_server(server.url, str(store))["version"] == 1
+        first = sync_server(server.url, str(store))  # no paused_apply: three requests
+        assert first["version"] == 1 and first["server_window_ms"] is None
         state = truth
         for seed in range(20):  # versions 2 to 21: one chain for the workers to prepare
             state = trained(state, seed=100 + seed)

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.engine_bench import write_model
 from patchctx.vllm import StorageWorkerExtension
 
 DENSITIES = (0.001, 0.01, 0.1)
@@ -96,29 +97,6 @@ class BareApplyExtension(StorageWorkerExtension):
             step()
             out[label] = (time.perf_counter() - started) * 1e3
         return out
-
-
-def write_model(directory: Path, hidden: int, layers: int, vocab: int) -> Path:
-    """A Qwen2 written by ``transformers`` (tied embeddings) with a small local tokenizer."""
-    import transformers
-
-    from tests.vllm.support.serve import write_tokenizer
-
-    config = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory)
-    write_tokenizer(directory, vocab)
-    return directory
 
 
 def trained(weights: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, torch.Tensor]:

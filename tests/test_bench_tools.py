@@ -48,15 +48,34 @@ def test_the_verdict_says_when_the_machine_was_loaded(busy: float, loaded: bool)
     assert ("machine quiet" in line) is not loaded
 
 
-def _row(method: str, total: float, density: float = 0.01) -> dict[str, object]:
-    return {"link": 0.0, "density": density, "method": method, "total_ms": (total, 9 * total)}
+def _row(
+    method: str, total: float, nbytes: int = 1_000, density: float = 0.01
+) -> dict[str, object]:
+    return {
+        "tp": 1,
+        "link": 0.0,
+        "density": density,
+        "method": method,
+        "nbytes": nbytes,
+        "total_ms": (total, 9 * total),
+    }
+
+
+_DENSE_BYTES = {"patchctx dense": 100_000, "vllm reload": 100_000}
 
 
 def test_the_verdict_compares_with_vllms_reload_and_the_better_path() -> None:
     times = {"patchctx": 10.0, "patchctx sparse": 10.0, "patchctx dense": 40.0}
-    rows = [_row(m, times.get(m, 30.0)) for m in METHODS]
+    rows = [_row(m, times.get(m, 30.0), _DENSE_BYTES.get(m, 1_000)) for m in METHODS]
     [line] = verdict({"rows": rows})
-    assert "3.00x faster than vllm reload" in line and "1.00x the better" in line
-    slow = [_row(m, {"patchctx": 60.0}.get(m, 30.0)) for m in METHODS]
+    assert line.startswith("TP=1")
+    assert "3.00x faster than vllm reload" in line and "sent sparse (1.00x sparse)" in line
+    # Twice the better path's time, having sent the other form: the model's choice was wrong.
+    wrong = {"patchctx": (60.0, 100_000)}
+    slow = [_row(m, *wrong.get(m, (30.0, _DENSE_BYTES.get(m, 1_000)))) for m in METHODS]
     [line] = verdict({"rows": slow})
-    assert "2.00x SLOWER than vllm reload" in line and "OVER 1.05" in line
+    assert "2.00x SLOWER than vllm reload" in line and "dense (2.00x sparse, OVER 1.05)" in line
+    # The same time gap having sent the better path's form is the machine's noise: "same".
+    noisy = [_row(m, {"patchctx": 60.0}.get(m, 30.0), _DENSE_BYTES.get(m, 1_000)) for m in METHODS]
+    [line] = verdict({"rows": noisy})
+    assert "sparse (2.00x sparse, same)" in line

@@ -81,21 +81,30 @@ def running_engine(
     in the environment the worker inherits; the worker applies it when it imports
     ``patchctx.vllm`` to resolve the extension).
     """
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
     from patchctx.vllm import keep_checkpoint_layout
     from patchctx.vllm._layout import KEEP_LAYOUT_ENV
     from tests.vllm.support.dist import teardown_distributed
 
     extra = {KEEP_LAYOUT_ENV: "1"} if keep_layout and multiprocess else None
     keeping = keep_checkpoint_layout() if keep_layout and not multiprocess else None
+    # vLLM adds a worker extension to the worker class's bases for good: an in-process engine
+    # gets the class back as vLLM made it on exit, so a later engine of this process may use
+    # another extension (as a fresh process would).
+    bases = CPUWorker.__bases__
     with engine_env(multiprocess=multiprocess, extra=extra):
         if not multiprocess:
             teardown_distributed()  # the in-process worker builds its own TP=1 world
-        with keeping or contextlib.nullcontext():
-            llm = start_llm(model_dir, worker_extension_cls=worker_extension_cls, **options)
         try:
-            yield llm
+            with keeping or contextlib.nullcontext():
+                llm = start_llm(model_dir, worker_extension_cls=worker_extension_cls, **options)
+            try:
+                yield llm
+            finally:
+                shutdown_llm(llm)
         finally:
-            shutdown_llm(llm)
+            CPUWorker.__bases__ = bases
 
 
 def start_llm(

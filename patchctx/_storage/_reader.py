@@ -37,9 +37,10 @@ import torch
 from patchctx._errors import StoredUpdateError
 from patchctx._storage._files import SizeMismatch, Store
 
-__all__ = ["read_data_file"]
+__all__ = ["SAFETENSORS_CODES", "read_data_file"]
 
-_CODES = {
+# safetensors' dtype codes: the one table of them (the payload codec reads it too).
+SAFETENSORS_CODES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -110,7 +111,7 @@ def parse_safetensors(buffer: bytearray) -> tuple[dict[str, torch.Tensor], dict[
     for key, about in header.items():
         if not isinstance(about, dict) or set(about) != {"dtype", "shape", "data_offsets"}:
             raise _Unreadable(f"tensor {key!r}: needs exactly dtype, shape and data_offsets")
-        dtype = _CODES.get(about["dtype"]) if isinstance(about["dtype"], str) else None
+        dtype = SAFETENSORS_CODES.get(about["dtype"]) if isinstance(about["dtype"], str) else None
         if dtype is None:
             raise _Unreadable(f"tensor {key!r}: unknown dtype code {about['dtype']!r}")
         shape = _shape(about["shape"], key)

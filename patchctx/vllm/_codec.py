@@ -60,6 +60,7 @@ from patchctx._encoding import (
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._kinds import same_kind
 from patchctx._patch import CheckpointWeightPatch
+from patchctx._storage._reader import SAFETENSORS_CODES
 from patchctx._swap import builtin_copy
 
 __all__ = [
@@ -115,25 +116,9 @@ DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# safetensors' dtype codes (the fnuz float8s are stored as bytes, as the storage format does).
-_CODE_NAMES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-CODES = {code: DTYPES[name] for code, name in _CODE_NAMES.items() if name in DTYPES}
+# safetensors' dtype codes of the dtypes a payload carries (the fnuz float8s are stored as
+# bytes, as the storage format does).
+CODES = {code: dtype for code, dtype in SAFETENSORS_CODES.items() if dtype in _NAMES}
 _CODE_OF = {dtype: code for code, dtype in CODES.items()}
 _ENCODINGS = ("int32", "int64", "gaps", "bitmask")
 

@@ -49,10 +49,16 @@ class UndoLog:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def save_positions(self, tensor: torch.Tensor, positions: torch.Tensor) -> None:
-        """Remember the values at `positions` (storage offsets) of `tensor`'s storage."""
-        # Always a tensor of our own: callers reuse their position buffers.
-        positions = positions.to(device=tensor.device, dtype=torch.long, copy=True)
+    def save_positions(
+        self, tensor: torch.Tensor, positions: torch.Tensor, *, owned: bool = False
+    ) -> None:
+        """Remember the values at `positions` (storage offsets) of `tensor`'s storage.
+
+        `positions` are copied (callers reuse their position buffers) unless `owned`: int64
+        on `tensor`'s device, and never changed by the caller while the log holds them.
+        """
+        if not owned:
+            positions = positions.to(device=tensor.device, dtype=torch.long, copy=True)
         old = indexable(storage_flat(tensor)).index_select(0, positions)
         self._entries.append(_Positions(tensor, positions, old))
         self.nbytes += old.nbytes + positions.nbytes

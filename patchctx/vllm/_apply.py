@@ -31,6 +31,7 @@ from patchctx import (
 )
 from patchctx._bits import bit_view
 from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
+from patchctx._geometry import Route
 from patchctx._model import SupportsLoadWeights, model_tensors, read_names
 from patchctx._undo import storage_flat
 from patchctx.vllm._aliases import aliases_in, tied_aliases
@@ -165,6 +166,10 @@ class WorkerPatcher:
     consumed: set[str] = field(default_factory=set)
     check_consumed: bool = True
 
+    def route(self, name: str) -> Route | None:
+        """The route `routes` holds for the checkpoint name `name` (`None`: none yet)."""
+        return self.routes._route(name)
+
     def check_base(self, base_version: str | int | None) -> None:
         """Refuse (`WeightVersionError`) patches made against another version than `version`."""
         if base_version is None or base_version == self.version:
@@ -202,7 +207,7 @@ class WorkerPatcher:
                 cast("SupportsLoadWeights", model), list(canonical.values()), protect=protect
             )
         for row in report.rows:
-            route = self.routes._route(row.name)
+            route = self.route(row.name)
             if row.status == "learned" and route is not None and route.segments:
                 self.consumed |= names[row.name]
         return report
@@ -414,7 +419,7 @@ class WorkerPatcher:
         differ: list[str] = []
         verified = elements = unverified = 0
         for name, patch in final.items():
-            route = self.routes._route(name)
+            route = self.route(name)
             if route is None or not route.segments:
                 unverified += 1
                 continue

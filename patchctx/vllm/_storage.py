@@ -27,6 +27,7 @@ from patchctx._model import SupportsLoadWeights
 from patchctx._storage._sync import PreparedUpdate
 from patchctx.vllm._apply import failure_details
 from patchctx.vllm._extension import PatchWorkerExtension
+from patchctx.vllm._planned import PlannedUpdate, apply_planned, plan_update
 
 __all__ = ["PAUSED_APPLY_PATH", "StorageWorkerExtension", "paused_apply", "sync_server"]
 
@@ -40,6 +41,7 @@ class _Preparing:
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
         self.prepared: PreparedUpdate | None = None
+        self.plan: PlannedUpdate | None = None  # its writes, when routes decide them all
         self.error: BaseException | None = None
         self.started = 0.0
         self.seconds = 0.0
@@ -57,14 +59,18 @@ class StorageWorkerExtension(PatchWorkerExtension):
       worker's version to `target` (default: the newest published) in a background thread,
       and return at once: generation goes on meanwhile. Route learning and the loader checks
       of names not seen before happen there too, so the apply that follows replays routes.
+      When routes decide every write, the prepare also finds them (storage positions, values
+      cast to the weights' dtypes), so the pause only checks the written tensors and writes.
     - ``patchctx_storage_status()``: ``state`` (``idle``, ``preparing``, ``prepared``,
       ``nothing`` or ``failed``), the chain, its bytes, the prepare's seconds, its start and
       end on the wall clock (``prepare_began_at``, ``prepare_ended_at``: ``time.time()``, to
       line them up with what other processes saw), the error.
     - ``patchctx_storage_apply(timeout=60)``: wait for the prepare, then apply it in one atomic
       call (the worker's version check, tied aliases and transformed weights refused, as for
-      every update); returns the statistics of `PatchWorkerExtension.patchctx_apply_patches`
-      plus ``prepare_seconds`` and ``wait_ms``. A failure is returned as ``{"ok": False,
+      every update; the prepared writes when every tensor they write is still the one they
+      were found for, else the full call); returns the statistics of
+      `PatchWorkerExtension.patchctx_apply_patches` (``planned: True`` when the prepared writes
+      were made) plus ``prepare_seconds`` and ``wait_ms``. A failure is returned as ``{"ok": False,
       "error": ...}`` and nothing is applied.
 
     The worker's version is the one `PatchWorkerExtension` keeps (``patchctx_weight_version``);
@@ -131,6 +137,7 @@ class StorageWorkerExtension(PatchWorkerExtension):
                     }
                     patcher.warm(model, sorted(sparse, key=lambda spec: spec[0]))
                     patcher.check(model, list(prepared.patches))
+                    fresh.plan = plan_update(patcher, model, prepared.patches)
                 fresh.prepared = prepared
             except BaseException as error:  # reported by status and apply
                 fresh.error = error
@@ -201,13 +208,24 @@ class StorageWorkerExtension(PatchWorkerExtension):
                     f"{prepared.target_version}; this worker holds {patcher.version!r} "
                     "(stale base); nothing was written"
                 )
-            stats = patcher.apply(
-                self._patchctx_model(),
-                list(prepared.patches),
-                base_version=prepared.base_version,
-                target_version=prepared.target_version,
-                atomic=True,
-            )
+            model = self._patchctx_model()
+            stats = None
+            if preparing.plan is not None:  # the writes found in the prepare, if still live
+                stats = apply_planned(
+                    patcher,
+                    model,
+                    preparing.plan,
+                    base_version=prepared.base_version,
+                    target_version=prepared.target_version,
+                )
+            if stats is None:
+                stats = patcher.apply(
+                    model,
+                    list(prepared.patches),
+                    base_version=prepared.base_version,
+                    target_version=prepared.target_version,
+                    atomic=True,
+                )
         except PatchError as error:
             details = failure_details(error, rank)
             return {"rank": rank, "ok": False, "error": details, "version": patcher.version}

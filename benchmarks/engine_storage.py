@@ -15,14 +15,16 @@ is one version:
   SHA-256, decode, validate, merge, learn the routes of names not seen before), while the
   engine keeps serving; the worker's own clock;
 - ``apply``: the worker's apply inside the pause (``patchctx_storage_apply``: the version
-  check and one atomic `load_checkpoint_weight_patches` call replaying the routes);
+  check, then the writes its prepare found, checked live, all or nothing; or, where routes
+  do not decide them all, one atomic `load_checkpoint_weight_patches` call);
 - ``window``: what the driver sees as the paused window: one request to the server's
   `patchctx.vllm.paused_apply` (``pause_generation(mode="keep")``, the apply on every worker,
   ``resume_generation``, inside the server; vLLM's ``pause_generation`` waits 20 ms by itself
   before it returns, which the apply overlaps), from sending it to its answer;
 - ``bare``: the same patches, read back from the version's folder beforehand (not timed),
   applied on the worker by a plain ``load_checkpoint_weight_patches(model, patches,
-  routes=..., atomic=True)`` on the warm routes: the least a pause can cost. Applying a
+  routes=..., atomic=True)`` on the warm routes: what the pause costs without a plan made
+  in the background. Applying a
   version's values again leaves the weights as they are; every other repeat it runs before
   the sync instead of after.
 
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for density in args.densities:
             samples: dict[str, list[float]] = {step: [] for step in STEPS}
             replayed: list[int] = []
+            planned = 0  # versions applied by the writes their prepare found
             walks: list[dict[str, float]] = []
             for repeat in range(args.repeats):
                 seed += 1
@@ -182,8 +185,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 samples["window"].append(synced["pause_seconds"] * 1e3)
                 samples["bare"].append(bare["milliseconds"])
                 replayed.append(int(worker["replayed"]))
+                planned += bool(worker.get("planned"))
                 walks.append(bare["model_walks_ms"])
-            row: dict[str, Any] = {"density": density, "replayed": min(replayed)}
+            row: dict[str, Any] = {
+                "density": density,
+                "replayed": min(replayed),
+                "planned": planned,
+                "versions": args.repeats,
+            }
             row["model_walks_ms"] = {
                 label: statistics.median(w[label] for w in walks) for label in walks[0]
             }
@@ -224,6 +233,8 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
         ratio = row["apply_over_bare"]
         met = "meets" if ratio <= 1.2 else "misses"
         line = f"{row['density']:.1%}: the pause (apply) {ratio:.2f}x bare ({met} <= 1.2x)"
+        if "planned" in row:
+            line += f", {row['planned']} of {row['versions']} versions planned in the prepare"
         if row["density"] == 0.01:
             share = row["apply_share"]
             line += (

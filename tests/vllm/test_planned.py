@@ -23,7 +23,14 @@ pytest.importorskip("vllm")
 
 from patchctx import StoragePublisher
 from patchctx.vllm import StorageWorkerExtension
-from tests.support.models import ToyLayer, assert_same_state, loaded, packed_tp_model, state
+from tests.support.models import (
+    ToyLayer,
+    ToyModel,
+    assert_same_state,
+    loaded,
+    packed_tp_model,
+    state,
+)
 from tests.test_faults import run_with_interrupt_at
 
 pytestmark = pytest.mark.vllm
@@ -52,6 +59,20 @@ def sync(worker: StorageWorkerExtension, store: Path) -> dict[str, Any]:
     return stats
 
 
+def following(
+    tmp_path: Path, *, seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[ToyModel, dict[str, torch.Tensor], Path, StoragePublisher, StorageWorkerExtension]:
+    """A model at a published anchor, its worker synced to it."""
+    model = packed_tp_model(dtype=dtype)
+    checkpoint = loaded(model, seed=seed)
+    store = tmp_path / "store"
+    publisher = StoragePublisher(store, anchor_every=10**6)
+    publisher.publish(checkpoint)
+    worker = worker_for(model)
+    sync(worker, store)
+    return model, checkpoint, store, publisher, worker
+
+
 def truth(checkpoint: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """What loading the whole checkpoint into a fresh model gives: the dense truth."""
     twin = packed_tp_model(dtype=dtype)
@@ -75,13 +96,8 @@ def step(
 def test_every_planned_apply_gives_the_dense_truth(tmp_path: Path, dtype: torch.dtype) -> None:
     # Packed QKV and gate/up at one TP rank, a row-parallel slice, a transpose, a cast to
     # another dtype, a padded embedding (a fill): every route shape replays through the plan.
-    model = packed_tp_model(dtype=dtype)
-    checkpoint = loaded(model, seed=3)
-    store = tmp_path / "store"
-    publisher = StoragePublisher(store, anchor_every=10**6)
-    publisher.publish(checkpoint)
-    worker = worker_for(model)
-    sync(worker, store)  # the anchor: routes learnt on the way
+    # The anchor first: routes learnt on the way.
+    model, checkpoint, store, publisher, worker = following(tmp_path, seed=3, dtype=dtype)
     generator = torch.Generator().manual_seed(5)
     planned = 0
     for density in (0.3, 0.05, 1.0, 0.001, 0.5):
@@ -126,13 +142,7 @@ def _replace_storage(layer: ToyLayer) -> None:  # same object, same strides, new
 def test_a_weight_changed_after_the_prepare_is_never_written_through_the_plan(
     tmp_path: Path, change: Any, replans: bool
 ) -> None:
-    model = packed_tp_model()
-    checkpoint = loaded(model, seed=7)
-    store = tmp_path / "store"
-    publisher = StoragePublisher(store, anchor_every=10**6)
-    publisher.publish(checkpoint)
-    worker = worker_for(model)
-    sync(worker, store)
+    model, checkpoint, store, publisher, worker = following(tmp_path, seed=7)
     generator = torch.Generator().manual_seed(11)
     checkpoint = step(checkpoint, 0.2, generator)
     publisher.publish(checkpoint)
@@ -156,13 +166,7 @@ def test_a_weight_changed_after_the_prepare_is_never_written_through_the_plan(
 def test_an_interrupt_at_any_line_of_the_pause_leaves_all_or_nothing(tmp_path: Path) -> None:
     from patchctx.vllm._planned import apply_planned, plan_update
 
-    model = packed_tp_model()
-    checkpoint = loaded(model, seed=13)
-    store = tmp_path / "store"
-    publisher = StoragePublisher(store, anchor_every=10**6)
-    publisher.publish(checkpoint)
-    worker = worker_for(model)
-    sync(worker, store)
+    model, checkpoint, store, publisher, worker = following(tmp_path, seed=13)
     patcher = worker._patchctx_worker()
     base = patcher.version
     checkpoint = step(checkpoint, 0.3, torch.Generator().manual_seed(17))

@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size (default 4096)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--many", type=int, help="measure fixed costs on this many tensors")
+    parser.add_argument(
+        "--atomic", action="store_true", help="every call with atomic=True (old values saved)"
+    )
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -169,14 +172,16 @@ def main(argv: list[str] | None = None) -> int:
             report = run_many(base, args.many, args.rounds)
             print(many_table(report, args.base, args.many))
         else:
-            report = run(base, args.hidden, args.rounds)
+            report = run(base, args.hidden, args.rounds, atomic=args.atomic)
             print(table(report, args.base, args.rounds))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2), encoding="utf-8")
     return 0
 
 
-def run(base: ModuleType, hidden: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+def run(
+    base: ModuleType, hidden: int, rounds: int, *, atomic: bool = False
+) -> dict[str, dict[str, list[float]]]:
     layer = PackedSlice(hidden, 2, 0, torch.bfloat16, "cpu")
     generator = torch.Generator().manual_seed(0)
     checkpoint = {
@@ -204,7 +209,9 @@ def run(base: ModuleType, hidden: int, rounds: int) -> dict[str, dict[str, list[
                 patches = sparse_patches(module, layer.shapes, density, seed=round_ + 2)
                 routes = caches[side] if kind == "replay" else None
                 start = time.perf_counter()
-                module.load_checkpoint_weight_patches(models[method], patches, routes=routes)
+                module.load_checkpoint_weight_patches(
+                    models[method], patches, routes=routes, atomic=atomic
+                )
                 if round_:
                     times[method].append(time.perf_counter() - start)
             reference = models["base-loader"].state_dict()

@@ -15,10 +15,14 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BLOCK", "block_size", "blocks", "scratch"]
+__all__ = ["BLOCK", "UNDO_SPAN", "block_size", "blocks", "scratch", "undo_block"]
 
 # Positions per block: 1M (8 MiB of int64 scratch), so a 100M-element update is ~100 writes.
 BLOCK = 1 << 20
+# A write that saves the old values first (atomic) goes, on CPU, in blocks whose positions span
+# about `UNDO_SPAN` elements: the cache lines the save reads are still in cache for the write.
+# 1.4x faster than 1M positions at a time at 1 % density, 1.1x at 10 % (`undo_block`).
+UNDO_SPAN = 1 << 21
 
 _local = threading.local()
 
@@ -26,6 +30,15 @@ _local = threading.local()
 def block_size() -> int:
     """`BLOCK`, read at call time."""
     return BLOCK
+
+
+def undo_block(count: int, span: int) -> int:
+    """Positions per block for `count` positions over `span` elements, saved then written.
+
+    As many as fall in `UNDO_SPAN` elements at that density, between 16K (or `BLOCK`, if less)
+    and `BLOCK`.
+    """
+    return max(min(BLOCK, 1 << 14), min(BLOCK, count * UNDO_SPAN // max(span, 1)))
 
 
 def scratch(device: torch.device, dtype: torch.dtype, size: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from patchctx import _cpu_passes
 from patchctx._bits import indexable, write_at
-from patchctx._blocks import block_size, scratch
+from patchctx._blocks import block_size, scratch, undo_block
 from patchctx._cpu_passes import shifted_positions
 from patchctx._errors import InvalidPatchError
 from patchctx._geometry import Route, host_covered
@@ -625,6 +625,9 @@ def replay(
             flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
         on_cpu = device.type == "cpu" and _cpu_passes.HOST
         size = block_size()
+        if undo is not None and on_cpu and stop - start > size >> 6:  # (see `undo_block`)
+            span = int(device_indices[stop - 1]) - int(device_indices[start]) + 1
+            size = undo_block(stop - start, span)
         for begin in range(start, stop, size):
             end = min(stop, begin + size)
             whole = begin == 0 and end == count  # no slicing (each slice is an operation)

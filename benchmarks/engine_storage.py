@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             replayed: list[int] = []
             planned = 0  # versions applied by the writes their prepare found
             walks: list[dict[str, float]] = []
+            stages: list[dict[str, float]] = []  # the planned pause's own split
             for repeat in range(args.repeats):
                 seed += 1
                 weights = trained(weights, density, seed)
@@ -187,12 +188,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 replayed.append(int(worker["replayed"]))
                 planned += bool(worker.get("planned"))
                 walks.append(bare["model_walks_ms"])
+                if "stages_ms" in worker:
+                    stages.append(worker["stages_ms"])
             row: dict[str, Any] = {
                 "density": density,
                 "replayed": min(replayed),
                 "planned": planned,
                 "versions": args.repeats,
             }
+            if stages:
+                row["pause_stages_ms"] = {
+                    label: statistics.median(p[label] for p in stages) for label in stages[0]
+                }
             row["model_walks_ms"] = {
                 label: statistics.median(w[label] for w in walks) for label in walks[0]
             }
@@ -279,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in report["rows"]:
         walks = ", ".join(f"{k} {v:.2f}" for k, v in row["model_walks_ms"].items())
         print(f"  {row['density']:.1%}: {walks}")
+    if any("pause_stages_ms" in row for row in report["rows"]):
+        print("\nwhere the planned pause went (median ms):")
+        for row in report["rows"]:
+            if "pause_stages_ms" in row:
+                split = ", ".join(f"{k} {v:.2f}" for k, v in row["pause_stages_ms"].items())
+                print(f"  {row['density']:.1%}: {split}")
     print("\nverdict (medians):")
     for line in verdict(report["rows"]):
         print("  " + line)

@@ -290,7 +290,11 @@ def apply_planned(
     """
     started = time.perf_counter()
     patcher.check_base(base_version)
-    if not all(write.live() for write in plan.writes):
+    # Read and written as plain tensors: vLLM's parameter classes route every method through
+    # their `__torch_function__`, a few microseconds each (the live checks: 3x faster).
+    with torch._C.DisableTorchFunctionSubclass():
+        live = all(write.live() for write in plan.writes)
+    if not live:
         return None
     walk = ModelWalk.of(model)  # the engine's facts, read now (as every apply reads them)
     if layerwise_reload_active(model, walk):
@@ -302,6 +306,7 @@ def apply_planned(
         for write in plan.writes
     ):
         return None
+    checked = time.perf_counter()
     undo = UndoLog()
     previous = patcher.version
     done = False
@@ -316,8 +321,10 @@ def apply_planned(
 
     try:
         try:
-            for write in plan.writes:
-                write.write(undo)
+            with torch._C.DisableTorchFunctionSubclass():
+                for write in plan.writes:
+                    write.write(undo)
+            wrote = time.perf_counter()
             # The layers vLLM prepacked compute from their own copy: their post-load step
             # again, on the layers written; then the version says the update is in.
             repacked = repack_touched(model, plan.loaded)
@@ -346,6 +353,13 @@ def apply_planned(
         "through_loader": 0,
         "loader_calls": 0,
         "milliseconds": (time.perf_counter() - started) * 1000.0,
+        # Where the pause went: the live checks and the engine's facts, the writes (old
+        # values saved first), the repack of prepacked layers.
+        "stages_ms": {
+            "checks": (checked - started) * 1000.0,
+            "writes": (wrote - checked) * 1000.0,
+            "repack": (time.perf_counter() - wrote) * 1000.0,
+        },
         "version": target_version,
         "atomic": True,
         "protected": len(protect),

@@ -21,6 +21,7 @@ caller runs the full call, which then refuses or applies what the model now is.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +43,28 @@ from patchctx.vllm._layout import repack_touched
 from patchctx.vllm._transformed import transformed_in
 from patchctx.vllm._walk import ModelWalk
 
-__all__ = ["PlannedUpdate", "apply_planned", "plan_update"]
+__all__ = ["MAX_PLAN_BYTES", "PlannedUpdate", "apply_planned", "plan_budget", "plan_update"]
+
+MAX_PLAN_BYTES = 1 << 30
+"""The most memory one plan holds, on the weights' device (``PATCHCTX_PLAN_MAX_BYTES``).
+
+A plan keeps 8 bytes of position and one value per changed element while the engine serves:
+an update past the budget is not planned (its apply is the full call), so a large update
+never takes memory that generation may need (an accelerator's KV cache)."""
+
+
+def plan_budget() -> int:
+    """`MAX_PLAN_BYTES`, or ``PATCHCTX_PLAN_MAX_BYTES`` from the environment (0: no plans)."""
+    raw = os.environ.get("PATCHCTX_PLAN_MAX_BYTES", "").strip()
+    if not raw:
+        return MAX_PLAN_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"PATCHCTX_PLAN_MAX_BYTES must be a byte count, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"PATCHCTX_PLAN_MAX_BYTES must not be negative, got {value}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,15 +250,20 @@ def plan_update(
     patcher: WorkerPatcher,
     model: torch.nn.Module,
     patches: Sequence[CheckpointWeightPatch],
+    *,
+    max_bytes: int | None = None,
 ) -> PlannedUpdate | None:
     """The writes of `patches` on `patcher`'s routes, or `None` where only the full call decides.
 
     Call it after the patches were checked (`WorkerPatcher.check`) and their routes learnt
     (`WorkerPatcher.warm`), outside the pause. It reads no weight values: only the routes and
-    which tensors the model registers.
+    which tensors the model registers. `max_bytes` (default `plan_budget`): a plan that would
+    hold more is not made.
     """
     routes = patcher.routes
-    if not patches or routes.verify_every is not None:
+    budget = plan_budget() if max_bytes is None else max_bytes
+    sparse = sum(p.indices.numel() for p in patches if p.indices is not None)
+    if not patches or routes.verify_every is not None or sparse * 9 > budget:
         return None
     walk = ModelWalk.of(model)
     if layerwise_reload_active(model, walk):
@@ -264,7 +291,7 @@ def plan_update(
         chosen.append((patch, route))
     builder = _Builder(model, tensors, protect)
     for patch, route in chosen:
-        if not builder.add(patch, route):
+        if not builder.add(patch, route) or builder.nbytes > budget:
             return None
     return PlannedUpdate(
         tuple(patches), tuple(builder.writes), frozenset(builder.loaded), builder.nbytes

@@ -235,3 +235,41 @@ def test_a_vllm_model_takes_planned_updates_as_its_loader_would(
         reference_any: Any = reference
         reference_any.load_weights(checkpoint.items())
         assert_same_state(state(model), state(reference))
+
+
+@pytest.mark.parametrize("budget", ["0", "100"])
+def test_an_update_past_the_plan_budget_takes_the_full_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str
+) -> None:
+    # A plan holds positions and values while the engine serves: past the budget, none is
+    # made, and the update applies through the full call.
+    model, checkpoint, store, publisher, worker = following(tmp_path, seed=23)
+    monkeypatch.setenv("PATCHCTX_PLAN_MAX_BYTES", budget)
+    checkpoint = step(checkpoint, 0.2, torch.Generator().manual_seed(29))
+    publisher.publish(checkpoint)
+    stats = sync(worker, store)
+    assert not stats.get("planned") and stats["replayed"] >= 1
+    assert_same_state(state(model), truth(checkpoint, torch.float32))
+    monkeypatch.setenv("PATCHCTX_PLAN_MAX_BYTES", str(1 << 30))
+    checkpoint = step(checkpoint, 0.2, torch.Generator().manual_seed(31))
+    publisher.publish(checkpoint)
+    assert sync(worker, store).get("planned")
+    assert_same_state(state(model), truth(checkpoint, torch.float32))
+
+
+def test_a_malformed_plan_budget_fails_the_prepare_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, checkpoint, store, publisher, worker = following(tmp_path, seed=37)
+    before = state(model)
+    monkeypatch.setenv("PATCHCTX_PLAN_MAX_BYTES", "1 GiB")
+    publisher.publish(step(checkpoint, 0.2, torch.Generator().manual_seed(41)))
+    worker.patchctx_storage_prepare(str(store))
+    deadline = time.monotonic() + 120
+    while (status := worker.patchctx_storage_status())["state"] == "preparing":
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert status["state"] == "failed" and "PATCHCTX_PLAN_MAX_BYTES" in status["error"]
+    refused = worker.patchctx_storage_apply()
+    assert not refused["ok"] and "PATCHCTX_PLAN_MAX_BYTES" in refused["error"]["message"]
+    assert_same_state(state(model), before)

@@ -334,10 +334,46 @@ def apply_planned(
     ):
         return None
     checked = time.perf_counter()
+    wrote, repacked = _commit(patcher, model, plan, target_version)
+    names = sorted({patch.name for patch in plan.patches})
+    patcher.consumed.update(names)
+    patcher.routes.stats.replayed += len(plan.patches)
+    return {
+        "ok": True,
+        "names": names,
+        "loaded": sorted(plan.loaded),
+        "replayed": len(plan.patches),
+        "through_loader": 0,
+        "loader_calls": 0,
+        "milliseconds": (time.perf_counter() - started) * 1000.0,
+        # Where the pause went: the live checks and the engine's facts, the writes (old
+        # values saved first), the repack of prepacked layers.
+        "stages_ms": {
+            "checks": (checked - started) * 1000.0,
+            "writes": (wrote - checked) * 1000.0,
+            "repack": (time.perf_counter() - wrote) * 1000.0,
+        },
+        "version": target_version,
+        "atomic": True,
+        "protected": len(protect),
+        "repacked": len(repacked),
+        "planned": True,
+    }
+
+
+def _commit(
+    patcher: WorkerPatcher,
+    model: torch.nn.Module,
+    plan: PlannedUpdate,
+    target_version: str | int | None,
+) -> tuple[float, list[str]]:
+    """`plan`'s writes and the repack, then the version, all or nothing.
+
+    Returns when the writes ended (`time.perf_counter`) and the layers repacked.
+    """
     undo = UndoLog()
     previous = patcher.version
     done = False
-    repacked: list[str] = []
 
     def roll_back() -> None:
         # Resumable: run again by the `finally` when an interrupt cuts it short.
@@ -369,27 +405,4 @@ def apply_planned(
     finally:
         if not done:
             roll_back()  # a second attempt, for an exception that cut the first short
-    names = sorted({patch.name for patch in plan.patches})
-    patcher.consumed.update(names)
-    patcher.routes.stats.replayed += len(plan.patches)
-    return {
-        "ok": True,
-        "names": names,
-        "loaded": sorted(plan.loaded),
-        "replayed": len(plan.patches),
-        "through_loader": 0,
-        "loader_calls": 0,
-        "milliseconds": (time.perf_counter() - started) * 1000.0,
-        # Where the pause went: the live checks and the engine's facts, the writes (old
-        # values saved first), the repack of prepacked layers.
-        "stages_ms": {
-            "checks": (checked - started) * 1000.0,
-            "writes": (wrote - checked) * 1000.0,
-            "repack": (time.perf_counter() - wrote) * 1000.0,
-        },
-        "version": target_version,
-        "atomic": True,
-        "protected": len(protect),
-        "repacked": len(repacked),
-        "planned": True,
-    }
+    return wrote, repacked

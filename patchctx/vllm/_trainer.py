@@ -280,6 +280,9 @@ class SendStats:
         transport: How the payload travelled (``"inline"``, ``"shm"``, ``"nccl"``; joined
             by ``+`` when chunks took different ways).
         version: The weight version the update named as its target.
+        dense_nbytes: Of `nbytes`, the values of the patches sent dense: what the diff's
+            choice sent whole (over shared memory a sparse patch's flat positions can make
+            it as large as the dense one, so `nbytes` alone does not tell them apart).
 
     Examples:
         >>> from patchctx.vllm import SendStats
@@ -295,6 +298,7 @@ class SendStats:
     total_ms: float
     transport: str
     version: str | None
+    dense_nbytes: int = 0
 
 
 def next_version(version: str | None) -> str:
@@ -772,6 +776,11 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             total_ms=(time.perf_counter() - started) * 1000.0,
             transport="+".join(sorted(transports)),
             version=target,
+            dense_nbytes=sum(
+                patch.values.numel() * patch.values.element_size()
+                for patch in patches
+                if patch.indices is None
+            ),
         )
 
     def shutdown(self) -> None:

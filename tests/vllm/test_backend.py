@@ -401,7 +401,7 @@ def test_the_trainer_chooses_sparse_or_dense_by_its_cost_model(
 ) -> None:
     # A 4x4 weight with one change: by wire bytes it goes sparse, by the default cost model
     # (one more dense patch costs less than one more sparse one) dense; the worker ends with
-    # the same weights either way.
+    # the same weights either way, and the stats say which form it sent.
     from patchctx.vllm import _trainer
 
     encoded: list[Any] = []
@@ -423,9 +423,12 @@ def test_the_trainer_chooses_sparse_or_dense_by_its_cost_model(
         trainer.remember(state)
         changed = dict(state, w=state["w"].clone())
         changed["w"][1, 2] = 0.5
-        assert trainer.send_state_dict(changed) is not None
+        stats = trainer.send_state_dict(changed)
+        assert stats is not None
         [patch] = encoded[-1]
         assert (patch.indices is not None) is sparse, cost
+        # the stats say what went whole: the 16 fp32 values of a dense patch, else nothing
+        assert stats.dense_nbytes == (0 if sparse else 16 * 4), stats
         assert torch.equal(worker.model.w, changed["w"])
 
 

@@ -289,6 +289,7 @@ def calibrate(enabled: bool) -> Any:
         source_dtype=torch.float32,
         payload=local_plane(),
         repeats=9,
+        position_bytes=4,  # the shm plane sends positions flat, as int32 indices
     )
 
 

@@ -101,6 +101,11 @@ class UpdateCost:
         plane_seconds_per_element: The data plane's work per changed element beyond its
             bytes: its position encoded and checked (the worker's decode is
             `sparse_seconds_per_element`'s).
+        position_bytes: Bytes of each changed element's position on the wire when the data
+            plane sends positions flat, as indices (4: int32, as ``patchctx.vllm`` does over
+            shared memory; 8 is used for tensors of 2**31 elements or more); 0: in their
+            smallest encoding (`wire_sizes`). Set, a sparse patch is priced at its flat size
+            and never as a bitmask, and goes dense when that size is not below the dense one.
 
     Examples:
         >>> from patchctx import UpdateCost
@@ -126,6 +131,7 @@ class UpdateCost:
     scan_seconds_per_element: float = 0.4e-9
     dense_diff_seconds_per_byte: float = 0.08e-9
     plane_seconds_per_element: float = 8e-9
+    position_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -146,6 +152,21 @@ class UpdateCost:
             raise InvalidPatchTypeError(problems)
         if problems:
             raise InvalidPatchError(problems)
+
+    def flat_position_bytes(self, numel: int) -> float:
+        """Bytes of one flat position in a tensor of `numel` elements (`position_bytes`).
+
+        Examples:
+            >>> from patchctx import UpdateCost
+            >>> cost = UpdateCost(position_bytes=4)
+            >>> cost.flat_position_bytes(2**20), cost.flat_position_bytes(2**31)
+            (4.0, 8.0)
+        """
+        if self.position_bytes <= 0:
+            return 0.0
+        return (
+            max(float(self.position_bytes), 8.0) if numel >= 2**31 else float(self.position_bytes)
+        )
 
     def sparse_seconds(
         self,
@@ -233,6 +254,7 @@ class UpdateCost:
         repeats: int = 5,
         payload: Callable[[CheckpointWeightPatch], object] | None = None,
         source_dtype: torch.dtype | None = None,
+        position_bytes: float = 0.0,
     ) -> UpdateCost:
         """Measure the apply costs here: dense and sparse patches to small models.
 
@@ -273,6 +295,10 @@ class UpdateCost:
                 ignored); `None`: `payload_seconds_per_byte` is not measured.
             source_dtype: The trainer's dtype, which its diff casts from (`None`: `dtype`;
                 ``torch.float32`` for fp32 master weights).
+            position_bytes: The result's `position_bytes` (not measured): how `payload`'s
+                plane sends positions (4: flat int32, as ``patchctx.vllm`` over shared
+                memory). Its sparse patches are then counted at that size, so that
+                `plane_seconds_per_element` is what the plane spends beyond those bytes.
 
         Raises:
             InvalidPatchError: `numel` or `repeats` is not positive.
@@ -294,9 +320,10 @@ class UpdateCost:
         measured = _measure_costs(numel=numel, dtype=dtype, device=where, repeats=repeats)
         source = dtype if source_dtype is None else source_dtype
         measured.update(_measure_diff(numel, dtype, source, where, repeats))
+        flat = replace(cls(), position_bytes=position_bytes)  # checks it
         if payload is not None:
-            measured.update(_measure_payload(payload, measured, numel, dtype, where, repeats))
-        return replace(cls(), link_bytes_per_second=link_bytes_per_second, **measured)
+            measured.update(_measure_payload(payload, measured, numel, dtype, where, repeats, flat))
+        return replace(flat, link_bytes_per_second=link_bytes_per_second, **measured)
 
     def describe(self) -> str:
         """The figures in readable units, one a line (what `calibrate` measured).
@@ -316,8 +343,9 @@ class UpdateCost:
             plane, per sparse element    8.00 ns
             sparse, per patch            22.0 us
             dense, per patch              8.4 us
+            positions                 smallest
         """
-        link = self.link_bytes_per_second
+        link, flat = self.link_bytes_per_second, self.position_bytes > 0
         rows = [
             ("link", "free" if link == math.inf else f"{link / 1e9:.1f} GB/s"),
             ("sparse, per element", f"{self.sparse_seconds_per_element * 1e9:.2f} ns"),
@@ -331,6 +359,7 @@ class UpdateCost:
             ("plane, per sparse element", f"{self.plane_seconds_per_element * 1e9:.2f} ns"),
             ("sparse, per patch", f"{self.sparse_seconds_per_patch * 1e6:.1f} us"),
             ("dense, per patch", f"{self.dense_seconds_per_patch * 1e6:.1f} us"),
+            ("positions", f"flat, {self.position_bytes:g} B" if flat else "smallest"),
         ]
         return "\n".join(f"{name:<25} {value:>10}" for name, value in rows)
 
@@ -405,11 +434,13 @@ def _measure_payload(
     dtype: torch.dtype,
     where: torch.device,
     repeats: int,
+    plane: UpdateCost,
 ) -> dict[str, float]:
     """What `payload` costs beyond the apply already `measured`: per byte, per sparse element.
 
     Dense patches of two sizes give the slope per byte; sparse patches of one element and of
-    a tenth of the tensor (their smallest encoding) give what the data plane spends per
+    a tenth of the tensor (their smallest encoding, or flat at `plane`'s
+    `UpdateCost.position_bytes`) give what the data plane spends per
     changed element beyond their bytes at that slope (positions encoded, decoded, checked).
     The apply `measured` (per byte, per element and line) is taken off both, since a
     `payload` that applies the patch, as a worker does, pays it too.
@@ -439,6 +470,8 @@ def _measure_payload(
         positions = _sorted_positions(numel, nnz, where, seed=2)
         values = torch.ones(nnz, dtype=dtype, device=where)
         _, size = positions_summary(positions, numel).smallest()
+        if plane.position_bytes > 0:
+            size = round(nnz * plane.flat_position_bytes(numel))
         spent = carried(CheckpointWeightPatch("w0", (numel,), dtype, values, positions))
         return spent, nnz * itemsize + size
 

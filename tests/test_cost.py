@@ -138,6 +138,41 @@ def test_a_bitmask_costs_its_decode_per_element_of_the_tensor() -> None:
     )
 
 
+def test_flat_positions_price_a_sparse_patch_at_its_flat_size() -> None:
+    # 60% of an fp32 tensor changed, only bytes costing: in its smallest encoding (a bitmask)
+    # the sparse payload is 0.125 + 4 * 0.6 bytes per element and wins; sent flat (int32
+    # positions, as patchctx.vllm's shared memory plane does) it is 8 * 0.6 = 4.8, more than
+    # the dense 4, so the tensor goes dense. At 10% flat (0.8 bytes) it stays sparse.
+    by_bytes = replace(APPLY_ONLY, sparse_seconds_per_element=0.0, dense_seconds_per_byte=0.0)
+    by_bytes = replace(by_bytes, payload_seconds_per_byte=1e-9)
+    flat = replace(by_bytes, position_bytes=4)
+    old, new = changed_at(round(NUMEL * 0.6), torch.float32)
+    assert is_sparse(old, new, cost=by_bytes)
+    assert not is_sparse(old, new, cost=flat)
+    old, new = changed_at(round(NUMEL * 0.1), torch.float32)
+    assert is_sparse(old, new, cost=flat)
+    # a flat sparse patch pays no bitmask decode, whatever its density
+    decoded = replace(flat, bitmask_seconds_per_element=1.0)
+    assert is_sparse(old, new, cost=decoded)
+    assert flat.flat_position_bytes(2**31) == 8 and by_bytes.flat_position_bytes(2**31) == 0
+
+
+def test_calibrate_counts_a_flat_planes_sparse_bytes_at_their_flat_size() -> None:
+    # A plane that costs exactly its bytes: told it sends positions flat, calibrate finds
+    # no per-element cost beyond them (counted at their smallest encoding, the 3 extra
+    # bytes of each int32 position would be charged per element instead).
+    def bytes_only(patch: CheckpointWeightPatch) -> None:
+        size = patch.values.numel() * patch.values.element_size()
+        if patch.indices is not None:
+            size += patch.indices.numel() * 4
+        torch.empty(size * 64, dtype=torch.uint8).fill_(1)  # time in proportion to bytes
+
+    flat = UpdateCost.calibrate(numel=2**20, repeats=3, payload=bytes_only, position_bytes=4)
+    smallest = UpdateCost.calibrate(numel=2**20, repeats=3, payload=bytes_only)
+    assert flat.position_bytes == 4 and smallest.position_bytes == 0
+    assert flat.plane_seconds_per_element < smallest.plane_seconds_per_element
+
+
 def test_a_slow_link_favours_the_smaller_payload() -> None:
     # at 30% in bf16 replay is slower than a copy, but over a 100 MB/s link the bitmask
     # payload (0.125 + 2 * 0.3 bytes per element) beats 2 bytes per element

@@ -16,7 +16,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -561,7 +561,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         """Diff `state` against what was last sent and send the difference."""
         started = time.perf_counter()
         info = self.init_info
-        patches = diff_state_dicts(self.sent, state, dtype=info.dtype, cost=info.cost)
+        patches = diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
         diff_ms = (time.perf_counter() - started) * 1000.0
         stats = self._send(patches, diff_ms, started, target_version)
         self.remember(state)
@@ -589,6 +589,18 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if last:
             self.version = next_version(self.version)
         return plan.nbytes
+
+    def _cost(self) -> UpdateCost | None:
+        """The init info's cost model, told how this trainer's positions travel.
+
+        Over shared memory they go flat (int32 indices, see `_plan`): a sparse patch is
+        priced at that size, which from half its elements changed (fp32) is the dense one's.
+        """
+        cost = self.init_info.cost
+        if cost is None or self.sender is None:
+            return cost
+        flat = 4.0 if self._writing(self.sender).name == "shm" else 0.0
+        return cost if cost.position_bytes == flat else replace(cost, position_bytes=flat)
 
     def _writing(self, sender: Sender | BytesSender) -> Sender:
         """`sender` itself if it writes plans, else an adapter (one per sender)."""

@@ -271,8 +271,10 @@ class UpdateCost:
         update is a call of many: the call's own cost is paid whichever form a tensor takes):
         a dense patch along its route, and a one-element sparse patch decoded and replayed.
         The trainer's diff is measured from a `source_dtype` tensor into `dtype`: with one
-        change (its scan of every element), a tenth changed (the gather per changed
-        element) and made to go dense (its cast per byte); encoding the positions of a
+        change (its scan of every element), a tenth and a half changed (the gather per
+        changed element: the slope between the two, where the choice is close; the rest of
+        the tenth's time, if more than the one change's, counts as scan) and made to go
+        dense (its cast per byte); encoding the positions of a
         tenth gives `plane_seconds_per_element`.
         With `payload`, a function that carries one patch through the caller's data plane
         as an update does (encode, checksum, transport, decode, and apply, as a worker does:
@@ -490,8 +492,12 @@ def _measure_diff(
 ) -> dict[str, float]:
     """The trainer's side, from a `source` tensor to a patch in `dtype` and its positions.
 
-    A diff with one change scans the whole tensor (`scan_seconds_per_element`); one with a
-    tenth changed also gathers their positions and values (`diff_seconds_per_element`); one
+    A diff with one change scans the whole tensor (`scan_seconds_per_element`); ones with a
+    tenth and a half changed also gather their positions and values: the slope between them
+    is `diff_seconds_per_element`, and what the tenth's time holds beyond that slope's share
+    raises the scan (a changed element costs several times more at a tenth than at a half:
+    a line fitted through one and a tenth would price a half's gather several times over,
+    on the densities where the choice is close); one
     made to go dense at its first change stops scanning there and casts the tensor
     (`dense_diff_seconds_per_byte`, the scan of the block it read taken off). Encoding the
     positions is `plane_seconds_per_element` (the data plane's, as the trainer's codec
@@ -507,12 +513,14 @@ def _measure_diff(
     generator = torch.Generator().manual_seed(1)
     old = {"w": torch.zeros(numel, dtype=dtype, device=where)}
     base = torch.zeros(numel, dtype=source, device=where)
-    changed = (torch.rand(numel, generator=generator) < 0.1).to(where)
-    many = {"w": base.masked_fill(changed, 1)}
+    draw = torch.rand(numel, generator=generator)
+    changed, half = (draw < 0.1).to(where), (draw < 0.5).to(where)
+    many, most = {"w": base.masked_fill(changed, 1)}, {"w": base.masked_fill(half, 1)}
     one, first = {"w": base.clone()}, {"w": base.clone()}
     one["w"][numel // 2] = 1
     first["w"][0] = 1
     nnz = max(int(changed.sum()), 2)
+    nnz_half = max(int(half.sum()), nnz + 1)
     receiver = {"w": dtype}
 
     def diff(new: dict[str, torch.Tensor], dense_above: float | None = None) -> object:
@@ -521,10 +529,12 @@ def _measure_diff(
         )
 
     spent_one = _fastest(lambda: diff(one), where, repeats)
-    scan = spent_one / numel
-    gather = max(_fastest(lambda: diff(many), where, repeats) - spent_one, 0.0) / (nnz - 1)
+    spent_tenth = _fastest(lambda: diff(many), where, repeats)
+    spent_half = _fastest(lambda: diff(most), where, repeats)
+    gather = max(spent_half - spent_tenth, 0.0) / (nnz_half - nnz)
+    scan = max(spent_tenth - nnz * gather, spent_one) / numel
     to_dense = _fastest(lambda: diff(first, dense_above=0.5 / numel), where, repeats)
-    scanned = min(block_size(where), numel) * scan
+    scanned = min(block_size(where), numel) * spent_one / numel  # the plain scan of a block
     cast = max(to_dense - scanned, 0.0) / (numel * dtype.itemsize)
     positions = _sorted_positions(numel, nnz, where, seed=3)
     summary = positions_summary(positions, numel)

@@ -449,6 +449,23 @@ def test_calibrate_measures_the_trainer_from_its_source_dtype() -> None:
         assert 0 <= getattr(cost, name) < 1e-6, name
 
 
+def test_calibrate_prices_the_trainers_diff_where_the_choice_is_close() -> None:
+    # A changed element costs the diff far less at a half than its share at a tenth: the
+    # figures fit both, so the diff they price at 30% is the one measured there (within 2x,
+    # a loaded machine's swing), where a fit through one change and a tenth was 2-3x over.
+    numel = 2**20
+    cost = UpdateCost.calibrate(numel=numel, repeats=3, source_dtype=torch.float32)
+    old = {"w": torch.zeros(numel)}
+    draw = torch.rand(numel, generator=torch.Generator().manual_seed(7))
+    new = {"w": old["w"].masked_fill(draw < 0.3, 1.0)}
+    nnz = int((draw < 0.3).sum())
+    spent = _cost._fastest(
+        lambda: diff_state_dicts(old, new, cost=None), torch.device("cpu"), repeats=5
+    )
+    priced = numel * cost.scan_seconds_per_element + nnz * cost.diff_seconds_per_element
+    assert spent / 2 < priced < spent * 2, (priced, spent)
+
+
 def test_describe_shows_every_figure() -> None:
     text = UpdateCost(link_bytes_per_second=math.inf, payload_seconds_per_byte=2e-9).describe()
     assert len(text.splitlines()) == len(fields(UpdateCost))

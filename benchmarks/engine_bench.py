@@ -267,6 +267,7 @@ def patchctx_update(
     return {
         "trainer_ms": trainer_ms,
         "nbytes": float(stats.nbytes),
+        "dense_nbytes": float(stats.dense_nbytes),
         "wire_ms": wire_ms,
         # the update_weights round trips, the finish (where the workers apply) and its check
         "worker_ms": total_ms - trainer_ms - wire_ms,
@@ -288,6 +289,7 @@ def calibrate(enabled: bool) -> Any:
         source_dtype=torch.float32,
         payload=local_plane(),
         repeats=9,
+        position_bytes=4,  # the shm plane sends positions flat, as int32 indices
     )
 
 
@@ -415,6 +417,8 @@ def summary_row(
         values = [sample[key] for sample in got]
         row[key] = (min(values), statistics.median(values))
     row["nbytes"] = statistics.median(sample["nbytes"] for sample in got)
+    if all("dense_nbytes" in sample for sample in got):
+        row["dense_nbytes"] = statistics.median(sample["dense_nbytes"] for sample in got)
     return row
 
 
@@ -425,21 +429,27 @@ def link_name(link: float) -> str:
 def choice(rows: dict[str, dict[str, Any]]) -> str:
     """The cost model's row against the better forced one: its form, and the ratio of mins.
 
-    Its form is the forced row's whose bytes it sent, within 0.5% of the dense payload (a
-    few small tensors sent the other way, norms and biases by their fixed costs, are not a
-    choice the machine can time), or ``mixed``. Past 1.05x it is marked OVER, unless it sent
+    Its form is the forced row's whose bytes it sent dense (``dense_nbytes``; rows without
+    it: whose bytes it sent), within 0.5% of the dense payload (a few small tensors sent the
+    other way, norms and biases by their fixed costs, are not a choice the machine can time),
+    or ``mixed``. Over shared memory a sparse patch's positions travel flat, so from half
+    its elements changed (fp32) a sparse payload is as large as the dense one: its bytes
+    alone cannot tell which was sent. Past 1.05x it is marked OVER, unless it sent
     what the better one sent (the same payload: the gap is the machine's noise, not the
     model's choice), marked ``same``.
     """
     ours = rows["patchctx"]
     sparse, dense = rows["patchctx sparse"], rows["patchctx dense"]
     best = min((sparse, dense), key=lambda row: row["total_ms"][0])
-    nbytes, close = ours["nbytes"], 0.005 * dense["nbytes"]
+    key = (
+        "dense_nbytes" if all("dense_nbytes" in row for row in (ours, sparse, dense)) else "nbytes"
+    )
+    nbytes, close = ours[key], 0.005 * dense["nbytes"]
     form = (
         "sparse"
-        if abs(nbytes - sparse["nbytes"]) <= close
+        if abs(nbytes - sparse[key]) <= close
         else "dense"
-        if abs(nbytes - dense["nbytes"]) <= close
+        if abs(nbytes - dense[key]) <= close
         else "mixed"
     )
     better = "sparse" if best is sparse else "dense"

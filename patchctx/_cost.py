@@ -101,6 +101,11 @@ class UpdateCost:
         plane_seconds_per_element: The data plane's work per changed element beyond its
             bytes: its position encoded and checked (the worker's decode is
             `sparse_seconds_per_element`'s).
+        position_bytes: Bytes of each changed element's position on the wire when the data
+            plane sends positions flat, as indices (4: int32, as ``patchctx.vllm`` does over
+            shared memory; 8 is used for tensors of 2**31 elements or more); 0: in their
+            smallest encoding (`wire_sizes`). Set, a sparse patch is priced at its flat size
+            and never as a bitmask, and goes dense when that size is not below the dense one.
 
     Examples:
         >>> from patchctx import UpdateCost
@@ -126,6 +131,7 @@ class UpdateCost:
     scan_seconds_per_element: float = 0.4e-9
     dense_diff_seconds_per_byte: float = 0.08e-9
     plane_seconds_per_element: float = 8e-9
+    position_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -146,6 +152,21 @@ class UpdateCost:
             raise InvalidPatchTypeError(problems)
         if problems:
             raise InvalidPatchError(problems)
+
+    def flat_position_bytes(self, numel: int) -> float:
+        """Bytes of one flat position in a tensor of `numel` elements (`position_bytes`).
+
+        Examples:
+            >>> from patchctx import UpdateCost
+            >>> cost = UpdateCost(position_bytes=4)
+            >>> cost.flat_position_bytes(2**20), cost.flat_position_bytes(2**31)
+            (4.0, 8.0)
+        """
+        if self.position_bytes <= 0:
+            return 0.0
+        return (
+            max(float(self.position_bytes), 8.0) if numel >= 2**31 else float(self.position_bytes)
+        )
 
     def sparse_seconds(
         self,
@@ -233,6 +254,7 @@ class UpdateCost:
         repeats: int = 5,
         payload: Callable[[CheckpointWeightPatch], object] | None = None,
         source_dtype: torch.dtype | None = None,
+        position_bytes: float = 0.0,
     ) -> UpdateCost:
         """Measure the apply costs here: dense and sparse patches to small models.
 
@@ -249,8 +271,10 @@ class UpdateCost:
         update is a call of many: the call's own cost is paid whichever form a tensor takes):
         a dense patch along its route, and a one-element sparse patch decoded and replayed.
         The trainer's diff is measured from a `source_dtype` tensor into `dtype`: with one
-        change (its scan of every element), a tenth changed (the gather per changed
-        element) and made to go dense (its cast per byte); encoding the positions of a
+        change (its scan of every element), a tenth and a half changed (the gather per
+        changed element: the slope between the two, where the choice is close; the rest of
+        the tenth's time, if more than the one change's, counts as scan) and made to go
+        dense (its cast per byte); encoding the positions of a
         tenth gives `plane_seconds_per_element`.
         With `payload`, a function that carries one patch through the caller's data plane
         as an update does (encode, checksum, transport, decode, and apply, as a worker does:
@@ -273,6 +297,10 @@ class UpdateCost:
                 ignored); `None`: `payload_seconds_per_byte` is not measured.
             source_dtype: The trainer's dtype, which its diff casts from (`None`: `dtype`;
                 ``torch.float32`` for fp32 master weights).
+            position_bytes: The result's `position_bytes` (not measured): how `payload`'s
+                plane sends positions (4: flat int32, as ``patchctx.vllm`` over shared
+                memory). Its sparse patches are then counted at that size, so that
+                `plane_seconds_per_element` is what the plane spends beyond those bytes.
 
         Raises:
             InvalidPatchError: `numel` or `repeats` is not positive.
@@ -294,9 +322,10 @@ class UpdateCost:
         measured = _measure_costs(numel=numel, dtype=dtype, device=where, repeats=repeats)
         source = dtype if source_dtype is None else source_dtype
         measured.update(_measure_diff(numel, dtype, source, where, repeats))
+        flat = replace(cls(), position_bytes=position_bytes)  # checks it
         if payload is not None:
-            measured.update(_measure_payload(payload, measured, numel, dtype, where, repeats))
-        return replace(cls(), link_bytes_per_second=link_bytes_per_second, **measured)
+            measured.update(_measure_payload(payload, measured, numel, dtype, where, repeats, flat))
+        return replace(flat, link_bytes_per_second=link_bytes_per_second, **measured)
 
     def describe(self) -> str:
         """The figures in readable units, one a line (what `calibrate` measured).
@@ -316,8 +345,9 @@ class UpdateCost:
             plane, per sparse element    8.00 ns
             sparse, per patch            22.0 us
             dense, per patch              8.4 us
+            positions                 smallest
         """
-        link = self.link_bytes_per_second
+        link, flat = self.link_bytes_per_second, self.position_bytes > 0
         rows = [
             ("link", "free" if link == math.inf else f"{link / 1e9:.1f} GB/s"),
             ("sparse, per element", f"{self.sparse_seconds_per_element * 1e9:.2f} ns"),
@@ -331,6 +361,7 @@ class UpdateCost:
             ("plane, per sparse element", f"{self.plane_seconds_per_element * 1e9:.2f} ns"),
             ("sparse, per patch", f"{self.sparse_seconds_per_patch * 1e6:.1f} us"),
             ("dense, per patch", f"{self.dense_seconds_per_patch * 1e6:.1f} us"),
+            ("positions", f"flat, {self.position_bytes:g} B" if flat else "smallest"),
         ]
         return "\n".join(f"{name:<25} {value:>10}" for name, value in rows)
 
@@ -405,11 +436,13 @@ def _measure_payload(
     dtype: torch.dtype,
     where: torch.device,
     repeats: int,
+    plane: UpdateCost,
 ) -> dict[str, float]:
     """What `payload` costs beyond the apply already `measured`: per byte, per sparse element.
 
     Dense patches of two sizes give the slope per byte; sparse patches of one element and of
-    a tenth of the tensor (their smallest encoding) give what the data plane spends per
+    a tenth of the tensor (their smallest encoding, or flat at `plane`'s
+    `UpdateCost.position_bytes`) give what the data plane spends per
     changed element beyond their bytes at that slope (positions encoded, decoded, checked).
     The apply `measured` (per byte, per element and line) is taken off both, since a
     `payload` that applies the patch, as a worker does, pays it too.
@@ -439,6 +472,8 @@ def _measure_payload(
         positions = _sorted_positions(numel, nnz, where, seed=2)
         values = torch.ones(nnz, dtype=dtype, device=where)
         _, size = positions_summary(positions, numel).smallest()
+        if plane.position_bytes > 0:
+            size = round(nnz * plane.flat_position_bytes(numel))
         spent = carried(CheckpointWeightPatch("w0", (numel,), dtype, values, positions))
         return spent, nnz * itemsize + size
 
@@ -457,8 +492,12 @@ def _measure_diff(
 ) -> dict[str, float]:
     """The trainer's side, from a `source` tensor to a patch in `dtype` and its positions.
 
-    A diff with one change scans the whole tensor (`scan_seconds_per_element`); one with a
-    tenth changed also gathers their positions and values (`diff_seconds_per_element`); one
+    A diff with one change scans the whole tensor (`scan_seconds_per_element`); ones with a
+    tenth and a half changed also gather their positions and values: the slope between them
+    is `diff_seconds_per_element`, and what the tenth's time holds beyond that slope's share
+    raises the scan (a changed element costs several times more at a tenth than at a half:
+    a line fitted through one and a tenth would price a half's gather several times over,
+    on the densities where the choice is close); one
     made to go dense at its first change stops scanning there and casts the tensor
     (`dense_diff_seconds_per_byte`, the scan of the block it read taken off). Encoding the
     positions is `plane_seconds_per_element` (the data plane's, as the trainer's codec
@@ -474,12 +513,14 @@ def _measure_diff(
     generator = torch.Generator().manual_seed(1)
     old = {"w": torch.zeros(numel, dtype=dtype, device=where)}
     base = torch.zeros(numel, dtype=source, device=where)
-    changed = (torch.rand(numel, generator=generator) < 0.1).to(where)
-    many = {"w": base.masked_fill(changed, 1)}
+    draw = torch.rand(numel, generator=generator)
+    changed, half = (draw < 0.1).to(where), (draw < 0.5).to(where)
+    many, most = {"w": base.masked_fill(changed, 1)}, {"w": base.masked_fill(half, 1)}
     one, first = {"w": base.clone()}, {"w": base.clone()}
     one["w"][numel // 2] = 1
     first["w"][0] = 1
     nnz = max(int(changed.sum()), 2)
+    nnz_half = max(int(half.sum()), nnz + 1)
     receiver = {"w": dtype}
 
     def diff(new: dict[str, torch.Tensor], dense_above: float | None = None) -> object:
@@ -488,10 +529,12 @@ def _measure_diff(
         )
 
     spent_one = _fastest(lambda: diff(one), where, repeats)
-    scan = spent_one / numel
-    gather = max(_fastest(lambda: diff(many), where, repeats) - spent_one, 0.0) / (nnz - 1)
+    spent_tenth = _fastest(lambda: diff(many), where, repeats)
+    spent_half = _fastest(lambda: diff(most), where, repeats)
+    gather = max(spent_half - spent_tenth, 0.0) / (nnz_half - nnz)
+    scan = max(spent_tenth - nnz * gather, spent_one) / numel
     to_dense = _fastest(lambda: diff(first, dense_above=0.5 / numel), where, repeats)
-    scanned = min(block_size(where), numel) * scan
+    scanned = min(block_size(where), numel) * spent_one / numel  # the plain scan of a block
     cast = max(to_dense - scanned, 0.0) / (numel * dtype.itemsize)
     positions = _sorted_positions(numel, nnz, where, seed=3)
     summary = positions_summary(positions, numel)

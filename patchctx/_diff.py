@@ -9,6 +9,7 @@ puts on the wire, each sparse patch in its smallest encoding (`patchctx._encodin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias, cast
@@ -91,8 +92,9 @@ def choose_sparse(
     """`diff_state_dicts`' rule for a tensor whose changed values the strategy can carry.
 
     Sparse when the density is at most `dense_above` (if given), the sparse patch's wire bytes
-    (`sparse_nbytes`) are strictly below the dense patch's, and, with `cost`, its estimated
-    update time is strictly below the dense one's too. `escapes`
+    (`sparse_nbytes`; with a `cost` whose `position_bytes` is set, its values and flat
+    positions, as that data plane sends them) are strictly below the dense patch's, and,
+    with `cost`, its estimated update time is strictly below the dense one's too. `escapes`
     (a count, or a function that counts) is needed only for the size of the ``gaps``
     encoding, and asked for only when the answer depends on it.
     """
@@ -103,6 +105,9 @@ def choose_sparse(
 
     def wins(escaped: int) -> bool:
         encoding, size = _sparse_wire(nnz, numel, element_size, escaped)
+        if cost is not None and cost.position_bytes > 0:  # the plane sends them flat
+            encoding = WireEncoding.INDICES
+            size = nnz * (element_size + math.ceil(cost.flat_position_bytes(numel)))
         if size >= numel * element_size:
             return False  # never more bytes than the tensor itself, whatever the estimate
         if cost is None:

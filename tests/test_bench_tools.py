@@ -79,3 +79,18 @@ def test_the_verdict_compares_with_vllms_reload_and_the_better_path() -> None:
     noisy = [_row(m, {"patchctx": 60.0}.get(m, 30.0), _DENSE_BYTES.get(m, 1_000)) for m in METHODS]
     [line] = verdict({"rows": noisy})
     assert "sparse (2.00x sparse, same)" in line
+
+
+def test_the_verdict_tells_the_forms_apart_by_their_dense_bytes_when_sizes_match() -> None:
+    # Over shared memory at 50% (fp32, flat positions) a sparse payload is as large as the
+    # dense one: the rows' dense bytes say which form the model sent.
+    dense_bytes = {"patchctx": 100_000, "patchctx sparse": 0, "patchctx dense": 100_000}
+    times = {"patchctx": 30.0, "patchctx sparse": 60.0, "patchctx dense": 30.0}
+    rows = []
+    for method in METHODS:
+        row = _row(method, times.get(method, 20.0), 100_000, density=0.5)
+        if method in dense_bytes:
+            row["dense_nbytes"] = dense_bytes[method]
+        rows.append(row)
+    [line] = verdict({"rows": rows})
+    assert "sent dense (1.00x dense)" in line, line

@@ -138,6 +138,41 @@ def test_a_bitmask_costs_its_decode_per_element_of_the_tensor() -> None:
     )
 
 
+def test_flat_positions_price_a_sparse_patch_at_its_flat_size() -> None:
+    # 60% of an fp32 tensor changed, only bytes costing: in its smallest encoding (a bitmask)
+    # the sparse payload is 0.125 + 4 * 0.6 bytes per element and wins; sent flat (int32
+    # positions, as patchctx.vllm's shared memory plane does) it is 8 * 0.6 = 4.8, more than
+    # the dense 4, so the tensor goes dense. At 10% flat (0.8 bytes) it stays sparse.
+    by_bytes = replace(APPLY_ONLY, sparse_seconds_per_element=0.0, dense_seconds_per_byte=0.0)
+    by_bytes = replace(by_bytes, payload_seconds_per_byte=1e-9)
+    flat = replace(by_bytes, position_bytes=4)
+    old, new = changed_at(round(NUMEL * 0.6), torch.float32)
+    assert is_sparse(old, new, cost=by_bytes)
+    assert not is_sparse(old, new, cost=flat)
+    old, new = changed_at(round(NUMEL * 0.1), torch.float32)
+    assert is_sparse(old, new, cost=flat)
+    # a flat sparse patch pays no bitmask decode, whatever its density
+    decoded = replace(flat, bitmask_seconds_per_element=1.0)
+    assert is_sparse(old, new, cost=decoded)
+    assert flat.flat_position_bytes(2**31) == 8 and by_bytes.flat_position_bytes(2**31) == 0
+
+
+def test_calibrate_counts_a_flat_planes_sparse_bytes_at_their_flat_size() -> None:
+    # A plane that costs exactly its bytes: told it sends positions flat, calibrate finds
+    # no per-element cost beyond them (counted at their smallest encoding, the 3 extra
+    # bytes of each int32 position would be charged per element instead).
+    def bytes_only(patch: CheckpointWeightPatch) -> None:
+        size = patch.values.numel() * patch.values.element_size()
+        if patch.indices is not None:
+            size += patch.indices.numel() * 4
+        torch.empty(size * 64, dtype=torch.uint8).fill_(1)  # time in proportion to bytes
+
+    flat = UpdateCost.calibrate(numel=2**20, repeats=3, payload=bytes_only, position_bytes=4)
+    smallest = UpdateCost.calibrate(numel=2**20, repeats=3, payload=bytes_only)
+    assert flat.position_bytes == 4 and smallest.position_bytes == 0
+    assert flat.plane_seconds_per_element < smallest.plane_seconds_per_element
+
+
 def test_a_slow_link_favours_the_smaller_payload() -> None:
     # at 30% in bf16 replay is slower than a copy, but over a 100 MB/s link the bitmask
     # payload (0.125 + 2 * 0.3 bytes per element) beats 2 bytes per element
@@ -412,6 +447,23 @@ def test_calibrate_measures_the_trainer_from_its_source_dtype() -> None:
     assert 0 < cost.scan_seconds_per_element < 1e-6  # a whole tensor read: never free
     for name in ("diff_seconds_per_element", "dense_diff_seconds_per_byte"):  # differences
         assert 0 <= getattr(cost, name) < 1e-6, name
+
+
+def test_calibrate_prices_the_trainers_diff_where_the_choice_is_close() -> None:
+    # A changed element costs the diff far less at a half than its share at a tenth: the
+    # figures fit both, so the diff they price at 30% is the one measured there (within 2x,
+    # a loaded machine's swing), where a fit through one change and a tenth was 2-3x over.
+    numel = 2**20
+    cost = UpdateCost.calibrate(numel=numel, repeats=3, source_dtype=torch.float32)
+    old = {"w": torch.zeros(numel)}
+    draw = torch.rand(numel, generator=torch.Generator().manual_seed(7))
+    new = {"w": old["w"].masked_fill(draw < 0.3, 1.0)}
+    nnz = int((draw < 0.3).sum())
+    spent = _cost._fastest(
+        lambda: diff_state_dicts(old, new, cost=None), torch.device("cpu"), repeats=5
+    )
+    priced = numel * cost.scan_seconds_per_element + nnz * cost.diff_seconds_per_element
+    assert spent / 2 < priced < spent * 2, (priced, spent)
 
 
 def test_describe_shows_every_figure() -> None:

@@ -16,7 +16,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -280,6 +280,9 @@ class SendStats:
         transport: How the payload travelled (``"inline"``, ``"shm"``, ``"nccl"``; joined
             by ``+`` when chunks took different ways).
         version: The weight version the update named as its target.
+        dense_nbytes: Of `nbytes`, the values of the patches sent dense: what the diff's
+            choice sent whole (over shared memory a sparse patch's flat positions can make
+            it as large as the dense one, so `nbytes` alone does not tell them apart).
 
     Examples:
         >>> from patchctx.vllm import SendStats
@@ -295,6 +298,7 @@ class SendStats:
     total_ms: float
     transport: str
     version: str | None
+    dense_nbytes: int = 0
 
 
 def next_version(version: str | None) -> str:
@@ -557,7 +561,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         """Diff `state` against what was last sent and send the difference."""
         started = time.perf_counter()
         info = self.init_info
-        patches = diff_state_dicts(self.sent, state, dtype=info.dtype, cost=info.cost)
+        patches = diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
         diff_ms = (time.perf_counter() - started) * 1000.0
         stats = self._send(patches, diff_ms, started, target_version)
         self.remember(state)
@@ -585,6 +589,18 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if last:
             self.version = next_version(self.version)
         return plan.nbytes
+
+    def _cost(self) -> UpdateCost | None:
+        """The init info's cost model, told how this trainer's positions travel.
+
+        Over shared memory they go flat (int32 indices, see `_plan`): a sparse patch is
+        priced at that size, which from half its elements changed (fp32) is the dense one's.
+        """
+        cost = self.init_info.cost
+        if cost is None or self.sender is None:
+            return cost
+        flat = 4.0 if self._writing(self.sender).name == "shm" else 0.0
+        return cost if cost.position_bytes == flat else replace(cost, position_bytes=flat)
 
     def _writing(self, sender: Sender | BytesSender) -> Sender:
         """`sender` itself if it writes plans, else an adapter (one per sender)."""
@@ -772,6 +788,11 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             total_ms=(time.perf_counter() - started) * 1000.0,
             transport="+".join(sorted(transports)),
             version=target,
+            dense_nbytes=sum(
+                patch.values.numel() * patch.values.element_size()
+                for patch in patches
+                if patch.indices is None
+            ),
         )
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -401,7 +402,7 @@ def test_the_trainer_chooses_sparse_or_dense_by_its_cost_model(
 ) -> None:
     # A 4x4 weight with one change: by wire bytes it goes sparse, by the default cost model
     # (one more dense patch costs less than one more sparse one) dense; the worker ends with
-    # the same weights either way.
+    # the same weights either way, and the stats say which form it sent.
     from patchctx.vllm import _trainer
 
     encoded: list[Any] = []
@@ -423,10 +424,38 @@ def test_the_trainer_chooses_sparse_or_dense_by_its_cost_model(
         trainer.remember(state)
         changed = dict(state, w=state["w"].clone())
         changed["w"][1, 2] = 0.5
-        assert trainer.send_state_dict(changed) is not None
+        stats = trainer.send_state_dict(changed)
+        assert stats is not None
         [patch] = encoded[-1]
         assert (patch.indices is not None) is sparse, cost
+        # the stats say what went whole: the 16 fp32 values of a dense patch, else nothing
+        assert stats.dense_nbytes == (0 if sparse else 16 * 4), stats
         assert torch.equal(worker.model.w, changed["w"])
+
+
+@pytest.mark.parametrize(("transport", "dense"), [("shm", True), ("inline", False)])
+def test_the_trainers_cost_model_prices_positions_as_its_transport_sends_them(
+    transport: str, dense: bool, tmp_path: Any
+) -> None:
+    # 10 of a 4x4 fp32 weight's 16 elements changed, only payload bytes costing. Inline the
+    # positions travel smallest (a 2-byte bitmask: 42 bytes against 64 dense): sparse. Over
+    # shared memory they travel flat (int32: 80 bytes): dense, and the worker ends the same.
+    free = {f.name: 0.0 for f in fields(UpdateCost) if f.name != "link_bytes_per_second"}
+    cost = UpdateCost(**{**free, "payload_seconds_per_byte": 1e-9, "link_bytes_per_second": 1e12})
+    worker = worker_engine()
+    info = PatchctxTrainerInitInfo(
+        transport=transport, rank=0, shm_dir=str(tmp_path), inline_below=0, cost=cost
+    )
+    trainer = PatchctxTrainerEngine.trainer_init(info, client=LocalClient(worker))
+    state = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    trainer.remember(state)
+    changed = dict(state, w=state["w"].clone())
+    changed["w"].view(-1)[:10] = torch.arange(1.0, 11.0)
+    stats = trainer.send_state_dict(changed)
+    assert stats is not None and stats.transport == transport
+    assert stats.dense_nbytes == (16 * 4 if dense else 0), stats
+    assert torch.equal(worker.model.w, changed["w"])
+    trainer.shutdown()
 
 
 def test_an_update_in_chunks_is_applied_once_with_its_last_chunk() -> None:

@@ -35,6 +35,10 @@ def test_the_engine_bench_prints_every_method_a_verdict_and_json(
     by = {(r["link"], r["method"]): r for r in report["rows"]}
     for link in (0.0, 1.25e8):  # 1% sent sparse is smaller
         assert by[link, "patchctx sparse"]["nbytes"] < by[link, "patchctx dense"]["nbytes"]
+        # what each sent whole: the forced dense row every value, the sparse one less
+        dense, sparse = by[link, "patchctx dense"], by[link, "patchctx sparse"]
+        assert 0 < dense["dense_nbytes"] <= dense["nbytes"]
+        assert sparse["dense_nbytes"] < dense["dense_nbytes"]
     # The bucket charges every method's bytes alike: at least its bytes over the rate (less
     # the 64 KiB burst), and not much more (sleeps overrun on a loaded machine).
     for method in METHODS:

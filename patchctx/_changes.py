@@ -25,6 +25,7 @@ allocated besides the result.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
@@ -46,6 +47,7 @@ __all__ = [
     "bits_of",
     "block_size",
     "count_set",
+    "positions_unless",
     "reserved_test",
     "set_positions",
 ]
@@ -307,10 +309,52 @@ def set_positions(mask: NDArray[numpy.bool_]) -> NDArray[numpy.intp]:
         >>> set_positions(numpy.array([0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1], dtype=bool)).tolist()
         [1, 9, 10]
     """
+    groups, held = _held_groups(mask)
+    return _positions(mask, groups, held)
+
+
+def positions_unless(
+    mask: NDArray[numpy.bool_], fits: Callable[[int], bool]
+) -> tuple[int, NDArray[numpy.intp] | None]:
+    """`set_positions` of `mask`, unless its count of set entries is one `fits` rules out.
+
+    `fits` must answer no for every count above one it said no to. The groups of 8 entries
+    that hold a set one, found first, bound the count: at least one and at most 8 per group.
+    When the least rules it out, nothing more is read; when the most does not, the positions
+    are found as `set_positions` finds them; in between the mask is counted (about a tenth of
+    the cost of finding its positions once an eighth of the groups hold a set entry) before
+    its positions are looked for.
+
+    Returns:
+        (the count, the positions), or (a count `fits` ruled out, at most the mask's, `None`).
+    """
+    groups, held = _held_groups(mask)
+    least = held.shape[0]
+    most = min(8 * least + mask.shape[0] - 8 * groups.shape[0], mask.shape[0])
+    if least and not fits(least):
+        return least, None
+    if most > least and not fits(most):
+        count = int(numpy.count_nonzero(mask))
+        if count > least and not fits(count):
+            return count, None
+    found = _positions(mask, groups, held)
+    return found.shape[0], found
+
+
+def _held_groups(
+    mask: NDArray[numpy.bool_],
+) -> tuple[NDArray[numpy.uint64], NDArray[numpy.intp]]:
+    """(the whole groups of 8 entries of `mask` as uint64, the positions of the nonzero ones)."""
     length = mask.shape[0]
-    whole = length - length % 8
-    groups = mask[:whole].view(numpy.uint64)
-    held = numpy.flatnonzero(groups != 0)
+    groups = mask[: length - length % 8].view(numpy.uint64)
+    return groups, numpy.flatnonzero(groups != 0)
+
+
+def _positions(
+    mask: NDArray[numpy.bool_], groups: NDArray[numpy.uint64], held: NDArray[numpy.intp]
+) -> NDArray[numpy.intp]:
+    length = mask.shape[0]
+    whole = 8 * groups.shape[0]
     if held.shape[0] == 0 and whole == length:  # nothing changed: the common case
         return held
     if held.shape[0] > _GROUPS_READ_ALONE * groups.shape[0]:
@@ -483,11 +527,14 @@ class ChangeScan:
     ) -> Changes:
         """Each block's positions and values while its mask is fresh (CPU: no sync to pay).
 
-        While the density seen so far, were it the whole tensor's, would rule sparse out, a
-        block is only counted (a few times cheaper than finding its positions): the scan will
-        likely stop, and its positions would be wasted. Should the tensor end sparse after
-        all (its changes came early), the blocks only counted are read again. The blocks'
-        results are joined at the end, so the result is held twice for that moment.
+        While the density seen so far, this block's included, would rule sparse out were it
+        the whole tensor's, a block is only counted (`positions_unless` counts it before
+        looking for its positions, a tenth of their cost): the scan will likely stop, and its
+        positions would be wasted. So the block whose count rules sparse out, often a
+        tensor's only one, costs a count, not its positions. Should the
+        tensor end sparse after all (its changes came early), the blocks only counted are read
+        again. The blocks' results are joined at the end, so the result is held twice for that
+        moment.
         """
         parts: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         counted_only: dict[int, _Piece] = {}  # by their place in `parts`
@@ -497,18 +544,28 @@ class ChangeScan:
             new_bits, xor = self._xor(piece[1], piece[2])
             mask = self._mask(xor).numpy()
             scanned += mask.shape[0]
-            local = set_positions(mask) if likely else None
-            count = int(numpy.count_nonzero(mask)) if local is None else local.shape[0]
+            if likely:  # positions unless this block's density, were it the rest's, rules out
+                fits = functools.partial(
+                    _could_reach, could_be_sparse, changed, self.numel, scanned
+                )
+                count, local = positions_unless(mask, fits)
+            else:
+                count, local = int(numpy.count_nonzero(mask)), None
             if count == 0:
                 continue
-            changed += count
-            if not could_be_sparse(changed):
-                return Changes(changed)
             if local is None:
+                if not could_be_sparse(changed + count):
+                    return Changes(changed + count)  # `count` may be a bound: at least this many
+                if likely:  # ruled out at the density so far only; `count` may be a bound
+                    exact = int(numpy.count_nonzero(mask))
+                    if exact > count and not could_be_sparse(changed + exact):
+                        return Changes(changed + exact)
+                    count = exact
                 counted_only[len(parts)] = piece
                 parts.append(None)
             else:
                 parts.append(_taken(piece[0], new_bits, local, index_dtype))
+            changed += count
             likely = could_be_sparse(-(-changed * self.numel // scanned))
         if changed == 0:
             return Changes(0)
@@ -567,6 +624,13 @@ class ChangeScan:
             torch.index_select(new_bits, 0, local, out=values[offset:end])
             offset = end
         return positions, values.reshape(-1).view(self.dtype)
+
+
+def _could_reach(
+    could_be_sparse: Callable[[int], bool], changed: int, numel: int, scanned: int, more: int
+) -> bool:
+    """Whether a tensor with the density of its first `scanned` elements might go sparse."""
+    return could_be_sparse(-(-(changed + more) * numel // scanned))
 
 
 def _taken(

@@ -337,13 +337,22 @@ def test_two_passes_read_the_host_once_per_tensor_however_many_blocks() -> None:
 def spy_on_positions() -> Iterator[list[int]]:
     """The length of each mask whose positions the scan looks for."""
     lengths: list[int] = []
-    real = changes.set_positions
+    real, real_unless = changes.set_positions, changes.positions_unless
 
     def spy(mask: Any) -> Any:
         lengths.append(int(mask.shape[0]))
         return real(mask)
 
-    with mock.patch.object(changes, "set_positions", spy):
+    def spy_unless(mask: Any, fits: Any) -> Any:
+        count, found = real_unless(mask, fits)
+        if found is not None:
+            lengths.append(int(mask.shape[0]))
+        return count, found
+
+    with (
+        mock.patch.object(changes, "set_positions", spy),
+        mock.patch.object(changes, "positions_unless", spy_unless),
+    ):
         yield lengths
 
 
@@ -366,11 +375,12 @@ def test_one_pass_reads_each_mask_once_and_stops_when_sparse_is_ruled_out() -> N
 
     with HostReads() as watch, spy_on_positions() as positions_found:
         found = scan.find(None, torch.int32, below_two)
-    # Block 0 holds 1 change: at that density the tensor would hold 16, too many, so blocks 1
-    # to 7 are only counted; block 7 brings two more, and the scan stops there.
-    assert (asked, found.changed, found.positions, found.values) == ([1, 16, 3], 3, None, None)
+    # Block 0 holds 1 change (at least: its one nonzero group of 8): at that density the tensor
+    # would hold 16, too many, so no block's positions are found; all are only counted, and
+    # block 7 brings two more: the scan stops there.
+    assert (asked, found.changed, found.positions, found.values) == ([16, 1, 16, 3], 3, None, None)
     assert watch.reads == ["numpy"] * 8
-    assert positions_found == [64]  # block 0's; the others were counted
+    assert positions_found == []
 
 
 def test_one_pass_reads_again_the_blocks_it_only_counted_when_sparse_wins() -> None:
@@ -387,10 +397,11 @@ def test_one_pass_reads_again_the_blocks_it_only_counted_when_sparse_wins() -> N
     scan = ChangeScan(old, new, torch.bfloat16, block=64)
     with HostReads() as watch, spy_on_positions() as positions_found:
         found = scan.find(reserved_test(Auto(), torch.bfloat16), torch.int32, up_to_three)
-    # block 0: 2 changes, 32 at that density: blocks 1-15 only counted; 3 in all: block 15,
-    # the only counted block with a change, is read again
-    assert asked == [2, 32, 3, 3]
-    assert watch.reads == ["numpy"] * 17 + ["__bool__"]
+    # block 0: one group of 8 holds a change: 1 change at least, 16 at that density: it is
+    # only counted (2 changes, 32 at that density), and so are blocks 1-15; 3 in all: blocks 0
+    # and 15, the counted blocks with a change, are read again
+    assert asked == [16, 1, 2, 32, 3, 3]
+    assert watch.reads == ["numpy"] * 18 + ["__bool__"]
     assert positions_found == [64, 40]  # block 0, then block 15 (elements 960 to 999)
     assert found.changed == 3
     assert found.positions is not None and found.values is not None
@@ -492,3 +503,39 @@ def test_set_positions_by_groups_of_eight_are_nonzero(
     found = changes.set_positions(mask.numpy())
     assert found.dtype == np.intp
     assert found.tolist() == mask.nonzero().view(-1).tolist()
+
+
+@given(
+    length=st.integers(0, 3000),
+    density=st.sampled_from([0.0, 0.001, 0.02, 0.1, 0.4, 0.7, 1.0]),
+    clustered=st.booleans(),
+    limit=st.integers(0, 3000),
+    seed=st.integers(0, 2**16),
+)
+def test_positions_unless_a_count_rules_them_out(
+    length: int, density: float, clustered: bool, limit: int, seed: int
+) -> None:
+    """The positions when the count fits; else no positions and a count that does not fit,
+    at most the true one (the scan may stop on it). Asked only of counts it may hold."""
+    generator = torch.Generator().manual_seed(seed)
+    if clustered:
+        mask = (torch.rand((length + 15) // 16, generator=generator) < density).repeat_interleave(
+            16
+        )[:length]
+    else:
+        mask = torch.rand(length, generator=generator) < density
+    total = int(mask.sum())
+    asked: list[int] = []
+
+    def fits(count: int) -> bool:
+        asked.append(count)
+        return count <= limit
+
+    count, found = changes.positions_unless(mask.numpy(), fits)
+    assert all(0 < n <= length for n in asked)
+    if total <= limit:
+        assert count == total
+        assert found is not None and found.tolist() == mask.nonzero().view(-1).tolist()
+    else:
+        assert found is None
+        assert limit < count <= total

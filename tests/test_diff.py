@@ -30,7 +30,8 @@ from patchctx import (
     patch_nbytes,
     validate_patches,
 )
-from patchctx._diff import index_dtype, sparse_is_smaller
+from patchctx._diff import choose_sparse, index_dtype, sparse_is_smaller
+from patchctx._encoding import count_escapes
 from patchctx._strategies import indexable
 from tests.support.builders import nan_with_payload, state_dict_pairs, tp_models
 from tests.support.memory import AllocationTracker, HostReads
@@ -133,6 +134,124 @@ def assert_smallest_correct(
         else:
             assert patch.indices is None
             assert same_bits(patch.values, after.reshape(-1))
+
+
+def whole_scan_patch(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    receiver: torch.dtype,
+    strategy: CopyStrategy,
+    dense_above: float | None,
+    cost: UpdateCost | None,
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """(positions or None, values) by the diff's rule applied to the whole comparison: every
+    changed element found first, then the strategy's fallbacks and `choose_sparse` with the
+    positions' real escapes; `None` when nothing changed."""
+    before, after = old.to(receiver), new.to(receiver)
+    changed = (element_bits(before) != element_bits(after)).any(dim=1)
+    positions = changed.nonzero().view(-1)
+    nnz, numel = positions.numel(), after.numel()
+    if nnz == 0:
+        return None
+    values = gather(after.reshape(-1), positions)
+    sparse = (
+        strategy.unsupported_reason(receiver) is None
+        and not bool(strategy.reserved_values(values, receiver))
+        and choose_sparse(
+            nnz,
+            numel,
+            receiver.itemsize,
+            escapes=int(count_escapes(positions)),
+            cost=cost,
+            dense_above=dense_above,
+        )
+    )
+    return (positions, values) if sparse else (None, after.reshape(-1))
+
+
+def rule_allows(
+    nnz: int, numel: int, receiver: torch.dtype, cost: UpdateCost | None, dense_above: float | None
+) -> bool:
+    return choose_sparse(
+        nnz, numel, receiver.itemsize, escapes=0, cost=cost, dense_above=dense_above
+    )
+
+
+@given(
+    rows=st.integers(1, 48),
+    columns=st.integers(1, 48),
+    block=st.integers(1, 400),
+    density=st.floats(0.0, 1.0),
+    near_limit=st.none() | st.integers(-3, 3),
+    front=st.floats(0.05, 1.0),
+    receiver=st.sampled_from([torch.float32, torch.bfloat16]),
+    nan=st.booleans(),
+    strategy=st.sampled_from(STRATEGIES),
+    cost=st.sampled_from([*COSTS, UpdateCost(position_bytes=4)]),
+    dense_above=st.none() | st.floats(0.01, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_stopping_early_sends_what_the_whole_scan_would(
+    rows: int,
+    columns: int,
+    block: int,
+    density: float,
+    near_limit: int | None,
+    front: float,
+    receiver: torch.dtype,
+    nan: bool,
+    strategy: CopyStrategy,
+    cost: UpdateCost | None,
+    dense_above: float | None,
+    seed: int,
+) -> None:
+    """The scan stops once the changes found rule sparse out; the patch is the one the rule
+    gives from every change: same form, same bits. Changes may crowd the front of the tensor
+    (so early blocks look dense), number about the first count that rules sparse out
+    (`near_limit`, else `density` of the front), tensors span many blocks, a NaN may force
+    dense."""
+    generator = torch.Generator().manual_seed(seed)
+    old = torch.randn(rows, columns, generator=generator)
+    numel, reach = old.numel(), max(1, int(front * old.numel()))
+    if near_limit is None:
+        chosen = torch.rand(numel, generator=generator) < density
+        chosen[reach:] = False
+    else:
+        limit = next(
+            (
+                n
+                for n in range(1, numel + 1)
+                if not rule_allows(n, numel, receiver, cost, dense_above)
+            ),
+            numel,
+        )
+        chosen = torch.zeros(numel, dtype=torch.bool)
+        chosen[torch.randperm(reach, generator=generator)[: max(0, limit + near_limit)]] = True
+    new = old.clone()
+    new.view(-1)[chosen] *= 1.0625  # a change bf16 sees too
+    if nan and bool(chosen.any()):
+        new.view(-1)[int(chosen.nonzero()[0])] = math.nan
+    with mock.patch.dict(changes.DEFAULT_BLOCK, {"cpu": block}):
+        patches = diff_state_dicts(
+            {"w": old},
+            {"w": new},
+            dtype=receiver,
+            strategy=strategy,
+            cost=cost,
+            dense_above=dense_above,
+        )
+    expected = whole_scan_patch(old, new, receiver, strategy, dense_above, cost)
+    if expected is None:
+        assert patches == []
+        return
+    [patch] = patches
+    positions, values = expected
+    if positions is None:
+        assert patch.indices is None
+    else:
+        assert patch.indices is not None
+        assert torch.equal(patch.indices.long(), positions)
+    assert same_bits(patch.values, values)
 
 
 def round_trip(

@@ -13,7 +13,12 @@ bf16, one process times, interleaved and in rotated order:
   ``nonzero`` (int32 positions) and a gather of the values (sparse patches, always);
 - ``before``: ``diff_state_dicts`` as of the base revision (default af305ae: whole-tensor casts,
   a checkpoint-sized mask), imported from ``git archive`` as ``patchctx_base``;
-- ``now``: this tree's ``diff_state_dicts``.
+- ``now``: this tree's ``diff_state_dicts``;
+- ``dense``: the same, every changed tensor forced dense (``dense_above`` at 1e-12): what the
+  model's path costs at most where it ends dense, once its scan stops as soon as it can.
+
+``--position-bytes 4`` prices positions as the shm data plane sends them (flat int32,
+`UpdateCost.position_bytes`), for ``now``, ``dense`` and ``before`` where the base has it.
 
 The table shows min and median milliseconds, the ratio of each to the bound (min / min and
 median / median), and the peak extra memory of one call beside the bytes of the patches it
@@ -49,7 +54,7 @@ from benchmarks.versus import import_base
 
 SOURCES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DENSITIES = (0.001, 0.025, 0.15, 0.5)
-METHODS = ("copy", "read", "torch", "before", "now")
+METHODS = ("copy", "read", "torch", "before", "now", "dense")
 COLUMNS = 1024
 TENSOR_ELEMENTS = 1 << 22
 READ_BLOCK = 1 << 20
@@ -201,9 +206,14 @@ def measure_row(
     )
     outputs: dict[str, list[Any]] = {}
 
-    def diff(module: ModuleType, method: str) -> Callable[[], None]:
+    def diff(module: ModuleType, method: str, **options: object) -> Callable[[], None]:
+        cost = getattr(module, "UpdateCost", None)
+        fields = getattr(cost, "__dataclass_fields__", {})
+        if args.position_bytes and cost is not None and "position_bytes" in fields:
+            options["cost"] = cost(position_bytes=args.position_bytes)
+
         def run() -> None:
-            outputs[method] = module.diff_state_dicts(old, new, dtype=torch.bfloat16)
+            outputs[method] = module.diff_state_dicts(old, new, dtype=torch.bfloat16, **options)
 
         return run
 
@@ -213,6 +223,7 @@ def measure_row(
         "torch": plain_torch(old, new, outputs),
         "before": diff(base, "before"),
         "now": diff(patchctx, "now"),
+        "dense": diff(patchctx, "dense", dense_above=1e-12),
     }
     meter = Meter(args.device)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -230,13 +241,15 @@ def measure_row(
                 elapsed, _ = meter(calls[method])
                 if round_:
                     times[method].append(elapsed)
-        for other in ("before", "torch"):
+        for other in ("before", "torch", "dense"):
             if not same_result(old, outputs[other], outputs["now"]):
                 raise AssertionError(f"{source} {density}: {other} and now update differently")
     rows = []
     for method in METHODS:
         sizes: dict[str, float] = {
-            m: patchctx.patch_nbytes(outputs[m]) / 2**20 for m in ("before", "now") if m in outputs
+            m: patchctx.patch_nbytes(outputs[m]) / 2**20
+            for m in ("before", "now", "dense")
+            if m in outputs
         }
         peak = peaks.get(method)
         if memory:
@@ -277,7 +290,8 @@ def table(rows: Sequence[Row], settings: Mapping[str, object]) -> str:
         f"diff_state_dicts, bf16 receiver, {settings['elements']:,} elements in tensors of "
         f"at most {settings['tensor_elements']:,}, "
         f"{settings['threads']} torch thread(s), {settings['device']}, "
-        f"{settings['rounds']} rounds; before = {settings['base']}",
+        f"{settings['rounds']} rounds; before = {settings['base']}; "
+        f"UpdateCost.position_bytes {settings['position_bytes']:g}",
         f"{'source':>6} {'density':>8} {'method':>7} {'min ms':>8} {'med ms':>8} "
         f"{'x bound':>8} {'x b.med':>8} {'peak MiB':>9} {'out MiB':>8}",
     ]
@@ -300,6 +314,7 @@ def table(rows: Sequence[Row], settings: Mapping[str, object]) -> str:
         "  torch     the diff in plain torch: cast, ne of the bits, nonzero (int32), gather",
         "  before    diff_state_dicts of the base revision",
         "  now       diff_state_dicts of this tree",
+        "  dense     the same, forced dense (dense_above=1e-12)",
     ]
     return "\n".join(lines)
 
@@ -321,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--sources", default="fp32,bf16", help="trainer dtypes: fp32,bf16")
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)))
+    parser.add_argument(
+        "--position-bytes",
+        type=float,
+        default=0.0,
+        help="UpdateCost.position_bytes of the diffs (4: the shm plane; default 0)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -348,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "rounds": args.rounds,
         "base": args.base,
+        "position_bytes": args.position_bytes,
         "torch": torch.__version__,
     }
     print(table(rows, settings))

@@ -320,10 +320,10 @@ def positions_unless(
 
     `fits` must answer no for every count above one it said no to. The groups of 8 entries
     that hold a set one, found first, bound the count: at least one and at most 8 per group.
-    When the least rules it out, nothing more is read; when the most does not, the positions
-    are found as `set_positions` finds them; in between the mask is counted (about a tenth of
-    the cost of finding its positions once an eighth of the groups hold a set entry) before
-    its positions are looked for.
+    When the most fits, the positions are found as `set_positions` finds them; when the least
+    does not, nothing more is read; in between the mask is counted (about a tenth of the cost
+    of finding its positions once an eighth of the groups hold a set entry) before its
+    positions are looked for.
 
     Returns:
         (the count, the positions), or (a count `fits` ruled out, at most the mask's, `None`).
@@ -331,9 +331,9 @@ def positions_unless(
     groups, held = _held_groups(mask)
     least = held.shape[0]
     most = min(8 * least + mask.shape[0] - 8 * groups.shape[0], mask.shape[0])
-    if least and not fits(least):
-        return least, None
-    if most > least and not fits(most):
+    if most and not fits(most):  # the usual sparse block settles here, with one question
+        if least and not fits(least):
+            return least, None
         count = int(numpy.count_nonzero(mask))
         if count > least and not fits(count):
             return count, None

@@ -375,10 +375,10 @@ def test_one_pass_reads_each_mask_once_and_stops_when_sparse_is_ruled_out() -> N
 
     with HostReads() as watch, spy_on_positions() as positions_found:
         found = scan.find(None, torch.int32, below_two)
-    # Block 0 holds 1 change (at least: its one nonzero group of 8): at that density the tensor
-    # would hold 16, too many, so no block's positions are found; all are only counted, and
-    # block 7 brings two more: the scan stops there.
-    assert (asked, found.changed, found.positions, found.values) == ([16, 1, 16, 3], 3, None, None)
+    # Block 0 holds 1 to 8 changes (its one nonzero group of 8): at that density the tensor
+    # would hold 16 to 125, too many, so no block's positions are found; all are only counted,
+    # and block 7 brings two more: the scan stops there.
+    assert (asked, found.changed, found.positions) == ([125, 16, 1, 16, 3], 3, None)
     assert watch.reads == ["numpy"] * 8
     assert positions_found == []
 
@@ -397,10 +397,10 @@ def test_one_pass_reads_again_the_blocks_it_only_counted_when_sparse_wins() -> N
     scan = ChangeScan(old, new, torch.bfloat16, block=64)
     with HostReads() as watch, spy_on_positions() as positions_found:
         found = scan.find(reserved_test(Auto(), torch.bfloat16), torch.int32, up_to_three)
-    # block 0: one group of 8 holds a change: 1 change at least, 16 at that density: it is
-    # only counted (2 changes, 32 at that density), and so are blocks 1-15; 3 in all: blocks 0
-    # and 15, the counted blocks with a change, are read again
-    assert asked == [16, 1, 2, 32, 3, 3]
+    # block 0: one group of 8 holds a change: 1 to 8 changes, 16 to 125 at that density: it
+    # is only counted (2 changes, 32 at that density), and so are blocks 1-15; 3 in all:
+    # blocks 0 and 15, the counted blocks with a change, are read again
+    assert asked == [125, 16, 1, 2, 32, 3, 3]
     assert watch.reads == ["numpy"] * 18 + ["__bool__"]
     assert positions_found == [64, 40]  # block 0, then block 15 (elements 960 to 999)
     assert found.changed == 3

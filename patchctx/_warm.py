@@ -68,7 +68,7 @@ from patchctx._undo import UndoLog
 from patchctx._writes import ModelIndex, WriteLedger, _Masked, span_of, storage_key
 
 if TYPE_CHECKING:
-    from patchctx._routes import RouteCache
+    from patchctx._routes import RouteStore
 
 __all__ = ["WarmReport", "WarmRow", "warm"]
 
@@ -903,7 +903,7 @@ def _checked_specs(specs: object) -> list[tuple[str, tuple[int, ...], torch.dtyp
 
 
 def warm(
-    cache: RouteCache,
+    cache: RouteStore,
     model: SupportsLoadWeights,
     specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
     *,

@@ -65,7 +65,7 @@ from patchctx._report import status_counts, status_table
 from patchctx._snapshot import Snapshot
 from patchctx._staged import Provenance, Root, StagedTensor, reads_own_output
 from patchctx._undo import UndoLog
-from patchctx._writes import ModelIndex, WriteLedger, _Masked, span_of, storage_key
+from patchctx._writes import ModelIndex, WriteLedger, span_of, storage_key
 
 if TYPE_CHECKING:
     from patchctx._routes import RouteStore
@@ -201,7 +201,7 @@ class _DryLedger(WriteLedger):
             if owner is None or key is None:  # admitted writes always have both
                 self.stop("deferred", "a write of it reached no model tensor", names)
             span = span_of(destination, key)
-            self.masked.append(_Masked(span, owner.name, names))
+            self.masked_write(span, owner.name, names)
             if threading.get_ident() != self.thread:
                 self.recorder.unprovable(names, "the loader wrote it from another thread")
             elif source is None:

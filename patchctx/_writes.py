@@ -416,7 +416,7 @@ class WriteLedger:
                 if self.log_plain:
                     self.undo.save_view(destination)
                 return
-            self.masked.append(_Masked(span, owner.name, names))
+            self.masked_write(span, owner.name, names)
             if update is None or not self.compact:  # every position, or a short-lived log
                 self.undo.save_view(destination)
             else:
@@ -433,6 +433,10 @@ class WriteLedger:
                 self.recorder.segment(
                     source, destination, owner.name, key, owner.tensor, span, holders
                 )
+
+    def masked_write(self, span: Span, owner: str, names: frozenset[str]) -> None:
+        """Remember a masked write of `names` into `span` of `owner` (caller holds the lock)."""
+        self.masked.append(_Masked(span, owner, names))
 
     def unprovable(self, names: frozenset[str], reason: str) -> None:
         with self._lock:

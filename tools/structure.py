@@ -99,7 +99,7 @@ CEILINGS: dict[str, int] = {
     "functions over 80 lines": 11,
     "private names imported across files": 0,
     "private attributes read off other objects": 258,
-    "modules in import circles": 6,
+    "modules in import circles": 2,
     "upward imports": 0,
     "words of the user docs": 20_000,
     "words of the changelog": 3_000,

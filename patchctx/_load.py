@@ -751,15 +751,7 @@ def load_checkpoint_weight_patches(
         instance_of(routes, RouteCache, "routes=", "one RouteCache() per model")
     if protected:
         known_names(protected, model_tensors(model), "protect=")
-    if verify is not None and not callable(verify):
-        raise InvalidPatchTypeError(
-            [PatchProblem(None, "", f"verify= takes a callable or None, got {verify!r}", True)]
-        )
-    for flag, value in (("strict", strict), ("kind_casts", kind_casts)):
-        if not isinstance(value, bool):
-            raise InvalidPatchTypeError(
-                [PatchProblem(None, "", f"{flag}= takes a bool, got {value!r}", True)]
-            )
+    _check_flags(verify, strict=strict, kind_casts=kind_casts)
 
     items = check_patches(
         patches, strategy=chosen_strategy, validate_unique_indices=validate_unique_indices
@@ -798,17 +790,7 @@ def load_checkpoint_weight_patches(
             loader.note_written(error)
             raise
         except Exception as error:  # not the loader's (that is a LoaderError): a replay's
-            written = [] if atomic else list(dict.fromkeys(loader.written))
-            raise PatchError(
-                f"applying the patches failed ({type(error).__name__}: {str(error)[:300]}); "
-                + (
-                    "every write of the call was undone (atomic=True)"
-                    if atomic
-                    else "written and left so (atomic=False): " + ", ".join(map(repr, written))
-                    if written
-                    else "nothing was left written"
-                )
-            ) from error
+            raise _failure(error, [] if atomic else loader.written, atomic=atomic) from error
         done = True
     except BaseException:
         if atomic:
@@ -818,6 +800,34 @@ def load_checkpoint_weight_patches(
         if not done and atomic:
             undo.restore()  # a second attempt, for an exception that cut the first short
     return loader.names
+
+
+def _check_flags(verify: object, *, strict: object, kind_casts: object) -> None:
+    """Refuse a `verify=` that is not callable and flags that are not bools."""
+    if verify is not None and not callable(verify):
+        raise InvalidPatchTypeError(
+            [PatchProblem(None, "", f"verify= takes a callable or None, got {verify!r}", True)]
+        )
+    for flag, value in (("strict", strict), ("kind_casts", kind_casts)):
+        if not isinstance(value, bool):
+            raise InvalidPatchTypeError(
+                [PatchProblem(None, "", f"{flag}= takes a bool, got {value!r}", True)]
+            )
+
+
+def _failure(error: Exception, written: list[str], *, atomic: bool) -> PatchError:
+    """The error of a call that failed outside the loader (a replay's), saying what is left."""
+    names = list(dict.fromkeys(written))
+    return PatchError(
+        f"applying the patches failed ({type(error).__name__}: {str(error)[:300]}); "
+        + (
+            "every write of the call was undone (atomic=True)"
+            if atomic
+            else "written and left so (atomic=False): " + ", ".join(map(repr, names))
+            if names
+            else "nothing was left written"
+        )
+    )
 
 
 class RouteCache(RouteStore):

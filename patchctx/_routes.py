@@ -51,26 +51,26 @@ def _release(lock: Any) -> None:
 _T = TypeVar("_T")
 
 
-class RouteStore:
-    """The route store under `RouteCache`: routes, binding, live lookups and counters.
+def _check_arguments(verify_every: object, learn_dense: object) -> None:
+    """Refuse a `RouteCache` argument of the wrong type or range, naming it."""
+    if verify_every is not None and (
+        isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 1
+    ):
+        raise InvalidPatchError(
+            f"RouteCache(verify_every=...) takes a positive int or None; you supplied "
+            f"{verify_every!r}"
+        )
+    if not isinstance(learn_dense, bool):
+        raise InvalidPatchError(
+            f"RouteCache(learn_dense=...) takes a bool; you supplied {learn_dense!r}"
+        )
 
-    The load layer's `RouteCache` adds what runs the loader (`verify`, `warm`); this floor
-    only keeps what was learnt and answers the loader's questions about it. Constructor
-    arguments and public members are documented on `RouteCache`.
-    """
+
+class RouteStore:
+    """What `RouteCache` remembers and looks up; `RouteCache` (the load layer) documents it."""
 
     def __init__(self, *, verify_every: int | None = None, learn_dense: bool = False) -> None:
-        if verify_every is not None and (
-            isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 1
-        ):
-            raise InvalidPatchError(
-                f"RouteCache(verify_every=...) takes a positive int or None; you supplied "
-                f"{verify_every!r}"
-            )
-        if not isinstance(learn_dense, bool):
-            raise InvalidPatchError(
-                f"RouteCache(learn_dense=...) takes a bool; you supplied {learn_dense!r}"
-            )
+        _check_arguments(verify_every, learn_dense)
         self._learn_dense = learn_dense
         self._routes: dict[str, Route] = {}
         self._model: weakref.ref[Any] | None = None
@@ -231,36 +231,37 @@ class RouteStore:
         route = self._routes.get(name)
         if route is None:
             return None
-        if route.shape != shape or route.dtype != dtype:
+        same = route.shape == shape and route.dtype == dtype
+        targets = _live_targets(route, tensors) if same else None
+        if targets is None:  # another tensor now, or a destination no longer live
             self.invalidate(name)
             self.stats.invalidated += 1
             return None
-        targets = []
-        for written in route._written:
-            tensor = tensors.get(written.tensor_name)
-            if (
-                tensor is None
-                or not written.live(tensor)
-                or (
-                    written.holders
-                    and not all(h.live(tensors.get(h.tensor_name)) for h in written.holders)
-                )
-            ):
-                self.invalidate(name)
-                self.stats.invalidated += 1
-                return None
-            targets.append(tensor)
-        if route.holding is not None and route.holding != _names(tensors):
-            self.invalidate(name)  # a route that writes nothing, and the model changed
-            self.stats.invalidated += 1
-            return None
-        for read in route.reads:  # what the loader decided on is unchanged
-            tensor = tensors.get(read.tensor_name)
-            if tensor is None or not read.live(tensor):
-                self.invalidate(name)
-                self.stats.invalidated += 1
-                return None
         return route, targets
+
+
+def _live_targets(route: Route, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """Each destination tensor of `route` (segments', then fills'), if all it relies on is live."""
+    targets = []
+    for written in route._written:
+        tensor = tensors.get(written.tensor_name)
+        if (
+            tensor is None
+            or not written.live(tensor)
+            or (
+                written.holders
+                and not all(h.live(tensors.get(h.tensor_name)) for h in written.holders)
+            )
+        ):
+            return None
+        targets.append(tensor)
+    if route.holding is not None and route.holding != _names(tensors):
+        return None  # a route that writes nothing, and the model changed
+    for read in route.reads:  # what the loader decided on is unchanged
+        tensor = tensors.get(read.tensor_name)
+        if tensor is None or not read.live(tensor):
+            return None
+    return targets
 
 
 # Where a model registers a tensor: (module, attribute, the links (parent, attribute, child)

@@ -732,6 +732,15 @@ def _dry_run(
             "attribute): a patch load refuses that",
             kept,
         )
+    return _outcome_of(ledger, specs, reported)
+
+
+def _outcome_of(
+    ledger: _DryLedger,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    reported: set[str],
+) -> _Outcome:
+    """What a finished dry run learnt: its routes, and a verdict for each name without one."""
     names = [name for name, _, _ in specs]
     if ledger.stopped is not None:
         verdicts = {name: ledger.settled.get(name, ledger.stopped) for name in names}

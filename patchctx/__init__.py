@@ -23,13 +23,13 @@ from patchctx._errors import (
     RegionTimeoutError,
     StoredUpdateError,
 )
-from patchctx._load import load_checkpoint_weight_patches
+from patchctx._load import RouteCache, load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._prepare import prepare
-from patchctx._routes import RouteCache, RouteStats
+from patchctx._routes import RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 from patchctx._warm import WarmReport, WarmRow
 

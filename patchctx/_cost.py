@@ -557,9 +557,9 @@ def _measure_costs(
         encode_positions,
         positions_summary,
     )
+    from patchctx._load import RouteCache
     from patchctx._load import load_checkpoint_weight_patches as load_patches
     from patchctx._patch import CheckpointWeightPatch
-    from patchctx._routes import RouteCache
     from patchctx._strategies import Auto, BoolMask
 
     where = torch.device(device)

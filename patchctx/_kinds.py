@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["kind_of", "same_kind"]
+__all__ = ["QUANTIZED", "kind_of", "same_kind"]
+
+# The quantized dtypes: their values are not plain numbers, so no cast into or out of them.
+QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
 def kind_of(dtype: torch.dtype) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -37,19 +37,19 @@ from patchctx._patch import (
     starts_of,
 )
 from patchctx._routes import (
-    RouteCache,
+    RouteStore,
     replay,
     replay_bounds,
     replay_dense,
     replay_whole,
 )
 from patchctx._session import Load, ModelIndex, run_loader
-from patchctx._strategies import Auto, CopyStrategy, as_strategy
+from patchctx._strategies import Auto, BoolMask, CopyStrategy, as_strategy
 from patchctx._tied import tied_names
 from patchctx._undo import UndoLog
-from patchctx._warm import learn, learn_alone
+from patchctx._warm import WarmReport, learn, learn_alone, warm
 
-__all__ = ["load_checkpoint_weight_patches"]
+__all__ = ["RouteCache", "load_checkpoint_weight_patches"]
 
 # The defaults, made once (frozen: shared safely by every call).
 _DEFAULT_STRATEGY = Auto()
@@ -203,7 +203,7 @@ class _Loader:
         self,
         model: SupportsLoadWeights,
         chunking: ChunkingPolicy,
-        routes: RouteCache | None,
+        routes: RouteStore | None,
         undo: UndoLog,
         protect: Mapping[str, str],
         *,
@@ -751,15 +751,7 @@ def load_checkpoint_weight_patches(
         instance_of(routes, RouteCache, "routes=", "one RouteCache() per model")
     if protected:
         known_names(protected, model_tensors(model), "protect=")
-    if verify is not None and not callable(verify):
-        raise InvalidPatchTypeError(
-            [PatchProblem(None, "", f"verify= takes a callable or None, got {verify!r}", True)]
-        )
-    for flag, value in (("strict", strict), ("kind_casts", kind_casts)):
-        if not isinstance(value, bool):
-            raise InvalidPatchTypeError(
-                [PatchProblem(None, "", f"{flag}= takes a bool, got {value!r}", True)]
-            )
+    _check_flags(verify, strict=strict, kind_casts=kind_casts)
 
     items = check_patches(
         patches, strategy=chosen_strategy, validate_unique_indices=validate_unique_indices
@@ -798,17 +790,7 @@ def load_checkpoint_weight_patches(
             loader.note_written(error)
             raise
         except Exception as error:  # not the loader's (that is a LoaderError): a replay's
-            written = [] if atomic else list(dict.fromkeys(loader.written))
-            raise PatchError(
-                f"applying the patches failed ({type(error).__name__}: {str(error)[:300]}); "
-                + (
-                    "every write of the call was undone (atomic=True)"
-                    if atomic
-                    else "written and left so (atomic=False): " + ", ".join(map(repr, written))
-                    if written
-                    else "nothing was left written"
-                )
-            ) from error
+            raise _failure(error, [] if atomic else loader.written, atomic=atomic) from error
         done = True
     except BaseException:
         if atomic:
@@ -818,3 +800,207 @@ def load_checkpoint_weight_patches(
         if not done and atomic:
             undo.restore()  # a second attempt, for an exception that cut the first short
     return loader.names
+
+
+def _check_flags(verify: object, *, strict: object, kind_casts: object) -> None:
+    """Refuse a `verify=` that is not callable and flags that are not bools."""
+    if verify is not None and not callable(verify):
+        raise InvalidPatchTypeError(
+            [PatchProblem(None, "", f"verify= takes a callable or None, got {verify!r}", True)]
+        )
+    for flag, value in (("strict", strict), ("kind_casts", kind_casts)):
+        if not isinstance(value, bool):
+            raise InvalidPatchTypeError(
+                [PatchProblem(None, "", f"{flag}= takes a bool, got {value!r}", True)]
+            )
+
+
+def _failure(error: Exception, written: list[str], *, atomic: bool) -> PatchError:
+    """The error of a call that failed outside the loader (a replay's), saying what is left."""
+    names = list(dict.fromkeys(written))
+    return PatchError(
+        f"applying the patches failed ({type(error).__name__}: {str(error)[:300]}); "
+        + (
+            "every write of the call was undone (atomic=True)"
+            if atomic
+            else "written and left so (atomic=False): " + ", ".join(map(repr, names))
+            if names
+            else "nothing was left written"
+        )
+    )
+
+
+class RouteCache(RouteStore):
+    """Remembered routes from checkpoint names to parameter storage, for O(nnz) patches.
+
+    Pass one cache to every `load_checkpoint_weight_patches` call on one model. The first sparse
+    patch to a name goes through the loader and records its route when the loader's writes are
+    provably view copies; later sparse patches to the name replay the route without the loader:
+    O(nnz) time and memory, in place, bit-identical to the loader path. Dense patches are
+    copied along the route; with ``learn_dense=True``, a dense patch to a name without one
+    learns it first by a dry run of the loader, as `warm` does. Before each replay the
+    route's destinations are checked against the model's live parameters and buffers; a
+    parameter that was rebound or reallocated invalidates the route, and that patch goes
+    through the loader again (recording a new route). A cache belongs to one model: used with
+    another model it starts over.
+
+    A route is a record of what the loader *did*, so it holds as long as the loader would do
+    the same again. Call `clear` (or `invalidate` for one name) whenever that may have changed
+    without the tensors changing: the loader's code or configuration, a rank, tensor-parallel
+    or expert placement attribute it reads, or weights an engine repacked in place. To check
+    rather than trust, pass ``verify_every=k``: every k-th patch to a name then goes through
+    the loader instead of the route, and the route it records is compared with the cached one
+    (``stats.verified``, ``stats.mismatched``; a mismatch replaces the route). `verify` checks
+    every route at once without changing any weight.
+
+    Args:
+        verify_every: Send every k-th sparse patch of each name through the loader and
+            compare routes; `None` (the default) trusts recorded routes.
+        learn_dense: Before a call writes anything, learn the route of each name it sends
+            dense and has no route for, by a dry run of the loader (`warm`'s: nothing is
+            written), so that dense patches follow routes from the first: through the loader
+            under the guard a dense patch costs about 3x a plain reload. The dry run is an
+            extra call of ``load_weights``: leave this off for loaders with Python side
+            effects (a call counter, a set of names seen, work done once all shards arrive).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
+        >>> class Model(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        ...     def load_weights(self, weights):
+        ...         for name, tensor in weights:
+        ...             self.w.data[2:].copy_(tensor.narrow(0, 0, 2))  # a tensor-parallel slice
+        ...         return {"w"}
+        >>> model, routes = Model(), RouteCache()
+        >>> def patch(i, v):
+        ...     return CheckpointWeightPatch("w", (4, 4), torch.float32, torch.tensor([v]),
+        ...                                  torch.tensor([i]))
+        >>> _ = load_checkpoint_weight_patches(model, [patch(5, 1.0)], routes=routes)
+        >>> "w" in routes, routes.stats.recorded
+        (True, 1)
+        >>> _ = load_checkpoint_weight_patches(model, [patch(6, 2.0)], routes=routes)
+        >>> routes.stats.replayed, model.w[3, 1:3].tolist()
+        (1, [1.0, 2.0])
+    """
+
+    def verify(self, model: Any) -> list[str]:
+        """Check every route against the loader now; return the names whose route changed.
+
+        Each name goes through the model's ``load_weights`` with a patch that changes
+        nothing (weights stay bit-identical), and the route it records replaces the cached
+        one: a changed route is corrected, a route that is no longer provable is dropped.
+
+        Args:
+            model: The model this cache belongs to.
+
+        Returns:
+            The names whose recorded route differed from the cached one (sorted).
+
+        Examples:
+            >>> import torch
+            >>> from patchctx import CheckpointWeightPatch, RouteCache
+            >>> from patchctx import load_checkpoint_weight_patches
+            >>> class Model(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            ...         self.rank = 0
+            ...     def load_weights(self, weights):
+            ...         for _, tensor in weights:  # this rank's half of the checkpoint
+            ...             self.w.copy_(tensor.view(2, 4)[self.rank])
+            ...         return {"w"}
+            >>> model, routes = Model(), RouteCache()
+            >>> patch = CheckpointWeightPatch("w", (8,), torch.float32, torch.tensor([1.0]),
+            ...                               torch.tensor([5]))
+            >>> _ = load_checkpoint_weight_patches(model, [patch], routes=routes)
+            >>> routes.verify(model)
+            []
+            >>> model.rank = 1  # the mapping changed: the recorded route is stale
+            >>> routes.verify(model)
+            ['w']
+        """
+        routes = self._locked(lambda: list(self._routes.values()))
+        nothing = torch.zeros(0, dtype=torch.long)
+        patches = [
+            CheckpointWeightPatch(r.name, r.shape, r.dtype, torch.zeros(0, dtype=r.dtype), nothing)
+            for r in routes
+        ]
+        self._verify_all, self._mismatches = True, []
+        try:
+            # BoolMask stages every dtype (bool and complex routes too); the probes are empty.
+            load_checkpoint_weight_patches(
+                model, patches, routes=self, atomic=True, strategy=BoolMask()
+            )
+        finally:
+            self._verify_all = False
+        return sorted(self._mismatches)
+
+    def warm(
+        self,
+        model: Any,
+        specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
+        *,
+        protect: Mapping[str, str] | None = None,
+    ) -> WarmReport:
+        """Learn the routes of `specs` now, by a dry run of the loader: nothing written or staged.
+
+        The model's ``load_weights`` receives, for each ``(name, shape, dtype)``, a tensor with
+        that checkpoint shape and dtype that holds no values (it wraps a meta tensor, so no
+        checkpoint-sized memory is allocated). Its views and its ``copy_`` into the model are
+        recorded as a patch load records them, and no write is performed: weights stay bit for
+        bit as they were. A name learnt here gets exactly the route its first sparse patch would
+        record, so that patch already replays in O(nnz). A loader that needs values (``item()``,
+        a data-dependent shape), or does anything a dry run cannot mirror exactly, is reported
+        per name and left to the first sparse patch, which records its route as before.
+        Learnt routes are stored as if recorded (``stats.recorded``); `verify` checks them.
+
+        Pass canonical names (tied aliases resolved), with the shape and dtype the trainer will
+        send: a patch of another shape or dtype drops the route and records a new one.
+
+        Args:
+            model: The model this cache belongs to (a cache bound to another model starts over).
+            specs: The checkpoint tensors: name, full shape and dtype, as for `audit`.
+            protect: Tensors that must not be written, with the reason, as for
+                `load_checkpoint_weight_patches`: a name whose loader writes one is not learnt.
+
+        Returns:
+            One row per name: ``learned``, ``unlearnable`` (no route exists: the loader does
+            not copy a view of it) or ``deferred`` (the first sparse patch decides), with the
+            reason. A name found unlearnable also loses a route cached before.
+
+        Examples:
+            >>> import torch
+            >>> from patchctx import CheckpointWeightPatch, RouteCache
+            >>> from patchctx import load_checkpoint_weight_patches
+            >>> class Model(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.w = torch.nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+            ...         self.s = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+            ...     def load_weights(self, weights):
+            ...         for name, tensor in weights:
+            ...             if name == "w":  # rank 1 of 2: rows 2 and 3
+            ...                 self.w.copy_(tensor.narrow(0, 2, 2))
+            ...             else:  # a scalar read out of torch, as vLLM's default loader does
+            ...                 self.s.fill_(tensor.item())
+            ...         return {name for name, _ in weights}
+            >>> model, routes = Model(), RouteCache()
+            >>> report = routes.warm(model, [("w", (4, 4), torch.float32),
+            ...                              ("s", (1,), torch.float32)])
+            >>> print(report)
+            name  status       reason
+            ----  -----------  ------
+            w     learned
+            s     unlearnable  the loader reads its values (.item()); a route exists only \
+for a loader that copies views
+            1 learned, 1 unlearnable, 0 deferred
+            >>> patch = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.tensor([7.0]),
+            ...                               torch.tensor([13]))
+            >>> _ = load_checkpoint_weight_patches(model, [patch], routes=routes)
+            >>> routes.stats.replayed, routes.stats.loader_calls, model.w[1].tolist()
+            (1, 0, [0.0, 7.0, 0.0, 0.0])
+        """
+        return warm(self, model, specs, protect=protect)

@@ -16,8 +16,8 @@ from patchctx._bits import own_dispatch
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
+from patchctx._kinds import QUANTIZED
 from patchctx._strategies import (
-    _QUANTIZED,
     Auto,
     CopyStrategy,
     as_strategy,
@@ -420,7 +420,7 @@ def _well_formed(
         or values.is_conj()
     ):
         return None
-    if values.dtype is not dtype and (dtype in _QUANTIZED or values.dtype in _QUANTIZED):
+    if values.dtype is not dtype and (dtype in QUANTIZED or values.dtype in QUANTIZED):
         return None  # no cast to or from a quantized dtype
     if indices is None:
         return numel if sizes[0] == numel else None
@@ -503,7 +503,7 @@ def _structure(
     if (
         dtype_ok
         and values.dtype != patch.dtype
-        and (values.dtype in _QUANTIZED or patch.dtype in _QUANTIZED)
+        and (values.dtype in QUANTIZED or patch.dtype in QUANTIZED)
     ):
         problem(
             f"values of dtype {values.dtype} cannot be cast to {patch.dtype} (torch has no "

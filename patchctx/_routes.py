@@ -16,9 +16,9 @@ from __future__ import annotations
 import threading
 import weakref
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 
@@ -31,13 +31,10 @@ from patchctx._geometry import Route, host_covered
 from patchctx._swap import builtin_copy
 from patchctx._undo import UndoLog, storage_flat
 
-if TYPE_CHECKING:
-    from patchctx._warm import WarmReport
-
 __all__ = [
     "LiveTensors",
     "Route",
-    "RouteCache",
+    "RouteStore",
     "replay",
     "replay_bounds",
     "replay_dense",
@@ -54,74 +51,26 @@ def _release(lock: Any) -> None:
 _T = TypeVar("_T")
 
 
-class RouteCache:
-    """Remembered routes from checkpoint names to parameter storage, for O(nnz) patches.
+def _check_arguments(verify_every: object, learn_dense: object) -> None:
+    """Refuse a `RouteCache` argument of the wrong type or range, naming it."""
+    if verify_every is not None and (
+        isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 1
+    ):
+        raise InvalidPatchError(
+            f"RouteCache(verify_every=...) takes a positive int or None; you supplied "
+            f"{verify_every!r}"
+        )
+    if not isinstance(learn_dense, bool):
+        raise InvalidPatchError(
+            f"RouteCache(learn_dense=...) takes a bool; you supplied {learn_dense!r}"
+        )
 
-    Pass one cache to every `load_checkpoint_weight_patches` call on one model. The first sparse
-    patch to a name goes through the loader and records its route when the loader's writes are
-    provably view copies; later sparse patches to the name replay the route without the loader:
-    O(nnz) time and memory, in place, bit-identical to the loader path. Dense patches are
-    copied along the route; with ``learn_dense=True``, a dense patch to a name without one
-    learns it first by a dry run of the loader, as `warm` does. Before each replay the
-    route's destinations are checked against the model's live parameters and buffers; a
-    parameter that was rebound or reallocated invalidates the route, and that patch goes
-    through the loader again (recording a new route). A cache belongs to one model: used with
-    another model it starts over.
 
-    A route is a record of what the loader *did*, so it holds as long as the loader would do
-    the same again. Call `clear` (or `invalidate` for one name) whenever that may have changed
-    without the tensors changing: the loader's code or configuration, a rank, tensor-parallel
-    or expert placement attribute it reads, or weights an engine repacked in place. To check
-    rather than trust, pass ``verify_every=k``: every k-th patch to a name then goes through
-    the loader instead of the route, and the route it records is compared with the cached one
-    (``stats.verified``, ``stats.mismatched``; a mismatch replaces the route). `verify` checks
-    every route at once without changing any weight.
-
-    Args:
-        verify_every: Send every k-th sparse patch of each name through the loader and
-            compare routes; `None` (the default) trusts recorded routes.
-        learn_dense: Before a call writes anything, learn the route of each name it sends
-            dense and has no route for, by a dry run of the loader (`warm`'s: nothing is
-            written), so that dense patches follow routes from the first: through the loader
-            under the guard a dense patch costs about 3x a plain reload. The dry run is an
-            extra call of ``load_weights``: leave this off for loaders with Python side
-            effects (a call counter, a set of names seen, work done once all shards arrive).
-
-    Examples:
-        >>> import torch
-        >>> from patchctx import CheckpointWeightPatch, RouteCache, load_checkpoint_weight_patches
-        >>> class Model(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
-        ...     def load_weights(self, weights):
-        ...         for name, tensor in weights:
-        ...             self.w.data[2:].copy_(tensor.narrow(0, 0, 2))  # a tensor-parallel slice
-        ...         return {"w"}
-        >>> model, routes = Model(), RouteCache()
-        >>> def patch(i, v):
-        ...     return CheckpointWeightPatch("w", (4, 4), torch.float32, torch.tensor([v]),
-        ...                                  torch.tensor([i]))
-        >>> _ = load_checkpoint_weight_patches(model, [patch(5, 1.0)], routes=routes)
-        >>> "w" in routes, routes.stats.recorded
-        (True, 1)
-        >>> _ = load_checkpoint_weight_patches(model, [patch(6, 2.0)], routes=routes)
-        >>> routes.stats.replayed, model.w[3, 1:3].tolist()
-        (1, [1.0, 2.0])
-    """
+class RouteStore:
+    """What `RouteCache` remembers and looks up; `RouteCache` (the load layer) documents it."""
 
     def __init__(self, *, verify_every: int | None = None, learn_dense: bool = False) -> None:
-        if verify_every is not None and (
-            isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 1
-        ):
-            raise InvalidPatchError(
-                f"RouteCache(verify_every=...) takes a positive int or None; you supplied "
-                f"{verify_every!r}"
-            )
-        if not isinstance(learn_dense, bool):
-            raise InvalidPatchError(
-                f"RouteCache(learn_dense=...) takes a bool; you supplied {learn_dense!r}"
-            )
+        _check_arguments(verify_every, learn_dense)
         self._learn_dense = learn_dense
         self._routes: dict[str, Route] = {}
         self._model: weakref.ref[Any] | None = None
@@ -142,131 +91,6 @@ class RouteCache:
         """Every how many patches to a name its route is checked against the loader."""
         return self._verify_every
 
-    def verify(self, model: Any) -> list[str]:
-        """Check every route against the loader now; return the names whose route changed.
-
-        Each name goes through the model's ``load_weights`` with a patch that changes
-        nothing (weights stay bit-identical), and the route it records replaces the cached
-        one: a changed route is corrected, a route that is no longer provable is dropped.
-
-        Args:
-            model: The model this cache belongs to.
-
-        Returns:
-            The names whose recorded route differed from the cached one (sorted).
-
-        Examples:
-            >>> import torch
-            >>> from patchctx import CheckpointWeightPatch, RouteCache
-            >>> from patchctx import load_checkpoint_weight_patches
-            >>> class Model(torch.nn.Module):
-            ...     def __init__(self):
-            ...         super().__init__()
-            ...         self.w = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
-            ...         self.rank = 0
-            ...     def load_weights(self, weights):
-            ...         for _, tensor in weights:  # this rank's half of the checkpoint
-            ...             self.w.copy_(tensor.view(2, 4)[self.rank])
-            ...         return {"w"}
-            >>> model, routes = Model(), RouteCache()
-            >>> patch = CheckpointWeightPatch("w", (8,), torch.float32, torch.tensor([1.0]),
-            ...                               torch.tensor([5]))
-            >>> _ = load_checkpoint_weight_patches(model, [patch], routes=routes)
-            >>> routes.verify(model)
-            []
-            >>> model.rank = 1  # the mapping changed: the recorded route is stale
-            >>> routes.verify(model)
-            ['w']
-        """
-        from patchctx._load import load_checkpoint_weight_patches
-        from patchctx._patch import CheckpointWeightPatch
-        from patchctx._strategies import BoolMask
-
-        routes = self._locked(lambda: list(self._routes.values()))
-        nothing = torch.zeros(0, dtype=torch.long)
-        patches = [
-            CheckpointWeightPatch(r.name, r.shape, r.dtype, torch.zeros(0, dtype=r.dtype), nothing)
-            for r in routes
-        ]
-        self._verify_all, self._mismatches = True, []
-        try:
-            # BoolMask stages every dtype (bool and complex routes too); the probes are empty.
-            load_checkpoint_weight_patches(
-                model, patches, routes=self, atomic=True, strategy=BoolMask()
-            )
-        finally:
-            self._verify_all = False
-        return sorted(self._mismatches)
-
-    def warm(
-        self,
-        model: Any,
-        specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
-        *,
-        protect: Mapping[str, str] | None = None,
-    ) -> WarmReport:
-        """Learn the routes of `specs` now, by a dry run of the loader: nothing written or staged.
-
-        The model's ``load_weights`` receives, for each ``(name, shape, dtype)``, a tensor with
-        that checkpoint shape and dtype that holds no values (it wraps a meta tensor, so no
-        checkpoint-sized memory is allocated). Its views and its ``copy_`` into the model are
-        recorded as a patch load records them, and no write is performed: weights stay bit for
-        bit as they were. A name learnt here gets exactly the route its first sparse patch would
-        record, so that patch already replays in O(nnz). A loader that needs values (``item()``,
-        a data-dependent shape), or does anything a dry run cannot mirror exactly, is reported
-        per name and left to the first sparse patch, which records its route as before.
-        Learnt routes are stored as if recorded (``stats.recorded``); `verify` checks them.
-
-        Pass canonical names (tied aliases resolved), with the shape and dtype the trainer will
-        send: a patch of another shape or dtype drops the route and records a new one.
-
-        Args:
-            model: The model this cache belongs to (a cache bound to another model starts over).
-            specs: The checkpoint tensors: name, full shape and dtype, as for `audit`.
-            protect: Tensors that must not be written, with the reason, as for
-                `load_checkpoint_weight_patches`: a name whose loader writes one is not learnt.
-
-        Returns:
-            One row per name: ``learned``, ``unlearnable`` (no route exists: the loader does
-            not copy a view of it) or ``deferred`` (the first sparse patch decides), with the
-            reason. A name found unlearnable also loses a route cached before.
-
-        Examples:
-            >>> import torch
-            >>> from patchctx import CheckpointWeightPatch, RouteCache
-            >>> from patchctx import load_checkpoint_weight_patches
-            >>> class Model(torch.nn.Module):
-            ...     def __init__(self):
-            ...         super().__init__()
-            ...         self.w = torch.nn.Parameter(torch.zeros(2, 4), requires_grad=False)
-            ...         self.s = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-            ...     def load_weights(self, weights):
-            ...         for name, tensor in weights:
-            ...             if name == "w":  # rank 1 of 2: rows 2 and 3
-            ...                 self.w.copy_(tensor.narrow(0, 2, 2))
-            ...             else:  # a scalar read out of torch, as vLLM's default loader does
-            ...                 self.s.fill_(tensor.item())
-            ...         return {name for name, _ in weights}
-            >>> model, routes = Model(), RouteCache()
-            >>> report = routes.warm(model, [("w", (4, 4), torch.float32),
-            ...                              ("s", (1,), torch.float32)])
-            >>> print(report)
-            name  status       reason
-            ----  -----------  ------
-            w     learned
-            s     unlearnable  the loader reads its values (.item()); a route exists only \
-for a loader that copies views
-            1 learned, 1 unlearnable, 0 deferred
-            >>> patch = CheckpointWeightPatch("w", (4, 4), torch.float32, torch.tensor([7.0]),
-            ...                               torch.tensor([13]))
-            >>> _ = load_checkpoint_weight_patches(model, [patch], routes=routes)
-            >>> routes.stats.replayed, routes.stats.loader_calls, model.w[1].tolist()
-            (1, 0, [0.0, 7.0, 0.0, 0.0])
-        """
-        from patchctx._warm import warm
-
-        return warm(self, model, specs, protect=protect)
-
     def __len__(self) -> int:
         return len(self._routes)
 
@@ -277,7 +101,7 @@ for a loader that copies views
         return iter(list(self._routes))
 
     def __repr__(self) -> str:
-        return f"RouteCache({len(self)} routes)"
+        return f"{type(self).__name__}({len(self)} routes)"
 
     def _route(self, name: str) -> Route | None:
         return self._routes.get(name)
@@ -407,36 +231,37 @@ for a loader that copies views
         route = self._routes.get(name)
         if route is None:
             return None
-        if route.shape != shape or route.dtype != dtype:
+        same = route.shape == shape and route.dtype == dtype
+        targets = _live_targets(route, tensors) if same else None
+        if targets is None:  # another tensor now, or a destination no longer live
             self.invalidate(name)
             self.stats.invalidated += 1
             return None
-        targets = []
-        for written in route._written:
-            tensor = tensors.get(written.tensor_name)
-            if (
-                tensor is None
-                or not written.live(tensor)
-                or (
-                    written.holders
-                    and not all(h.live(tensors.get(h.tensor_name)) for h in written.holders)
-                )
-            ):
-                self.invalidate(name)
-                self.stats.invalidated += 1
-                return None
-            targets.append(tensor)
-        if route.holding is not None and route.holding != _names(tensors):
-            self.invalidate(name)  # a route that writes nothing, and the model changed
-            self.stats.invalidated += 1
-            return None
-        for read in route.reads:  # what the loader decided on is unchanged
-            tensor = tensors.get(read.tensor_name)
-            if tensor is None or not read.live(tensor):
-                self.invalidate(name)
-                self.stats.invalidated += 1
-                return None
         return route, targets
+
+
+def _live_targets(route: Route, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """Each destination tensor of `route` (segments', then fills'), if all it relies on is live."""
+    targets = []
+    for written in route._written:
+        tensor = tensors.get(written.tensor_name)
+        if (
+            tensor is None
+            or not written.live(tensor)
+            or (
+                written.holders
+                and not all(h.live(tensors.get(h.tensor_name)) for h in written.holders)
+            )
+        ):
+            return None
+        targets.append(tensor)
+    if route.holding is not None and route.holding != _names(tensors):
+        return None  # a route that writes nothing, and the model changed
+    for read in route.reads:  # what the loader decided on is unchanged
+        tensor = tensors.get(read.tensor_name)
+        if tensor is None or not read.live(tensor):
+            return None
+    return targets
 
 
 # Where a model registers a tensor: (module, attribute, the links (parent, attribute, child)
@@ -466,9 +291,9 @@ def _names(tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
 
 
 class LiveTensors(Mapping[str, torch.Tensor]):
-    """`RouteCache._live`: a read-only name -> tensor view of one model."""
+    """`RouteStore._live`: a read-only name -> tensor view of one model."""
 
-    def __init__(self, cache: RouteCache, model: torch.nn.Module) -> None:
+    def __init__(self, cache: RouteStore, model: torch.nn.Module) -> None:
         self._cache, self._model = cache, model
         self._names: frozenset[str] | None = None
 
@@ -551,7 +376,7 @@ def replay(
     reused buffer per thread), so memory stays O(block) and the work is a few operations
     per million positions. `bounds`: per segment, the covered slice of the sorted indices if
     the caller found it already (`replay_bounds`, one host read for many replays).
-    `targets`: each segment's destination tensor, checked live (`RouteCache._usable`).
+    `targets`: each segment's destination tensor, checked live (`RouteStore._usable`).
     `listed`: the indices as a Python list when validation made one (a few, on CPU: see
     `CheckedPatch._listed`); a CPU destination's positions are made from it.
     """

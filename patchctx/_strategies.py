@@ -20,6 +20,7 @@ from patchctx._arguments import instance_of, optional_int
 from patchctx._bits import indexable, scatter_flat
 from patchctx._cpu_passes import has_nan_bits, has_value, nan_bits_known
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, LoaderContractError
+from patchctx._kinds import QUANTIZED
 from patchctx._staged import StagedTensor, stage
 
 __all__ = [
@@ -227,9 +228,6 @@ def _reduces(dtype: torch.dtype, reduction: str) -> bool:
     return True
 
 
-_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-
-
 # -------------------------------------------------------------------------------- strategies
 
 
@@ -390,7 +388,7 @@ class IntSentinel:
                 f"IntSentinel handles integer dtypes, got {dtype}; use NaNMask() for floating "
                 "weights or BoolMask() for any dtype"
             )
-        if dtype in _QUANTIZED or not _int_capable(dtype):
+        if dtype in QUANTIZED or not _int_capable(dtype):
             return f"IntSentinel: this torch build cannot compare and select {dtype} tensors"
         info = torch.iinfo(dtype)
         sentinel = self.sentinel(dtype)
@@ -488,7 +486,7 @@ class BoolMask:
     fixed_support: ClassVar[bool] = True
 
     def unsupported_reason(self, dtype: torch.dtype) -> str | None:
-        if dtype in _QUANTIZED:
+        if dtype in QUANTIZED:
             return f"BoolMask cannot stage the quantized dtype {dtype}"
         return None
 

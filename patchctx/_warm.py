@@ -53,28 +53,24 @@ from patchctx._frame import Frame
 from patchctx._geometry import Route, Segment
 from patchctx._grad import without_grad
 from patchctx._guard import constant_of
-from patchctx._model import (
-    SupportsLoadWeights,
-    as_module,
-    check_model,
-    model_tensors,
-    read_names,
-)
+from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors, read_names
 from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
 from patchctx._snapshot import Snapshot
 from patchctx._staged import Provenance, Root, StagedTensor, reads_own_output
 from patchctx._undo import UndoLog
-from patchctx._writes import ModelIndex, WriteLedger, _Masked, span_of, storage_key
+from patchctx._writes import MaskedWrite, ModelIndex, WriteLedger, span_of, storage_key
 
 if TYPE_CHECKING:
-    from patchctx._routes import RouteCache
+    from patchctx._routes import RouteStore
 
 __all__ = ["WarmReport", "WarmRow", "warm"]
 
 aten = torch.ops.aten
 
 _Status = Literal["learned", "unlearnable", "deferred"]
+# A checkpoint tensor to learn: its name, full shape and dtype.
+Spec = tuple[str, tuple[int, ...], torch.dtype]
 
 _STATUSES: tuple[_Status, ...] = ("learned", "unlearnable", "deferred")
 
@@ -201,7 +197,7 @@ class _DryLedger(WriteLedger):
             if owner is None or key is None:  # admitted writes always have both
                 self.stop("deferred", "a write of it reached no model tensor", names)
             span = span_of(destination, key)
-            self.masked.append(_Masked(span, owner.name, names))
+            self.masked.append(MaskedWrite(span, owner.name, names))
             if threading.get_ident() != self.thread:
                 self.recorder.unprovable(names, "the loader wrote it from another thread")
             elif source is None:
@@ -665,10 +661,7 @@ class _Outcome:
 
 
 def _dry_run(
-    module: torch.nn.Module,
-    index: ModelIndex,
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-    device: torch.device,
+    module: torch.nn.Module, index: ModelIndex, specs: list[Spec], device: torch.device
 ) -> _Outcome:
     """One dry call of ``module.load_weights`` with every spec; no model tensor is written."""
     ledger = _DryLedger(index, frozenset(name for name, _, _ in specs))
@@ -732,6 +725,11 @@ def _dry_run(
             "attribute): a patch load refuses that",
             kept,
         )
+    return _outcome_of(ledger, specs, reported)
+
+
+def _outcome_of(ledger: _DryLedger, specs: list[Spec], reported: set[str]) -> _Outcome:
+    """What a finished dry run learnt: its routes, and a verdict for each name without one."""
     names = [name for name, _, _ in specs]
     if ledger.stopped is not None:
         verdicts = {name: ledger.settled.get(name, ledger.stopped) for name in names}
@@ -765,7 +763,7 @@ def _dry_run(
 def _alone(
     module: torch.nn.Module,
     index: ModelIndex,
-    spec: tuple[str, tuple[int, ...], torch.dtype],
+    spec: Spec,
     device: torch.device,
     segments: tuple[Segment, ...],
 ) -> Route | tuple[_Status, str]:
@@ -790,9 +788,7 @@ def _alone(
 
 @without_grad
 def learn(
-    module: torch.nn.Module,
-    index: ModelIndex,
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    module: torch.nn.Module, index: ModelIndex, specs: list[Spec]
 ) -> dict[str, Route | tuple[_Status, str]]:
     """Every spec's route, or why it has none, by dry runs of the loader (see `_learn`)."""
     device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
@@ -800,10 +796,7 @@ def learn(
 
 
 def learn_alone(
-    module: torch.nn.Module,
-    index: ModelIndex,
-    spec: tuple[str, tuple[int, ...], torch.dtype],
-    segments: Sequence[Segment],
+    module: torch.nn.Module, index: ModelIndex, spec: Spec, segments: Sequence[Segment]
 ) -> Route | None:
     """The route of a name of a patch load that only the call's constant fills kept from one.
 
@@ -815,10 +808,7 @@ def learn_alone(
 
 
 def _learn(
-    module: torch.nn.Module,
-    index: ModelIndex,
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-    device: torch.device,
+    module: torch.nn.Module, index: ModelIndex, specs: list[Spec], device: torch.device
 ) -> dict[str, Route | tuple[_Status, str]]:
     """Every name's route or verdict: one dry call for all, else one per name, then together.
 
@@ -834,7 +824,7 @@ def _learn(
             found[name] = _alone(module, index, by_name[name], device, segments)
         return found
     found = {}
-    alone: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    alone: list[Spec] = []
     for spec in specs:
         one = _dry_run(module, index, [spec], device)
         found.update(one.verdicts)
@@ -862,8 +852,8 @@ def _learn(
     return found
 
 
-def _checked_specs(specs: object) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    checked: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+def _checked_specs(specs: object) -> list[Spec]:
+    checked: list[Spec] = []
     problems = []
     if not isinstance(specs, Iterable) or isinstance(specs, (str, bytes)):
         raise InvalidPatchTypeError(
@@ -903,7 +893,7 @@ def _checked_specs(specs: object) -> list[tuple[str, tuple[int, ...], torch.dtyp
 
 
 def warm(
-    cache: RouteCache,
+    cache: RouteStore,
     model: SupportsLoadWeights,
     specs: Iterable[tuple[str, Sequence[int], torch.dtype]],
     *,

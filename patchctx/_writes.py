@@ -210,7 +210,9 @@ class _Plain:
 
 
 @dataclass(frozen=True, slots=True)
-class _Masked:
+class MaskedWrite:
+    """A write of staged data into `span` of the tensor `owner`, for the patches `names`."""
+
     span: Span
     owner: str
     names: frozenset[str]
@@ -260,7 +262,7 @@ class WriteLedger:
         # carries on has acted on data it could not see, so the load fails all the same.
         self.refusals: list[LoaderContractError] = []
         self.plain: list[_Plain] = []
-        self.masked: list[_Masked] = []
+        self.masked: list[MaskedWrite] = []
         self.born: weakref.WeakSet[StagedTensor] = weakref.WeakSet()
         # The storages of the caller's dense patch values, handed to the loader as they are
         # (no copy): the loader's in-place writes into them are undone when the call ends,
@@ -416,7 +418,7 @@ class WriteLedger:
                 if self.log_plain:
                     self.undo.save_view(destination)
                 return
-            self.masked.append(_Masked(span, owner.name, names))
+            self.masked.append(MaskedWrite(span, owner.name, names))
             if update is None or not self.compact:  # every position, or a short-lived log
                 self.undo.save_view(destination)
             else:

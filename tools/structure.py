@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_tied",
             "_by_name",
             "_swap",
+            "_staged",  # the value a strategy stages: it reads only this floor (Ledger inverts)
             "_strategies",
             "_masked_copy",
             "_chunking",
@@ -73,7 +74,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "_dispatch_mode",
             "_geometry",
-            "_staged",
             "_frame",
             "_writes",
             "_guard",
@@ -95,12 +95,12 @@ CEILINGS: dict[str, int] = {
     "eager lines of `import patchctx`": 10_400,
     "full lines of load_checkpoint_weight_patches": 9_700,
     "full lines of masked_copy + strategies + swap + errors": 3_250,
-    "classes over 150 lines": 8,
-    "functions over 80 lines": 11,
-    "private names imported across files": 2,
+    "classes over 150 lines": 7,
+    "functions over 80 lines": 9,
+    "private names imported across files": 0,
     "private attributes read off other objects": 257,
-    "modules in import circles": 8,
-    "upward imports": 4,
+    "modules in import circles": 2,
+    "upward imports": 0,
     "words of the user docs": 20_000,
     "words of the changelog": 3_000,
 }

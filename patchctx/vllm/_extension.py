@@ -120,6 +120,7 @@ class PatchWorkerExtension:
     """
 
     model_runner: Any  # set by vLLM's worker
+    _patchctx_takes_patches = True  # _layout.EXTENSION_MARK: repack for this engine
 
     def _patchctx_worker(self) -> WorkerPatcher:
         state = vars(self).get("_patchctx_worker_state")

@@ -64,6 +64,8 @@ _MARK = "_patchctx_keeps_checkpoint_layout"
 # Set on a layer whose weight is kept next to vLLM's prepacked copy: vLLM's dispatch, to run
 # again after a patch writes the weight.
 REPACK_MARK = "_patchctx_repack"
+# Set (to True) on `PatchWorkerExtension`: a worker extension class that takes patches.
+EXTENSION_MARK = "_patchctx_takes_patches"
 
 
 class _State:
@@ -94,10 +96,11 @@ def _takes_patches() -> bool:
     module_name, _, class_name = extension.rpartition(".")
     try:
         cls = getattr(__import__(module_name, fromlist=[class_name]), class_name)
-        from patchctx.vllm._extension import PatchWorkerExtension
     except (ImportError, AttributeError):
         return False
-    return isinstance(cls, type) and issubclass(cls, PatchWorkerExtension)
+    # PatchWorkerExtension (and so each subclass) carries the mark: this floor sits under the
+    # extension, which it need not import to know it.
+    return isinstance(cls, type) and getattr(cls, EXTENSION_MARK, False) is True
 
 
 def _keeps(layer: Any) -> bool:

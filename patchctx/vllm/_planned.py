@@ -98,7 +98,7 @@ class _Write:
     holders: tuple[tuple[Holder, _Slot], ...]
     positions: torch.Tensor | None
     values: torch.Tensor | None
-    block: int = 1  # positions saved, then written, at a time (`undo_block` on CPU)
+    block: int  # positions saved, then written, at a time (`undo_block` on CPU; sparse only)
 
     def live(self) -> bool:
         tensor = self.slot.tensor
@@ -224,10 +224,10 @@ class _Builder:
         for written, target, held_by in steps:
             device = target.tensor.device
             if isinstance(written, Fill):
-                self.writes.append(_Write(target, written, held_by, None, None))
+                self.writes.append(_Write(target, written, held_by, None, None, 0))
             elif full is not None:
                 source = full if full.device == device else full.to(device)
-                self.writes.append(_Write(target, written, held_by, None, source))
+                self.writes.append(_Write(target, written, held_by, None, source, 0))
             else:
                 assert indices is not None
                 found, picked = written.positions(indices.to(device), sorted_unique=ordered)

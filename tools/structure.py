@@ -84,7 +84,19 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loader call", ("_session",)),
     ("routes", ("_routes",)),
     ("load", ("_load", "_warm", "_audit", "_prepare")),
-    ("trainer", ("_encoding", "_cost", "_changes", "_shards", "_diff", "_lowbyte", "testing")),
+    (
+        "trainer",
+        (
+            "_encoding",
+            "_changes",
+            "_choose",
+            "_cost",
+            "_shards",
+            "_diff",
+            "_lowbyte",
+            "testing",
+        ),
+    ),
     ("storage", ("_storage",)),  # a subpackage: its modules share its floor
     ("public face", ("__init__",)),
 )
@@ -96,10 +108,10 @@ CEILINGS: dict[str, int] = {
     "full lines of load_checkpoint_weight_patches": 9_700,
     "full lines of masked_copy + strategies + swap + errors": 3_250,
     "classes over 150 lines": 7,
-    "functions over 80 lines": 9,
+    "functions over 80 lines": 8,
     "private names imported across files": 0,
     "private attributes read off other objects": 257,
-    "modules in import circles": 2,
+    "modules in import circles": 0,
     "upward imports": 0,
     "words of the user docs": 20_000,
     "words of the changelog": 3_000,

@@ -276,16 +276,8 @@ class CheckedPatch:
 
     def renamed(self, name: str) -> CheckedPatch:
         """The same checked patch under another name (an alias resolved)."""
-        return CheckedPatch._make(
-            self._position,
-            self._patch._replace(name=name),
-            self._numel,
-            sorted_unique=self._sorted_unique,
-            positions=self._positions,
-            listed=self._listed,
-            starts=self._starts,
-            given=None if self._given is None else self._given._replace(name=name),
-        )
+        given = None if self._given is None else self._given._replace(name=name)
+        return self._again(self._position, self._patch._replace(name=name), self._positions, given)
 
     def _copied(self) -> CheckedPatch:
         """The same checked patch reading copies of its values and indices.
@@ -298,29 +290,33 @@ class CheckedPatch:
         patch = self._patch
         indices = patch.indices
         copy = None if indices is None else indices.clone()
-        positions = self._positions
-        if positions is not None and positions is indices:
-            positions = copy
+        positions = copy if self._positions is indices else self._positions
+        patch = patch._replace(values=patch.values.clone(), indices=copy)
+        return self._again(self._position, patch, positions, self._given)
+
+    def unpositioned(self) -> CheckedPatch:
+        """The same checked patch, marked as made by a policy."""
+        return self._again(None, self._patch, self._positions, self._given)
+
+    def _again(
+        self,
+        position: int | None,
+        patch: CheckpointWeightPatch,
+        positions: torch.Tensor | None,
+        given: CheckpointWeightPatch | None,
+    ) -> CheckedPatch:
+        """A checked patch like this one, with what validation learned about it kept.
+
+        Where its storages start is found again when asked (`starts_of`): the tensors may differ.
+        """
         return CheckedPatch._make(
-            self._position,
-            patch._replace(values=patch.values.clone(), indices=copy),
+            position,
+            patch,
             self._numel,
             sorted_unique=self._sorted_unique,
             positions=positions,
             listed=self._listed,
-            given=self._given,
-        )
-
-    def unpositioned(self) -> CheckedPatch:
-        """The same checked patch, marked as made by a policy."""
-        return CheckedPatch._make(
-            None,
-            self._patch,
-            self._numel,
-            sorted_unique=self._sorted_unique,
-            positions=self._positions,
-            listed=self._listed,
-            given=self._given,
+            given=given,
         )
 
 

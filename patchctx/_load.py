@@ -266,17 +266,18 @@ class _Plan:
         for item in items:
             patch = patch_of(item)
             usable = self.usable(patch)
-            targets = usable[1] if usable is not None else ()
-            reasons = [self.index.protection(t) for t in targets] if self.protect else []
-            reason = next((r for r in reasons if r is not None), None)
-            if reason is not None:
-                protected.append(f"{patch.name!r} -> {reason}")
-            other = next((t for t in targets if not same_kind(patch.dtype, t.dtype)), None)
-            if not kind_casts and other is not None:
-                cast.append(
-                    f"patches[{item.position}] {patch.name!r} ({_dtype(patch.dtype)}) -> a "
-                    f"{_dtype(other.dtype)} weight"
-                )
+            for target in usable[1] if usable is not None and self.protect else ():
+                reason = self.index.protection(target)
+                if reason is not None:
+                    protected.append(f"{patch.name!r} -> {reason}")
+                    break
+            for target in usable[1] if usable is not None and not kind_casts else ():
+                if not same_kind(patch.dtype, target.dtype):
+                    cast.append(
+                        f"patches[{item.position}] {patch.name!r} ({_dtype(patch.dtype)}) -> a "
+                        f"{_dtype(target.dtype)} weight"
+                    )
+                    break
         if protected:
             raise LoaderContractError(
                 "patches would write into protected tensors; nothing was written: "
@@ -548,7 +549,7 @@ class _Loader:
         if book is not None:
             if name in self.chunk_names:
                 self.flush()  # the chunk may record the route this patch can replay
-            usable = self.plan.usable(patch)
+            usable = book.usable(name, patch.shape, patch.dtype, self.plan.tensors)
             if (
                 usable is not None
                 and usable[0].reads

@@ -1239,8 +1239,3 @@ def validate_patches(
             patches, strategy=chosen, validate_unique_indices=validate_unique_indices
         )
     ]
-
-
-def numel_of(shape: Sequence[int]) -> int:
-    """Elements of a tensor of `shape`."""
-    return math.prod(shape)

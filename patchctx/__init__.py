@@ -8,7 +8,6 @@ keeps mapping them to runtime coordinates (tensor-parallel slices, packed parame
 import importlib
 from typing import TYPE_CHECKING
 
-from patchctx._audit import AuditReport, AuditRow, audit
 from patchctx._by_name import LoadByName
 from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState, PerTensor, SingleCall
 from patchctx._errors import (
@@ -21,23 +20,23 @@ from patchctx._errors import (
     PatchProblem,
     RegionError,
     RegionTimeoutError,
-    StoredUpdateError,
 )
 from patchctx._load import RouteCache, load_checkpoint_weight_patches
 from patchctx._masked_copy import MaskedCopy, masked_copy
 from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
-from patchctx._prepare import prepare
 from patchctx._routes import RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
 from patchctx._warm import WarmReport, WarmRow
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the docs
+    from patchctx._audit import AuditReport, AuditRow, audit
     from patchctx._cost import UpdateCost
     from patchctx._diff import diff_state_dicts, patch_nbytes
     from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
     from patchctx._lowbyte import LowByteDetector
+    from patchctx._prepare import prepare
     from patchctx._shards import TensorShard
     from patchctx._storage import (
         PositionEncoding,
@@ -46,15 +45,19 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the 
         StorageFollower,
         StoragePublisher,
         StoredPatch,
+        StoredUpdateError,
         UpdateManifest,
         load_patches,
         read_manifest,
         save_patches,
     )
 
-# The trainer side and storage, imported on first use: a worker that only applies patches never
-# loads them (``import patchctx`` stays the core; tools/structure.py counts it).
+# The trainer side, storage and the one-off diagnostics (`audit`, `prepare`), imported on first
+# use: a worker that only applies patches never loads them (``import patchctx`` stays the core;
+# tools/structure.py counts it).
 _LAZY: dict[str, str] = {
+    "AuditReport": "patchctx._audit",
+    "AuditRow": "patchctx._audit",
     "LowByteDetector": "patchctx._lowbyte",
     "PositionEncoding": "patchctx._storage",
     "PreparedUpdate": "patchctx._storage",
@@ -62,13 +65,16 @@ _LAZY: dict[str, str] = {
     "StorageFollower": "patchctx._storage",
     "StoragePublisher": "patchctx._storage",
     "StoredPatch": "patchctx._storage",
+    "StoredUpdateError": "patchctx._storage",
     "TensorShard": "patchctx._shards",
     "UpdateCost": "patchctx._cost",
     "UpdateManifest": "patchctx._storage",
     "WireEncoding": "patchctx._encoding",
+    "audit": "patchctx._audit",
     "diff_state_dicts": "patchctx._diff",
     "load_patches": "patchctx._storage",
     "patch_nbytes": "patchctx._diff",
+    "prepare": "patchctx._prepare",
     "read_manifest": "patchctx._storage",
     "save_patches": "patchctx._storage",
     "wire_encoding": "patchctx._encoding",
@@ -77,7 +83,7 @@ _LAZY: dict[str, str] = {
 
 
 def __getattr__(name: str) -> object:
-    """Import a name of the trainer side or of storage the first time it is asked for."""
+    """Import a name of `_LAZY` the first time it is asked for."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'patchctx' has no attribute {name!r}")

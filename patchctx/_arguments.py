@@ -24,6 +24,7 @@ from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProb
 
 __all__ = [
     "density",
+    "flag",
     "instance_of",
     "known_names",
     "name_map",
@@ -51,6 +52,13 @@ def positive_int(value: object, where: str) -> int:
         _type_error(f"{where} takes an int, got {value!r}")
     if value <= 0:
         _value_error(f"{where} must be positive, got {value!r}")
+    return value
+
+
+def flag(value: object, where: str) -> bool:
+    """A bool (an int is not)."""
+    if not isinstance(value, bool):
+        _type_error(f"{where} takes a bool, got {value!r}")
     return value
 
 

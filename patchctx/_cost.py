@@ -27,6 +27,8 @@ from patchctx._arguments import positive_int
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, PatchProblem
 
 if TYPE_CHECKING:
+    from patchctx._encoding import WireEncoding
+    from patchctx._load import RouteCache
     from patchctx._patch import CheckpointWeightPatch
 
 __all__ = ["UpdateCost"]
@@ -504,12 +506,12 @@ def _measure_diff(
     does; `calibrate` with a `payload` measures it through the caller's plane instead).
     """
     from patchctx._changes import block_size
-    from patchctx._diff import diff_state_dicts
+    from patchctx._choose import diff_tensor
     from patchctx._encoding import encode_positions, positions_summary
     from patchctx._strategies import Auto, BoolMask
 
     numel = max(numel, 64 * 256)
-    strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else None
+    strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else Auto()
     generator = torch.Generator().manual_seed(1)
     old = {"w": torch.zeros(numel, dtype=dtype, device=where)}
     base = torch.zeros(numel, dtype=source, device=where)
@@ -521,12 +523,10 @@ def _measure_diff(
     first["w"][0] = 1
     nnz = max(int(changed.sum()), 2)
     nnz_half = max(int(half.sum()), nnz + 1)
-    receiver = {"w": dtype}
 
     def diff(new: dict[str, torch.Tensor], dense_above: float | None = None) -> object:
-        return diff_state_dicts(
-            old, new, dtype=receiver, cost=None, strategy=strategy, dense_above=dense_above
-        )
+        # One tensor's diff, by wire size (`diff_state_dicts` adds its checks once per call).
+        return diff_tensor("w", old["w"], new["w"], dtype, strategy, dense_above)
 
     spent_one = _fastest(lambda: diff(one), where, repeats)
     spent_tenth = _fastest(lambda: diff(many), where, repeats)
@@ -548,61 +548,60 @@ def _measure_diff(
     }
 
 
-def _measure_costs(
-    *, numel: int, dtype: torch.dtype, device: torch.device, repeats: int
-) -> dict[str, float]:
-    from patchctx._encoding import (
-        WireEncoding,
-        decode_positions,
-        encode_positions,
-        positions_summary,
-    )
-    from patchctx._load import RouteCache
-    from patchctx._load import load_checkpoint_weight_patches as load_patches
-    from patchctx._patch import CheckpointWeightPatch
-    from patchctx._strategies import Auto, BoolMask
+class _Rig:
+    """What `_measure_costs` times: applies as a worker makes them, on `_Slabs` models."""
 
-    where = torch.device(device)
-    # The default strategy, as a worker's; for the dtypes it cannot stage (bool, complex),
-    # the one it names instead.
-    strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else None
+    def __init__(self, dtype: torch.dtype, where: torch.device, repeats: int) -> None:
+        from patchctx._strategies import Auto, BoolMask
 
-    def load_checkpoint_weight_patches(
-        model: _Slabs, patches: list[CheckpointWeightPatch], *, routes: RouteCache
-    ) -> set[str]:
-        return load_patches(model, patches, routes=routes, strategy=strategy)
+        self.dtype, self.where, self.repeats = dtype, where, repeats
+        # The default strategy, as a worker's; for the dtypes it cannot stage (bool,
+        # complex), the one it names instead.
+        self.strategy = BoolMask() if Auto().unsupported_reason(dtype) is not None else None
+        self.generator = torch.Generator().manual_seed(0)
 
-    small = 256
-    numel = max(numel, 64 * small)
-    generator = torch.Generator().manual_seed(0)
+    def load(self, model: _Slabs, patches: list[CheckpointWeightPatch], routes: RouteCache) -> None:
+        """Apply `patches` to `model` along `routes`, as a worker does."""
+        from patchctx._load import load_checkpoint_weight_patches
 
-    def dense_time(size: int) -> float:
-        # As a worker applies it: along the route (learnt by the first call's dry run).
+        load_checkpoint_weight_patches(model, patches, routes=routes, strategy=self.strategy)
+
+    def fastest(self, fn: Callable[[], object]) -> float:
+        """`_fastest` on this rig's device."""
+        return _fastest(fn, self.where, self.repeats)
+
+    def dense_time(self, size: int) -> float:
+        """A dense patch of `size`, along its route (learnt by the first call's dry run)."""
+        from patchctx._load import RouteCache
+        from patchctx._patch import CheckpointWeightPatch
+
+        dtype, where = self.dtype, self.where
         model, cache = _Slabs(1, size, dtype, where), RouteCache(learn_dense=True)
-        patch = CheckpointWeightPatch(
-            "w0", (size,), dtype, torch.ones(size, dtype=dtype, device=where)
-        )
-        load_checkpoint_weight_patches(model, [patch], routes=cache)
-        return _fastest(
-            lambda: load_checkpoint_weight_patches(model, [patch], routes=cache), where, repeats
-        )
+        ones = torch.ones(size, dtype=dtype, device=where)
+        patch = CheckpointWeightPatch("w0", (size,), dtype, ones)
+        self.load(model, [patch], cache)
+        return self.fastest(lambda: self.load(model, [patch], cache))
 
-    model = _Slabs(1, numel, dtype, where)
-    routes = RouteCache()
+    def sparse_patch(self, numel: int, nnz: int) -> CheckpointWeightPatch:
+        """`nnz` ones at sorted random positions of ``w0``, a tensor of `numel`."""
+        from patchctx._patch import CheckpointWeightPatch
 
-    def sparse_patch(nnz: int) -> CheckpointWeightPatch:
-        positions = torch.randperm(numel, generator=generator)[:nnz].sort().values
+        positions = torch.randperm(numel, generator=self.generator)[:nnz].sort().values
         return CheckpointWeightPatch(
             "w0",
             (numel,),
-            dtype,
-            torch.ones(nnz, dtype=dtype, device=where),
-            positions.to(device=where, dtype=torch.int32 if numel < 2**31 else torch.int64),
+            self.dtype,
+            torch.ones(nnz, dtype=self.dtype, device=self.where),
+            positions.to(device=self.where, dtype=torch.int32 if numel < 2**31 else torch.int64),
         )
 
-    def sparse_time(nnz: int) -> tuple[float, WireEncoding]:
-        # what the receiver does: decode the positions (smallest encoding), then replay
-        patch = sparse_patch(nnz)
+    def sparse_time(
+        self, model: _Slabs, routes: RouteCache, numel: int, nnz: int
+    ) -> tuple[float, WireEncoding]:
+        """What the receiver does: decode the positions (smallest encoding), then replay."""
+        from patchctx._encoding import decode_positions, encode_positions, positions_summary
+
+        patch = self.sparse_patch(numel, nnz)
         assert patch.indices is not None
         summary = positions_summary(patch.indices, numel)
         encoding, _ = summary.smallest()
@@ -610,13 +609,17 @@ def _measure_costs(
 
         def receive() -> None:
             indices = decode_positions(data, numel, nnz, encoding)
-            load_checkpoint_weight_patches(model, [patch._replace(indices=indices)], routes=routes)
+            self.load(model, [patch._replace(indices=indices)], routes)
 
-        return _fastest(receive, where, repeats), encoding
+        return self.fastest(receive), encoding
 
-    def per_patch(dense: bool) -> float:
-        # One more small patch in a call of many, as a worker's update is: (many - one) / count.
-        count = 33
+    def per_patch(self, *, dense: bool, small: int = 256, count: int = 33) -> float:
+        """One more small patch in a call of many, as a worker's update is: (many - one) / count."""
+        from patchctx._encoding import decode_positions, encode_positions, positions_summary
+        from patchctx._load import RouteCache
+        from patchctx._patch import CheckpointWeightPatch
+
+        dtype, where = self.dtype, self.where
         slabs, cache = _Slabs(count, small, dtype, where), RouteCache(learn_dense=True)
         names = [f"w{k}" for k in range(count)]
         if dense:
@@ -624,7 +627,7 @@ def _measure_costs(
             patches = [CheckpointWeightPatch(name, (small,), dtype, ones) for name in names]
 
             def call(upto: int) -> None:
-                load_checkpoint_weight_patches(slabs, patches[:upto], routes=cache)
+                self.load(slabs, patches[:upto], cache)
 
         else:
             position = torch.tensor([small // 2], device=where)
@@ -640,58 +643,74 @@ def _measure_costs(
                     )
                     for name in names[:upto]
                 ]
-                load_checkpoint_weight_patches(slabs, received, routes=cache)
+                self.load(slabs, received, cache)
 
         call(count)  # records (or learns) every route
-        single = _fastest(lambda: call(1), where, repeats)
-        return max(_fastest(lambda: call(count), where, repeats) - single, 0.0) / (count - 1)
+        single = self.fastest(lambda: call(1))
+        return max(self.fastest(lambda: call(count)) - single, 0.0) / (count - 1)
 
-    load_checkpoint_weight_patches(model, [sparse_patch(1)], routes=routes)  # records the route
-    sparse_fixed, _ = sparse_time(1)
-    dense_fixed = dense_time(small)
-    dense_total = dense_time(numel)
+
+def _measure_costs(
+    *, numel: int, dtype: torch.dtype, device: torch.device, repeats: int
+) -> dict[str, float]:
+    """`UpdateCost.calibrate`'s apply fields, measured on `_Slabs` models (see `_Rig`)."""
+    from patchctx._encoding import (
+        WireEncoding,
+        decode_positions,
+        encode_positions,
+        positions_summary,
+    )
+    from patchctx._load import RouteCache
+
+    small = 256
+    numel = max(numel, 64 * small)
+    rig = _Rig(dtype, torch.device(device), repeats)
+    model, routes = _Slabs(1, numel, dtype, rig.where), RouteCache()
+    rig.load(model, [rig.sparse_patch(numel, 1)], routes)  # records the route
+    sparse_fixed, _ = rig.sparse_time(model, routes, numel, 1)
+    dense_fixed = rig.dense_time(small)
+    dense_total = rig.dense_time(numel)
     per_byte = (dense_total - dense_fixed) / ((numel - small) * dtype.itemsize)
     # A bitmask's decode, per element of the tensor (a quarter of it set).
-    mask_positions = sparse_patch(numel // 4).indices
+    mask_positions = rig.sparse_patch(numel, numel // 4).indices
     assert mask_positions is not None
     summary = positions_summary(mask_positions, numel)
     mask = encode_positions(mask_positions, summary, WireEncoding.BITMASK)
-    per_bit = (
-        _fastest(
-            lambda: decode_positions(mask, numel, numel // 4, WireEncoding.BITMASK),
-            where,
-            repeats,
-        )
-        / numel
-    )
+    bits = numel // 4
+    per_bit = rig.fastest(lambda: decode_positions(mask, numel, bits, WireEncoding.BITMASK)) / numel
     # Replay: a time per changed element, and one per 64-byte line it writes into (a random
     # write fetches and writes back a whole line; at a few percent most lines hold one
     # change, by tens of percent every line holds several). Two densities, 1% and 50%, give
     # both, each decoded from its smallest encoding (gaps, then a bitmask, whose decode is
     # `per_bit`'s and taken off).
-    size = dtype.itemsize
     equations = []
     for nnz in (max(numel // 100, 1), numel // 2):
-        spent, encoding = sparse_time(nnz)
+        spent, encoding = rig.sparse_time(model, routes, numel, nnz)
         spent -= sparse_fixed
         if encoding is WireEncoding.BITMASK:
             spent -= per_bit * numel
-        equations.append((float(nnz), touched_lines(nnz, numel, size), max(spent, 0.0)))
-    (n1, l1, t1), (n2, l2, t2) = equations
-    determinant = n1 * l2 - n2 * l1
-    per_element = (t1 * l2 - t2 * l1) / determinant if determinant else t2 / n2
-    per_line = (n1 * t2 - n2 * t1) / determinant if determinant else 0.0
-    if per_line < 0:  # no cost by line to be seen: all of it by element
-        per_element, per_line = t2 / n2, 0.0
-    elif per_element < 0:  # all of it by line
-        per_element, per_line = 0.0, t2 / l2
+        equations.append((float(nnz), touched_lines(nnz, numel, dtype.itemsize), max(spent, 0.0)))
+    per_element, per_line = _per_element_and_line(equations)
     measured = {
         "sparse_seconds_per_element": per_element,
         "sparse_seconds_per_line": per_line,
         "bitmask_seconds_per_element": per_bit,
         "dense_seconds_per_byte": max(per_byte, 0.0),
-        "sparse_seconds_per_patch": per_patch(dense=False),
-        "dense_seconds_per_patch": per_patch(dense=True),
+        "sparse_seconds_per_patch": rig.per_patch(dense=False),
+        "dense_seconds_per_patch": rig.per_patch(dense=True),
     }
     # Zero over a negative determinant is -0.0: a "negative" cost to whoever reads it.
     return {name: value + 0.0 for name, value in measured.items()}
+
+
+def _per_element_and_line(equations: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Solve two (changed elements, lines written, seconds) for a time per element and line."""
+    (n1, l1, t1), (n2, l2, t2) = equations
+    determinant = n1 * l2 - n2 * l1
+    per_element = (t1 * l2 - t2 * l1) / determinant if determinant else t2 / n2
+    per_line = (n1 * t2 - n2 * t1) / determinant if determinant else 0.0
+    if per_line < 0:  # no cost by line to be seen: all of it by element
+        return t2 / n2, 0.0
+    if per_element < 0:  # all of it by line
+        return 0.0, t2 / l2
+    return per_element, per_line

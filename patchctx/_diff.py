@@ -9,23 +9,16 @@ puts on the wire, each sparse patch in its smallest encoding (`patchctx._encodin
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias, cast
 
 import torch
 
 from patchctx._arguments import density, instance_of
-from patchctx._changes import ChangeScan, reserved_test
+from patchctx._choose import choose_sparse, diff_tensor, sparse_is_smaller, sparse_nbytes
 from patchctx._cost import UpdateCost
-from patchctx._encoding import (
-    PositionsSummary,
-    WireEncoding,
-    count_escapes,
-    index_dtype,
-    wire_sizes,
-)
+from patchctx._encoding import index_dtype, wire_sizes
 from patchctx._errors import InvalidPatchError, PatchProblem
 from patchctx._grad import without_grad
 from patchctx._patch import CheckpointWeightPatch, PatchLike, validate_patches
@@ -44,88 +37,6 @@ __all__ = [
 _DtypeArg: TypeAlias = "torch.dtype | Mapping[str, torch.dtype] | None"
 
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-
-
-def sparse_nbytes(nnz: int, numel: int, element_size: int, escapes: int) -> int:
-    """Wire bytes of a sparse patch of `nnz` sorted positions: values and smallest encoding.
-
-    `escapes` is the number of its gaps that need an escape (see `patchctx._encoding`).
-    """
-    return _sparse_wire(nnz, numel, element_size, escapes)[1]
-
-
-def _sparse_wire(nnz: int, numel: int, element_size: int, escapes: int) -> tuple[WireEncoding, int]:
-    summary = PositionsSummary(numel, nnz, True, True, escapes, index_dtype(numel).itemsize)
-    encoding, positions = summary.smallest()
-    return encoding, nnz * element_size + positions
-
-
-def _max_escapes(nnz: int, numel: int) -> int:
-    """At most this many gaps of `nnz` sorted positions below `numel` need an escape.
-
-    The gaps sum to at most `numel`, and an escaped one is over ``0xFFFF``.
-    """
-    return min(nnz, numel // 0x10000)
-
-
-def sparse_is_smaller(
-    nnz: int, numel: int, element_size: int, escapes: int | Callable[[], int] = 0
-) -> bool:
-    """Whether a sparse patch of `nnz` changed elements takes fewer bytes than all `numel` values.
-
-    Its size is `sparse_nbytes`: the values plus the smallest position encoding. `escapes` is
-    the number of escaped gaps of the positions, or a function that counts them, called only
-    when the answer depends on it.
-    """
-    return choose_sparse(nnz, numel, element_size, escapes=escapes, cost=None, dense_above=None)
-
-
-def choose_sparse(
-    nnz: int,
-    numel: int,
-    element_size: int,
-    *,
-    escapes: int | Callable[[], int],
-    cost: UpdateCost | None,
-    dense_above: float | None,
-) -> bool:
-    """`diff_state_dicts`' rule for a tensor whose changed values the strategy can carry.
-
-    Sparse when the density is at most `dense_above` (if given), the sparse patch's wire bytes
-    (`sparse_nbytes`; with a `cost` whose `position_bytes` is set, its values and flat
-    positions, as that data plane sends them) are strictly below the dense patch's, and,
-    with `cost`, its estimated update time is strictly below the dense one's too. `escapes`
-    (a count, or a function that counts) is needed only for the size of the ``gaps``
-    encoding, and asked for only when the answer depends on it.
-    """
-    if nnz == 0:
-        return True
-    if dense_above is not None and nnz > dense_above * numel:
-        return False
-
-    def wins(escaped: int) -> bool:
-        encoding, size = _sparse_wire(nnz, numel, element_size, escaped)
-        if cost is not None and cost.position_bytes > 0:  # the plane sends them flat
-            encoding = WireEncoding.INDICES
-            size = nnz * (element_size + math.ceil(cost.flat_position_bytes(numel)))
-        if size >= numel * element_size:
-            return False  # never more bytes than the tensor itself, whatever the estimate
-        if cost is None:
-            return True
-        return cost.prefers_sparse(
-            numel=numel,
-            nnz=nnz,
-            element_size=element_size,
-            sparse_bytes=size,
-            bitmask=encoding is WireEncoding.BITMASK,
-        )
-
-    if not callable(escapes):
-        return wins(escapes)
-    best, worst = wins(0), wins(_max_escapes(nnz, numel))
-    if best == worst:
-        return best
-    return wins(escapes())
 
 
 # ------------------------------------------------------------------------------- validation
@@ -431,53 +342,6 @@ def _view_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
     )
 
 
-def _diff_tensor(
-    name: str,
-    old: torch.Tensor,
-    new: torch.Tensor,
-    dtype: torch.dtype,
-    strategy: CopyStrategy,
-    dense_above: float | None,
-    cost: UpdateCost | None = None,
-) -> CheckpointWeightPatch | None:
-    numel = new.numel()
-    if numel == 0:
-        return None
-    scan = ChangeScan(old, new, dtype)
-    unsupported = strategy.unsupported_reason(dtype) is not None
-    itemsize = dtype.itemsize
-
-    def could_be_sparse(changed: int) -> bool:  # with no escaped gap: the best case
-        return not unsupported and choose_sparse(
-            changed, numel, itemsize, escapes=0, cost=cost, dense_above=dense_above
-        )
-
-    test = None if unsupported else reserved_test(strategy, dtype)
-    found = scan.find(test, index_dtype(numel), could_be_sparse)
-    if found.changed == 0:
-        return None
-    positions, values = found.positions, found.values
-    if (
-        positions is not None
-        and values is not None
-        and choose_sparse(
-            found.changed,
-            numel,
-            itemsize,
-            escapes=lambda: int(count_escapes(positions)),  # a second host read, rare
-            cost=cost,
-            dense_above=dense_above,
-        )
-    ):
-        return CheckpointWeightPatch(name, tuple(new.shape), dtype, values, positions)
-    # A dense patch owns its values: the trainer may keep updating `new` in place. (A lazy
-    # conjugate or negative view is resolved: its bit would not survive the wire.)
-    flat = new.resolve_conj().resolve_neg().to(dtype=dtype).reshape(-1)
-    if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
-        flat = flat.clone()
-    return CheckpointWeightPatch(name, tuple(new.shape), dtype, flat)
-
-
 @without_grad
 def diff_state_dicts(
     old: Mapping[str, torch.Tensor | TensorShard],
@@ -629,7 +493,7 @@ def diff_state_dicts(
         if key is not None:
             diffed.add(key)
         box = boxes.get(name)
-        patch = _diff_tensor(
+        patch = diff_tensor(
             name,
             before.detach(),
             after.detach(),

@@ -156,46 +156,34 @@ class Segment:
     _needs: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        plan = tuple(
-            (self.source.stride[d], self.source.size[d], self.target.stride[d])
-            for d in self.source.dims()
-        )
-        object.__setattr__(self, "_plan", plan)
-        object.__setattr__(
+        source, target, layout = self.source, self.target, self.layout
+        direct = source.contiguous_run() and target.contiguous_run()
+        shift = source.offset - target.offset if direct else None  # position = index - shift
+        low, high = target.span()
+        size = self.dtype.itemsize
+        _derive(
             self,
-            "_direct",
-            self.source.contiguous_run() and self.target.contiguous_run(),
-        )
-        object.__setattr__(self, "_span", self.source.span())
-        # Direct segments: storage position = checkpoint index - shift.
-        object.__setattr__(
-            self, "_shift", self.source.offset - self.target.offset if self._direct else None
-        )
-        low, high = self.target.span()
-        object.__setattr__(self, "_high", high)
-        layout, target, numel = self.layout, self.target, self.source.numel
-        object.__setattr__(
-            self,
-            "_inside",
-            self._shift + layout.offset
-            if self._shift is not None
+            _plan=tuple(
+                (source.stride[d], source.size[d], target.stride[d]) for d in source.dims()
+            ),
+            _direct=direct,
+            _span=source.span(),
+            _shift=shift,
+            _high=high,
+            _inside=shift + layout.offset
+            if shift is not None
             and layout.contiguous_run()
             and layout.offset <= low
             and high < layout.offset + layout.numel
             else None,
-        )
-        object.__setattr__(
-            self,
-            "_whole",
-            self._direct
-            and self.source.offset == 0
+            _whole=direct
+            and source.offset == 0
             and target.offset == layout.offset
-            and target.numel == layout.numel == numel
+            and target.numel == layout.numel == source.numel
             and layout.contiguous_run(),
+            _data_ptr=self.storage_ptr + layout.offset * size,
+            _needs=(high + 1) * size,
         )
-        size = self.dtype.itemsize
-        object.__setattr__(self, "_data_ptr", self.storage_ptr + layout.offset * size)
-        object.__setattr__(self, "_needs", (self._high + 1) * size)
 
     def live(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is still the storage and layout this segment was recorded on."""
@@ -329,12 +317,12 @@ class Fill:
     _needs: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        value = self.value
-        object.__setattr__(self, "_constant", (type(value).__name__, repr(value)))
-        object.__setattr__(
-            self, "_data_ptr", self.storage_ptr + self.layout.offset * self.dtype.itemsize
+        _derive(
+            self,
+            _constant=(type(self.value).__name__, repr(self.value)),
+            _data_ptr=self.storage_ptr + self.layout.offset * self.dtype.itemsize,
+            _needs=(self.target.span()[1] + 1) * self.view_dtype.itemsize,
         )
-        object.__setattr__(self, "_needs", (self.target.span()[1] + 1) * self.view_dtype.itemsize)
 
     def live(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is still the storage and layout this fill was recorded on."""
@@ -419,28 +407,26 @@ class Route:
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
-        object.__setattr__(self, "_numel", numel)
-        object.__setattr__(
-            self,
-            "_spans",
-            tuple((s.storage_ptr, s.storage_ptr + s._needs) for s in self.segments),
-        )
         written: tuple[Segment | Fill, ...] = (*self.segments, *self.fills)
-        object.__setattr__(self, "_written", written)
-        object.__setattr__(self, "_storages", frozenset(w.storage_ptr for w in written))
-        object.__setattr__(
+        first = self.segments[0] if len(self.segments) == 1 else None
+        _derive(
             self,
-            "_writes",
-            frozenset(w.tensor_name for w in written)
+            _numel=numel,
+            _spans=tuple((s.storage_ptr, s.storage_ptr + s._needs) for s in self.segments),
+            _written=written,
+            _storages=frozenset(w.storage_ptr for w in written),
+            _writes=frozenset(w.tensor_name for w in written)
             | {h.tensor_name for w in written for h in w.holders},
-        )
-        object.__setattr__(self, "_reads", frozenset(r.tensor_name for r in self.reads))
-        object.__setattr__(
-            self,
-            "_whole",
-            len(self.segments) == 1
+            _reads=frozenset(r.tensor_name for r in self.reads),
+            _whole=first is not None
             and not self.fills
-            and self.segments[0]._whole
-            and self.segments[0].source.numel == numel
-            and self.segments[0].dtype == self.dtype,
+            and first._whole
+            and first.source.numel == numel
+            and first.dtype == self.dtype,
         )
+
+
+def _derive(value: object, **fields: object) -> None:
+    """Set the derived fields (``init=False``) of a frozen dataclass `value`."""
+    for name, field_value in fields.items():
+        object.__setattr__(value, name, field_value)

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import torch
 
-from patchctx._arguments import instance_of, known_names, name_map, positive_int
+from patchctx._arguments import flag, instance_of, known_names, name_map, positive_int
 from patchctx._bits import bit_view
 from patchctx._chunking import ByteBudget, ChunkingPolicy, ChunkState
 from patchctx._errors import (
@@ -33,17 +33,13 @@ from patchctx._patch import (
     CheckpointWeightPatch,
     PatchLike,
     check_patches,
+    patch_of,
+    positions_of,
     readable,
     starts_of,
 )
-from patchctx._routes import (
-    RouteStore,
-    replay,
-    replay_bounds,
-    replay_dense,
-    replay_whole,
-)
-from patchctx._session import Load, ModelIndex, run_loader
+from patchctx._routes import RouteBook, RouteStore, book_of, replay, replay_bounds, replay_dense
+from patchctx._session import Load, LoadResult, ModelIndex, run_loader
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, as_strategy
 from patchctx._tied import tied_names
 from patchctx._undo import UndoLog
@@ -88,20 +84,20 @@ def _resolve_aliases(items: list[CheckedPatch], aliases: Mapping[str, str]) -> l
         return items
     by_name: dict[str, list[CheckpointWeightPatch]] = {}
     for item in items:
-        by_name.setdefault(item._patch.name, []).append(item._patch)
+        by_name.setdefault(item.name, []).append(patch_of(item))
     resolved = []
     problems = []
     for item in items:
-        canonical = aliases.get(item._patch.name)
-        if canonical is None or canonical == item._patch.name:
+        canonical = aliases.get(item.name)
+        if canonical is None or canonical == item.name:
             resolved.append(item)
         elif canonical not in by_name:
             resolved.append(item.renamed(canonical))
-        elif not any(_same_update(item._patch, other) for other in by_name[canonical]):
+        elif not any(_same_update(patch_of(item), other) for other in by_name[canonical]):
             problems.append(
                 PatchProblem(
                     item.position,
-                    item._patch.name,
+                    item.name,
                     f"is an alias of {canonical!r} (tied weights), which the call also patches, "
                     "with a different update; one of them would be lost. Send the tied tensor "
                     "once, or send identical patches to both names",
@@ -175,15 +171,15 @@ def _refuse_kind_casts(items: list[CheckedPatch]) -> None:
     """Before any write: values whose kind is not their patch dtype's (`CastKindError`)."""
     problems = []
     for item in items:
-        patch = item._patch
+        patch = patch_of(item)
         if not same_kind(patch.values.dtype, patch.dtype):
             problems.append(
                 PatchProblem(
                     item.position,
                     patch.name,
                     f"its values are {kind_of(patch.values.dtype)} "
-                    f"({str(patch.values.dtype).removeprefix('torch.')}) and its dtype is "
-                    f"{kind_of(patch.dtype)} ({str(patch.dtype).removeprefix('torch.')}): "
+                    f"({_dtype(patch.values.dtype)}) and its dtype is "
+                    f"{kind_of(patch.dtype)} ({_dtype(patch.dtype)}): "
                     "a cast across kinds changes what the values mean. Send values of the "
                     "patch's kind, or pass kind_casts=True",
                     is_type_error=True,
@@ -193,199 +189,128 @@ def _refuse_kind_casts(items: list[CheckedPatch]) -> None:
         raise CastKindError(str(InvalidPatchError(problems)))
 
 
-class _Loader:
-    """Runs the ordered patches: route replay where known, loader calls in chunks elsewhere.
+class _Plan:
+    """What a call knows before its first write: the model's tensors and the routes it may use.
 
-    Input order is kept exactly: a replay first flushes the chunk gathered before it.
+    It learns the routes of dense names that have none (`learn_dense_routes`), refuses known
+    routes into protected tensors or across kinds (`refuse_routes`), and finds the route a
+    patch replays along (`usable`).
     """
 
     def __init__(
-        self,
-        model: SupportsLoadWeights,
-        chunking: ChunkingPolicy,
-        routes: RouteStore | None,
-        undo: UndoLog,
-        protect: Mapping[str, str],
-        *,
-        atomic: bool,
-        items: list[CheckedPatch],
-        strict: bool = True,
-        kind_casts: bool = False,
+        self, model: SupportsLoadWeights, book: RouteBook | None, protect: Mapping[str, str]
     ) -> None:
-        self.model, self.chunking = model, chunking
-        self.strict, self.kind_casts = strict, kind_casts
-        # The names whose patches stand written (loader calls and replays that finished), for
-        # the error of a call without `atomic` that fails later.
-        self.written: list[str] = []
-        # The call's patches in order, as read: an entry is replaced by a copy
-        # (`_copy_readers`) when an earlier write of the call would change what it reads.
-        self.items = items
-        self._inputs: set[int] | None = None  # see `_input_storages`
-        self._copied: set[int] = set()
+        self.model, self.book, self.protect = model, book, protect
         self.module = as_module(model)  # what the loader calls run on
-        self.routes, self.undo, self.protect, self.atomic = routes, undo, protect, atomic
-        # Replays look tensors up where the model registers them (RouteCache._live: two dict
+        # Replays look tensors up where the model registers them (`RouteBook.live`: two dict
         # reads a name); the full map is built only for a loader call or protect=.
         self.tensors: Mapping[str, torch.Tensor] = (
             model_tensors(model)
-            if protect or (routes is not None and not isinstance(model, torch.nn.Module))
-            else routes._live(self.module)
-            if routes is not None
+            if protect or (book is not None and not isinstance(model, torch.nn.Module))
+            else book.live(self.module)
+            if book is not None
             else {}
         )
-        self._index: ModelIndex | None = None  # built at the first loader call
-        self.names: set[str] = set()
-        self.chunk: list[int] = []  # indices in `items`
-        self.chunk_names: set[str] = set()
-        self.chunk_nbytes = 0
-        # Routes being verified in the current chunk: name -> the route to compare with.
-        self.verifying: dict[str, Route] = {}
-        # Replays gathered since the last loader call (route, the patch's index in `items`,
-        # each segment's destination as checked live), run by `flush`.
-        self.pending: list[tuple[Route, int, list[torch.Tensor]]] = []
-        # The tensors they write, by name: gathered only once a route that read model values
-        # needs them (`None` until then).
-        self.pending_writes: set[str] | None = None
+        self.built: ModelIndex | None = None  # built at the first loader call
 
     @property
     def index(self) -> ModelIndex:
-        if self._index is None:
-            tensors = model_tensors(self.model)
-            self._index = ModelIndex(tensors, self.protect)
-        return self._index
+        """The model's tensors by storage, and the protected ones (built once, when needed)."""
+        if self.built is None:
+            self.built = ModelIndex(model_tensors(self.model), self.protect)
+        return self.built
+
+    def usable(self, patch: CheckpointWeightPatch) -> tuple[Route, list[torch.Tensor]] | None:
+        """The known route of `patch` with its live destinations, or `None` (see `RouteBook`)."""
+        if self.book is None:
+            return None
+        return self.book.usable(patch.name, patch.shape, patch.dtype, self.tensors)
 
     def learn_dense_routes(self, items: list[CheckedPatch]) -> None:
-        """Learn the routes of dense patches' names that have none, by a dry run of the loader.
+        """Learn the routes of dense patches' names that have none, by `RouteCache.warm`'s dry run.
 
-        Only for a cache made with ``learn_dense=True`` (the dry run is an extra call of the
-        loader, which a loader with Python side effects would notice).
-
-        A dense patch along a route is one strided copy per segment, level with a plain reload;
-        through the loader, under the guard that checks every write, it costs several times
-        that. Only sparse loads record routes, so a name only ever sent dense would never get
-        one. The dry run is `RouteCache.warm`'s: nothing is written or allocated at checkpoint
-        size. A name it finds no route for is remembered (with its shape and dtype) and not
-        tried again until the cache forgets it.
+        Only with ``RouteCache(learn_dense=True)``, which says why. A name the dry run finds no
+        route for is remembered with its shape and dtype, and not tried again until the cache
+        forgets it.
         """
-        routes = self.routes
-        if routes is None or not routes._learn_dense:
+        book = self.book
+        if book is None or not book.learn_dense:
             return
         specs: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
         for item in items:
-            patch = item._patch
+            patch = patch_of(item)
             name, shape = patch.name, tuple(patch.shape)
             if (
                 patch.indices is None
                 and name not in specs
-                and routes._route(name) is None
-                and not routes._unlearned(name, shape, patch.dtype)
+                and book.route(name) is None
+                and not book.unlearned(name, shape, patch.dtype)
             ):
                 specs[name] = (name, shape, patch.dtype)
         if not specs:
             return
         # Learnt without `protect`, so that a route into a protected tensor is refused before
-        # any write (`refuse_protected_routes`), and not remembered as no route.
+        # any write (`refuse_routes`), and not remembered as no route.
         index = ModelIndex(self.index.tensors, {}) if self.protect else self.index
         for name, found in learn(self.module, index, list(specs.values())).items():
             if isinstance(found, Route):
-                routes._store(found)
+                book.store(found)
             else:
-                routes._learnt_nothing(*specs[name])
+                book.learnt_nothing(*specs[name])
 
-    def refuse_kind_cast_routes(self, items: list[CheckedPatch]) -> None:
-        """Before any write: a known route into a weight of another kind than its patch's."""
-        if self.routes is None:
+    def refuse_routes(self, items: list[CheckedPatch], *, kind_casts: bool) -> None:
+        """Before any write: known routes into protected tensors, or across kinds."""
+        if self.book is None or (kind_casts and not self.protect):
             return
-        refused = []
+        protected, cast = [], []
         for item in items:
-            patch = item._patch
-            usable = self.routes._usable(patch.name, patch.shape, patch.dtype, self.tensors)
-            for target in usable[1] if usable is not None else ():
-                if not same_kind(patch.dtype, target.dtype):
-                    refused.append(
-                        f"patches[{item.position}] {patch.name!r} "
-                        f"({str(patch.dtype).removeprefix('torch.')}) -> a "
-                        f"{str(target.dtype).removeprefix('torch.')} weight"
-                    )
-                    break
-        if refused:
-            raise CastKindError(
-                "patches would be cast across kinds into weights (pass kind_casts=True to "
-                "allow it); nothing was written: " + "; ".join(refused)
-            )
-
-    def refuse_protected_routes(self, items: list[CheckedPatch]) -> None:
-        """Before any write: every known route that would reach a protected tensor."""
-        if self.routes is None or not self.protect:
-            return
-        refused = []
-        for item in items:
-            usable = self.routes._usable(
-                item._patch.name, item._patch.shape, item._patch.dtype, self.tensors
-            )
-            for target in usable[1] if usable is not None else ():
+            patch = patch_of(item)
+            usable = self.usable(patch)
+            for target in usable[1] if usable is not None and self.protect else ():
                 reason = self.index.protection(target)
                 if reason is not None:
-                    refused.append(f"{item._patch.name!r} -> {reason}")
+                    protected.append(f"{patch.name!r} -> {reason}")
                     break
-        if refused:
+            for target in usable[1] if usable is not None and not kind_casts else ():
+                if not same_kind(patch.dtype, target.dtype):
+                    cast.append(
+                        f"patches[{item.position}] {patch.name!r} ({_dtype(patch.dtype)}) -> a "
+                        f"{_dtype(target.dtype)} weight"
+                    )
+                    break
+        if protected:
             raise LoaderContractError(
                 "patches would write into protected tensors; nothing was written: "
-                + "; ".join(refused)
+                + "; ".join(protected)
+            )
+        if cast:
+            raise CastKindError(
+                "patches would be cast across kinds into weights (pass kind_casts=True to "
+                "allow it); nothing was written: " + "; ".join(cast)
             )
 
-    def add(self, at: int) -> None:
-        """Gather the patch at `at` in `items`: a replay, or the chunk of the next loader call."""
-        item = self.items[at]  # (a copy, if an earlier write reached what it reads)
-        patch = item._patch
-        name = patch.name
-        routes = self.routes
-        if routes is not None:
-            if name in self.chunk_names:
-                self.flush()  # the chunk may record the route this patch can replay
-            usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
-            if (
-                usable is not None
-                and usable[0].reads
-                and (self.chunk or not self._pending_writes().isdisjoint(usable[0]._reads))
-                and not routes._verify_all  # (`verify`'s patches change nothing)
-            ):
-                # Its loader decided on model values, which the patches before it in this
-                # call may change (the chunk's loader call, or replays into what it read):
-                # check them once those are written.
-                self.flush()
-                usable = routes._usable(name, patch.shape, patch.dtype, self.tensors)
-            # A dense patch follows a known route too (the loader's copies, without the
-            # loader); only sparse loads record routes, so only they are used to verify one.
-            if usable is not None:
-                if patch.indices is not None and routes._due_for_verification(name):
-                    self.verifying[name] = usable[0]  # through the loader, then compared
-                else:
-                    self._load_chunk()
-                    # Replayed at the next flush, in order.
-                    self.pending.append((usable[0], at, usable[1]))
-                    if self.pending_writes is not None:
-                        self.pending_writes |= usable[0]._writes
-                    return
-        self._replay_pending()  # earlier replays happen before this patch's loader call
-        size = item.staged_nbytes
-        if self.chunk and (
-            name in self.chunk_names
-            or item.sparse != self.items[self.chunk[0]].sparse
-            or self.chunking.split_before(
-                ChunkState(self.chunk_nbytes, len(self.chunk), item, size)
-            )
-        ):
-            self.flush()
-        self.chunk.append(at)
-        self.chunk_names.add(name)
-        self.chunk_nbytes += size
 
-    def note_written(self, error: PatchError, loads: Sequence[Load] = ()) -> None:
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Written:
+    """The names a call has written so far, and what its errors say is left (`atomic` or not)."""
+
+    def __init__(self, atomic: bool) -> None:
+        self.atomic = atomic
+        # Loader calls and replays that finished, for the error of a call that fails later.
+        self.names: list[str] = []
+
+    def left(self) -> list[str]:
+        """The names written and left so if the call fails now (none under `atomic`)."""
+        return [] if self.atomic else list(dict.fromkeys(self.names))
+
+    def note(self, error: PatchError, loads: Sequence[Load] = ()) -> None:
         """Say on `error` what a call without `atomic` leaves written (`PatchError.written`)."""
         if self.atomic or isinstance(error, LoaderError):
             return
-        written = list(dict.fromkeys(self.written))
+        written = self.left()
         unwritten = {p.name for p in getattr(error, "problems", ())}  # (strict: none of theirs)
         partly = [
             load.name for load in loads if load.indices is None and load.name not in unwritten
@@ -419,7 +344,7 @@ class _Loader:
             state = "this loader call may have written part of its patches (dense, atomic=False)"
         else:
             state = "this loader call was undone"
-        written = list(dict.fromkeys(self.written)) if not self.atomic else []
+        written = self.left()
         if written:
             state += "; written by earlier loader calls or replays and left so: " + ", ".join(
                 map(repr, written)
@@ -433,46 +358,109 @@ class _Loader:
             written=written + ([load.name for load in loads] if dense and not self.atomic else []),
         )
 
-    def _pending_writes(self) -> set[str]:
-        """The tensors the pending replays write, by name (kept up to date from now on)."""
-        if self.pending_writes is None:
-            self.pending_writes = {name for route, _, _ in self.pending for name in route._writes}
-        return self.pending_writes
+    def failure(self, error: Exception) -> PatchError:
+        """The error of a call that failed outside the loader (a replay's), saying what is left."""
+        names = self.left()
+        return PatchError(
+            f"applying the patches failed ({type(error).__name__}: {str(error)[:300]}); "
+            + (
+                "every write of the call was undone (atomic=True)"
+                if self.atomic
+                else "written and left so (atomic=False): " + ", ".join(map(repr, names))
+                if names
+                else "nothing was left written"
+            )
+        )
 
-    def _replay_pending(self) -> None:
+
+class _Readers:
+    """The call's patches in order, as read: a copy (`copy`) where an earlier write reaches one.
+
+    A patch's values or indices may view a model tensor that an earlier patch of the same
+    call writes (a layer's weights sent as another's, a payload decoded into a buffer the
+    model holds): the loader path stages a chunk's sparse patches before writing any, a
+    replay reads its patch when it writes, a dense load when the loader copies it. Copying
+    before the first write that reaches them makes every path read the same values: those
+    validation checked, whatever routes and chunking the call takes.
+    """
+
+    def __init__(self, items: list[CheckedPatch]) -> None:
+        self.items = items
+        self.inputs: set[int] | None = None  # see `storages`
+        self.copied: set[int] = set()
+
+    def storages(self) -> set[int]:
+        """The storages the call's patches read (values and indices), by data pointer.
+
+        Found once, at the call's first write that a later patch could read, before any write.
+        """
+        if self.inputs is None:
+            found = {start for item in self.items for start in starts_of(item)}
+            found.discard(0)  # (an empty storage holds nothing to change)
+            self.inputs = found
+        return self.inputs
+
+    def copy(self, storages: AbstractSet[int], first: int) -> None:
+        """Before a write into `storages`: the patches from `first` on that read one get copies.
+
+        They read copies made now (`CheckedPatch._copied`), as the tensors were when the call
+        began.
+        """
+        items, copied = self.items, self.copied
+        for k in range(first, len(items)):
+            if k not in copied and not storages.isdisjoint(starts_of(items[k])):
+                copied.add(k)
+                items[k] = items[k]._copied()
+
+
+class _Replays:
+    """The replays a `_Loader` gathered since its last loader call, run in order by `run`."""
+
+    def __init__(
+        self, plan: _Plan, readers: _Readers, written: _Written, undo: UndoLog, names: set[str]
+    ) -> None:
+        # (What the loader holds too, never the loader itself: no cycle keeps the patches.)
+        self.plan, self.readers, self.written = plan, readers, written
+        self.undo = undo if written.atomic else None
+        self.names = names  # the loader's: what the call returns
+        # (route, the patch's index in `items`, each segment's destination as checked live).
+        self.pending: list[tuple[Route, int, list[torch.Tensor]]] = []
+        # The tensors they write, by name: gathered only once a route that read model values
+        # needs them (`None` until then).
+        self.tensors: set[str] | None = None
+
+    def add(self, route: Route, at: int, targets: list[torch.Tensor]) -> None:
+        """Replay the patch at `at` along `route` at the next `run`, in order."""
+        self.pending.append((route, at, targets))
+        if self.tensors is not None:
+            self.tensors |= route._writes
+
+    def writes(self) -> set[str]:
+        """The tensors the pending replays write, by name (kept up to date from now on)."""
+        if self.tensors is None:
+            self.tensors = {name for route, _, _ in self.pending for name in route._writes}
+        return self.tensors
+
+    def run(self) -> None:
         """Replay the patches gathered since the last loader call, in order.
 
         Their partly covered segments are searched first, all together (`replay_bounds`):
         one host read per device for the whole run of replays, none inside it.
         """
         pending, self.pending = self.pending, []
-        self.pending_writes = None
+        self.tensors = None
         if not pending:
             return
-        assert self.routes is not None
-        items = self.items
-        searches: list[tuple[Route, torch.Tensor | list[int], bool]] = []
-        for route, at, _ in pending:
-            item = items[at]
-            if item._patch.indices is not None and not route._whole:
-                searches.append(
-                    (
-                        route,
-                        item._listed
-                        if item._listed is not None
-                        else item._positions
-                        if item._positions is not None
-                        else item._patch.indices,
-                        item._sorted_unique,
-                    )
-                )
-        found = iter(replay_bounds(searches))
-        undo = self.undo if self.atomic else None
-        names, stats = self.names, self.routes.stats
+        readers, plan, undo = self.readers, self.plan, self.undo
+        items = readers.items
+        found = iter(replay_bounds(_searches(pending, items)))
+        names, written = self.names, self.written.names
+        assert plan.book is not None
+        stats = plan.book.stats
         # The storages these replays write that the call's patches read (rarely any): before
         # each write into one, the later patches reading it get copies.
         hits: AbstractSet[int] = (
-            set().union(*[route._storages for route, _, _ in pending]) & self._input_storages()
+            set().union(*[route._storages for route, _, _ in pending]) & readers.storages()
             if len(items) > 1
             else set()
         )
@@ -480,141 +468,198 @@ class _Loader:
             if hits:
                 reached = route._storages & hits
                 if reached:
-                    self._copy_readers(reached, at + 1)
+                    readers.copy(reached, at + 1)
             item = items[at]
-            patch = item._patch
-            if self.protect:
+            patch = patch_of(item)
+            if plan.protect:
                 for target in targets:
-                    self.index.refuse_protected(target, f"the patch to {patch.name!r}")
+                    plan.index.refuse_protected(target, f"the patch to {patch.name!r}")
             indices = patch.indices
             if indices is None:
                 readable(item)
                 replay_dense(route, patch.values, targets, undo=undo)
-            elif not (
-                undo is None
-                and route._whole
-                and (positions := item._positions) is not None
-                and positions is not indices
-                and replay_whole(route, targets[0], positions, patch.values)
-            ):
+            else:
+                positions, listed = positions_of(item)
                 replay(
                     route,
                     indices,
                     patch.values,
                     targets,
-                    sorted_unique=item._sorted_unique,
+                    sorted_unique=item.sorted_unique,
                     undo=undo,
-                    positions=item._positions,
+                    positions=positions,
                     bounds=None if route._whole else next(found),
-                    listed=item._listed,
+                    listed=listed,
                 )
             names |= route.reported
             stats.replayed += 1
-            self.written.append(patch.name)
+            written.append(patch.name)
 
-    def _input_storages(self) -> set[int]:
-        """The storages the call's patches read (values and indices), by data pointer.
 
-        Found once, at the call's first write that a later patch could read, before any write.
-        """
-        if self._inputs is None:
-            found = {start for item in self.items for start in starts_of(item)}
-            found.discard(0)  # (an empty storage holds nothing to change)
-            self._inputs = found
-        return self._inputs
+def _searches(
+    pending: list[tuple[Route, int, list[torch.Tensor]]], items: list[CheckedPatch]
+) -> list[tuple[Route, torch.Tensor | list[int], bool]]:
+    """What `replay_bounds` searches for the pending sparse replays of partly covered routes."""
+    searches: list[tuple[Route, torch.Tensor | list[int], bool]] = []
+    for route, at, _ in pending:
+        item = items[at]
+        indices = patch_of(item).indices
+        if indices is not None and not route._whole:
+            positions, listed = positions_of(item)
+            found = listed if listed is not None else positions
+            searches.append((route, found if found is not None else indices, item.sorted_unique))
+    return searches
 
-    def _copy_readers(self, storages: AbstractSet[int], first: int) -> None:
-        """Give copies to the patches from `first` on that read one of `storages`.
 
-        Called before a write into `storages`: those patches read copies made now
-        (`CheckedPatch._copied`), as the tensors were when the call began.
+class _Loader:
+    """Runs the ordered patches: route replay where known, loader calls in chunks elsewhere.
 
-        A patch's values or indices may view a model tensor that an earlier patch of the same
-        call writes (a layer's weights sent as another's, a payload decoded into a buffer the
-        model holds): the loader path stages a chunk's sparse patches before writing any, a
-        replay reads its patch when it writes, a dense load when the loader copies it. Copying
-        before the first write that reaches them makes every path read the same values: those
-        validation checked, whatever routes and chunking the call takes.
-        """
-        items, copied = self.items, self._copied
-        for k in range(first, len(items)):
-            if k not in copied and not storages.isdisjoint(starts_of(items[k])):
-                copied.add(k)
-                items[k] = items[k]._copied()
+    Input order is kept exactly: a replay first flushes the chunk gathered before it.
+    """
+
+    def __init__(
+        self,
+        plan: _Plan,
+        chunking: ChunkingPolicy,
+        undo: UndoLog,
+        items: list[CheckedPatch],
+        *,
+        atomic: bool,
+        strict: bool = True,
+        kind_casts: bool = False,
+    ) -> None:
+        self.plan, self.chunking, self.undo = plan, chunking, undo
+        self.strict, self.kind_casts = strict, kind_casts
+        self.written = _Written(atomic)
+        self.readers = _Readers(items)
+        self.names: set[str] = set()
+        self.replays = _Replays(plan, self.readers, self.written, undo, self.names)
+        self.chunk: list[int] = []  # indices in `items`
+        self.chunk_names: set[str] = set()
+        self.chunk_nbytes = 0
+        # Routes being verified in the current chunk: name -> the route to compare with.
+        self.verifying: dict[str, Route] = {}
+
+    def add(self, at: int) -> None:
+        """Gather the patch at `at` in `items`: a replay, or the chunk of the next loader call."""
+        item = self.readers.items[at]  # (a copy, if an earlier write reached what it reads)
+        patch = patch_of(item)
+        name = patch.name
+        book = self.plan.book
+        if book is not None:
+            if name in self.chunk_names:
+                self.flush()  # the chunk may record the route this patch can replay
+            usable = book.usable(name, patch.shape, patch.dtype, self.plan.tensors)
+            if (
+                usable is not None
+                and usable[0].reads
+                and (self.chunk or not self.replays.writes().isdisjoint(usable[0]._reads))
+                and not book.verify_all  # (`verify`'s patches change nothing)
+            ):
+                # Its loader decided on model values, which the patches before it in this
+                # call may change (the chunk's loader call, or replays into what it read):
+                # check them once those are written.
+                self.flush()
+                usable = self.plan.usable(patch)
+            # A dense patch follows a known route too (the loader's copies, without the
+            # loader); only sparse loads record routes, so only they are used to verify one.
+            if usable is not None:
+                if patch.indices is not None and book.due_for_verification(name):
+                    self.verifying[name] = usable[0]  # through the loader, then compared
+                else:
+                    self.load_chunk()
+                    self.replays.add(usable[0], at, usable[1])  # replayed at the next flush
+                    return
+        self.replays.run()  # earlier replays happen before this patch's loader call
+        size = item.staged_nbytes
+        if self.chunk and (
+            name in self.chunk_names
+            or item.sparse != self.readers.items[self.chunk[0]].sparse
+            or self.chunking.split_before(
+                ChunkState(self.chunk_nbytes, len(self.chunk), item, size)
+            )
+        ):
+            self.flush()
+        self.chunk.append(at)
+        self.chunk_names.add(name)
+        self.chunk_nbytes += size
 
     def flush(self) -> None:
         """Apply everything gathered: pending replays, or the chunk (never both at once)."""
-        self._replay_pending()
-        self._load_chunk()
+        self.replays.run()
+        self.load_chunk()
 
-    def _load_chunk(self) -> None:
+    def load_chunk(self) -> None:
         """Load the gathered chunk in one loader call; keep the routes it proves."""
         if not self.chunk:
             return
         chunk, self.chunk, self.chunk_names, self.chunk_nbytes = self.chunk, [], set(), 0
+        plan, readers = self.plan, self.readers
         # The loader may write any model tensor. It reads the chunk's dense patches as it copies
         # them (its sparse ones are staged before it runs), and every later patch reads after
         # it: those that view a model tensor get copies first.
-        index = self.index
-        reached = {key for key in self._input_storages() if index.holds(key)}
+        index = plan.index
+        reached = {key for key in readers.storages() if index.holds(key)}
         if reached:
-            first = chunk[0] if not self.items[chunk[0]].sparse else chunk[-1] + 1
-            self._copy_readers(reached, first)
-        loads = []
-        for item in (self.items[at] for at in chunk):
-            patch = item._patch
-            if patch.indices is None:
-                readable(item)
-            loads.append(
-                Load(
-                    patch.name,
-                    tuple(patch.shape),
-                    patch.dtype,
-                    patch.values,
-                    patch.indices,
-                    item.position,
-                )
-            )
-        if self.routes is not None:
-            self.routes.stats.loader_calls += 1
+            first = chunk[0] if not readers.items[chunk[0]].sparse else chunk[-1] + 1
+            readers.copy(reached, first)
+        loads = [_load_of(readers.items[at]) for at in chunk]
+        if plan.book is not None:
+            plan.book.stats.loader_calls += 1
         try:
             result = run_loader(
-                self.module,
+                plan.module,
                 loads,
-                index=self.index,
+                index=index,
                 undo=self.undo,
-                atomic=self.atomic,
+                atomic=self.written.atomic,
                 strict=self.strict,
                 kind_casts=self.kind_casts,
             )
         except PatchError as error:
-            self.note_written(error, loads)
+            self.written.note(error, loads)
             raise
         except Exception as error:  # the loader's own: named, with what the call left
-            raise self.loader_error(loads, error) from error
-        if not self.atomic:
+            raise self.written.loader_error(loads, error) from error
+        if not self.written.atomic:
             self.undo.forget()  # this call stands; its old values are not needed any more
-        self.written += [load.name for load in loads]
+        self.written.names += [load.name for load in loads]
         self.names |= result.names
-        if self.routes is None:
-            return
-        self.routes.stats.loaded += len(loads)
-        for load in loads:
-            old = self.verifying.pop(load.name, None)
-            new = result.routes.get(load.name)
-            if new is None and load.name in result.alone:
-                # Kept from a route only by the call's constant fills: whose they are shows
-                # in a dry run of the name alone (no write, nothing staged).
-                spec = (load.name, load.shape, load.dtype)
-                new = learn_alone(self.module, self.index, spec, result.segments[load.name])
-            if new is not None and not new.segments and not new.fills:
-                new = None  # "writes nothing" is no route: the next patch asks the loader again
-            if old is not None:
-                self.routes._verified(load.name, old, new)
-            if new is not None:
-                self.routes._store(new)
-            elif load.indices is not None:
-                self.routes.invalidate(load.name)
+        if plan.book is not None:
+            plan.book.stats.loaded += len(loads)
+            _learn(plan, loads, result, self.verifying)
+
+
+def _load_of(item: CheckedPatch) -> Load:
+    """What a loader call stages for `item` (a dense patch's values made readable first)."""
+    patch = patch_of(item)
+    if patch.indices is None:
+        readable(item)
+    return Load(
+        patch.name, tuple(patch.shape), patch.dtype, patch.values, patch.indices, item.position
+    )
+
+
+def _learn(plan: _Plan, loads: list[Load], result: LoadResult, verifying: dict[str, Route]) -> None:
+    """Keep the routes a loader call proved; compare those it verified with the cached ones."""
+    book = plan.book
+    assert book is not None
+    for load in loads:
+        old = verifying.pop(load.name, None)
+        new = result.routes.get(load.name)
+        if new is None and load.name in result.alone:
+            # Kept from a route only by the call's constant fills: whose they are shows
+            # in a dry run of the name alone (no write, nothing staged).
+            spec = (load.name, load.shape, load.dtype)
+            new = learn_alone(plan.module, plan.index, spec, result.segments[load.name])
+        if new is not None and not new.segments and not new.fills:
+            new = None  # "writes nothing" is no route: the next patch asks the loader again
+        if old is not None:
+            book.verified(load.name, old, new)
+        if new is not None:
+            book.store(new)
+        elif load.indices is not None:
+            book.forget(load.name)
 
 
 @without_grad
@@ -760,24 +805,16 @@ def load_checkpoint_weight_patches(
         _refuse_kind_casts(items)
     items = _resolve_aliases(items, alias_map)
     items = _apply_ordering(chosen_ordering, items, chosen_strategy, validate_unique_indices)
-    if routes is not None:
-        routes._bind(model)
+    book = book_of(routes) if routes is not None else None
+    if book is not None:
+        book.bind(model)
+    plan = _Plan(model, book, protected)
+    plan.learn_dense_routes(items)
+    plan.refuse_routes(items, kind_casts=kind_casts)
     undo = UndoLog()
     loader = _Loader(
-        model,
-        chosen_chunking,
-        routes,
-        undo,
-        protected,
-        atomic=atomic,
-        items=items,
-        strict=strict,
-        kind_casts=kind_casts,
+        plan, chosen_chunking, undo, items, atomic=atomic, strict=strict, kind_casts=kind_casts
     )
-    loader.learn_dense_routes(items)
-    loader.refuse_protected_routes(items)
-    if not kind_casts:
-        loader.refuse_kind_cast_routes(items)
     done = False
     try:
         try:
@@ -787,10 +824,10 @@ def load_checkpoint_weight_patches(
             if verify is not None:
                 verify()
         except PatchError as error:
-            loader.note_written(error)
+            loader.written.note(error)
             raise
         except Exception as error:  # not the loader's (that is a LoaderError): a replay's
-            raise _failure(error, [] if atomic else loader.written, atomic=atomic) from error
+            raise loader.written.failure(error) from error
         done = True
     except BaseException:
         if atomic:
@@ -808,26 +845,8 @@ def _check_flags(verify: object, *, strict: object, kind_casts: object) -> None:
         raise InvalidPatchTypeError(
             [PatchProblem(None, "", f"verify= takes a callable or None, got {verify!r}", True)]
         )
-    for flag, value in (("strict", strict), ("kind_casts", kind_casts)):
-        if not isinstance(value, bool):
-            raise InvalidPatchTypeError(
-                [PatchProblem(None, "", f"{flag}= takes a bool, got {value!r}", True)]
-            )
-
-
-def _failure(error: Exception, written: list[str], *, atomic: bool) -> PatchError:
-    """The error of a call that failed outside the loader (a replay's), saying what is left."""
-    names = list(dict.fromkeys(written))
-    return PatchError(
-        f"applying the patches failed ({type(error).__name__}: {str(error)[:300]}); "
-        + (
-            "every write of the call was undone (atomic=True)"
-            if atomic
-            else "written and left so (atomic=False): " + ", ".join(map(repr, names))
-            if names
-            else "nothing was left written"
-        )
-    )
+    flag(strict, "strict=")
+    flag(kind_casts, "kind_casts=")
 
 
 class RouteCache(RouteStore):
@@ -922,21 +941,22 @@ class RouteCache(RouteStore):
             >>> routes.verify(model)
             ['w']
         """
-        routes = self._locked(lambda: list(self._routes.values()))
+        book = book_of(self)
+        routes = book.locked(lambda: list(book.routes.values()))
         nothing = torch.zeros(0, dtype=torch.long)
         patches = [
             CheckpointWeightPatch(r.name, r.shape, r.dtype, torch.zeros(0, dtype=r.dtype), nothing)
             for r in routes
         ]
-        self._verify_all, self._mismatches = True, []
+        book.verify_all, book.mismatches = True, []
         try:
             # BoolMask stages every dtype (bool and complex routes too); the probes are empty.
             load_checkpoint_weight_patches(
                 model, patches, routes=self, atomic=True, strategy=BoolMask()
             )
         finally:
-            self._verify_all = False
-        return sorted(self._mismatches)
+            book.verify_all = False
+        return sorted(book.mismatches)
 
     def warm(
         self,

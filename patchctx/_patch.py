@@ -276,16 +276,8 @@ class CheckedPatch:
 
     def renamed(self, name: str) -> CheckedPatch:
         """The same checked patch under another name (an alias resolved)."""
-        return CheckedPatch._make(
-            self._position,
-            self._patch._replace(name=name),
-            self._numel,
-            sorted_unique=self._sorted_unique,
-            positions=self._positions,
-            listed=self._listed,
-            starts=self._starts,
-            given=None if self._given is None else self._given._replace(name=name),
-        )
+        given = None if self._given is None else self._given._replace(name=name)
+        return self._again(self._position, self._patch._replace(name=name), self._positions, given)
 
     def _copied(self) -> CheckedPatch:
         """The same checked patch reading copies of its values and indices.
@@ -298,29 +290,33 @@ class CheckedPatch:
         patch = self._patch
         indices = patch.indices
         copy = None if indices is None else indices.clone()
-        positions = self._positions
-        if positions is not None and positions is indices:
-            positions = copy
+        positions = copy if self._positions is indices else self._positions
+        patch = patch._replace(values=patch.values.clone(), indices=copy)
+        return self._again(self._position, patch, positions, self._given)
+
+    def unpositioned(self) -> CheckedPatch:
+        """The same checked patch, marked as made by a policy."""
+        return self._again(None, self._patch, self._positions, self._given)
+
+    def _again(
+        self,
+        position: int | None,
+        patch: CheckpointWeightPatch,
+        positions: torch.Tensor | None,
+        given: CheckpointWeightPatch | None,
+    ) -> CheckedPatch:
+        """A checked patch like this one, with what validation learned about it kept.
+
+        Where its storages start is found again when asked (`starts_of`): the tensors may differ.
+        """
         return CheckedPatch._make(
-            self._position,
-            patch._replace(values=patch.values.clone(), indices=copy),
+            position,
+            patch,
             self._numel,
             sorted_unique=self._sorted_unique,
             positions=positions,
             listed=self._listed,
-            given=self._given,
-        )
-
-    def unpositioned(self) -> CheckedPatch:
-        """The same checked patch, marked as made by a policy."""
-        return CheckedPatch._make(
-            None,
-            self._patch,
-            self._numel,
-            sorted_unique=self._sorted_unique,
-            positions=self._positions,
-            listed=self._listed,
-            given=self._given,
+            given=given,
         )
 
 
@@ -339,6 +335,16 @@ _set_sorted_unique = _slot_setter("_sorted_unique")
 _set_positions = _slot_setter("_positions")
 _set_listed = _slot_setter("_listed")
 _set_starts = _slot_setter("_starts")
+
+
+def patch_of(item: CheckedPatch) -> CheckpointWeightPatch:
+    """The patch a call writes for `item`: validation's own copies (`CheckedPatch._patch`)."""
+    return item._patch
+
+
+def positions_of(item: CheckedPatch) -> tuple[torch.Tensor | None, list[int] | None]:
+    """What replay reads instead of `item`'s indices: validation's int64 positions, its list."""
+    return item._positions, item._listed
 
 
 def starts_of(item: CheckedPatch) -> tuple[int, ...]:
@@ -522,34 +528,38 @@ def _structure(
             reason = strategy.unsupported_reason(patch.dtype)
             if reason is not None:
                 problem(f"sparse patch cannot be staged: {reason}", type_error=True)
-
-        if not isinstance(indices, torch.Tensor):
-            problem(
-                f"indices must be a torch.Tensor or None, got {type(indices).__name__}",
-                type_error=True,
-            )
-        else:
-            if indices.ndim != 1:
-                problem(f"indices must be a 1-D tensor, got shape {tuple(indices.shape)}")
-            if (found := _data_problem("indices", indices)) is not None:
-                problem(found[0], type_error=found[1])
-            if indices.dtype not in (torch.int32, torch.int64):
-                problem(f"indices must be int32 or int64, got {indices.dtype}", type_error=True)
-            elif indices.ndim == 1 and values.ndim == 1 and indices.numel() != values.numel():
-                problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
-    if not problems and (
-        type(patch.shape) is not tuple or any(type(d) is not int for d in patch.shape)
-    ):
+        _index_problems(indices, values, problem)
+    if problems:
+        return patch, numel, problems
+    if type(patch.shape) is not tuple or any(type(d) is not int for d in patch.shape):
         patch = patch._replace(shape=shape)
-    if not problems and (values.is_neg() or values.is_conj()):
+    if values.is_neg() or values.is_conj():
         # A lazy negation or conjugation (``z.conj().imag``) is resolved once, here: torch's
         # cast copy of a contiguous negative view drops the sign (2.13, float32 to float16).
         patch = patch._replace(values=values.resolve_conj().resolve_neg())
-    if not problems and isinstance(indices, torch.Tensor) and indices.is_neg():
+    if indices is not None and indices.is_neg():
         # Indices too (``torch._neg_view(-i)`` stands for ``i``): numpy refuses to read them,
         # and the same cast copy would drop their sign.
         patch = patch._replace(indices=indices.resolve_neg())
-    return patch, numel, problems
+    return patch, numel, []
+
+
+def _index_problems(indices: object, values: torch.Tensor, problem: Callable[..., None]) -> None:
+    """`_structure` of a sparse patch's indices: a 1-D int32 or int64 tensor, one per value."""
+    if not isinstance(indices, torch.Tensor):
+        problem(
+            f"indices must be a torch.Tensor or None, got {type(indices).__name__}",
+            type_error=True,
+        )
+        return
+    if indices.ndim != 1:
+        problem(f"indices must be a 1-D tensor, got shape {tuple(indices.shape)}")
+    if (found := _data_problem("indices", indices)) is not None:
+        problem(found[0], type_error=found[1])
+    if indices.dtype not in (torch.int32, torch.int64):
+        problem(f"indices must be int32 or int64, got {indices.dtype}", type_error=True)
+    elif indices.ndim == 1 and values.ndim == 1 and indices.numel() != values.numel():
+        problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
 
 
 def _host_read(flags: torch.Tensor) -> list[bool]:
@@ -668,49 +678,63 @@ def _all_valid(
         groups.setdefault(device, {}).setdefault(indices.dtype, []).append(k)
     positions: dict[int, torch.Tensor] = {}
     for device in {*groups, *large}:
-        flags = []  # 0-d tensors (on CPU, some host ints), read in one go
-        checks = []  # how to judge each flag on the host
-        small = [k for ks in groups.get(device, {}).values() for k in ks]
-        on_host = _on_host(device)
-        if on_host and len(small) < _CPU_JOINED_FROM:
-            for k in small:  # one by one (`_CPU_JOINED_FROM`)
-                indices = checked[k]._patch.indices
-                assert indices is not None
-                if not _host_valid(checked[k], indices, strategy):
-                    return None
-        elif len(small) == 1:  # one patch: its int64 positions, no concatenation
-            (k,) = small
-            indices = checked[k]._patch.indices
-            assert indices is not None
-            positions[k] = _small_flags(checked[k], indices, device, strategy, flags, checks)
-        else:
-            small_values: dict[torch.dtype, list[torch.Tensor]] = {}  # by checkpoint dtype
-            for ks in groups.get(device, {}).values():
-                _batch_flags(checked, ks, device, flags, checks, positions)
-                for k in ks:
-                    patch = checked[k]._patch
-                    values = patch.values
-                    if values.dtype != patch.dtype:  # cast one by one, as staging does: a
-                        values = values.to(patch.dtype)  # joint cast could round twice
-                    small_values.setdefault(patch.dtype, []).append(values)
-            for dtype, joined in small_values.items():
-                flags.append(
-                    strategy.reserved_values(
-                        joined[0] if len(joined) == 1 else torch.cat(joined), dtype
-                    )
-                )
-                checks.append(("eq", 0))
-        for k in large.get(device, ()):
-            indices = checked[k]._patch.indices
-            assert indices is not None
-            if on_host:
-                if not _host_valid(checked[k], indices, strategy):
-                    return None
-            else:
-                _blocked_flags(checked[k], indices.to(device), device, strategy, flags, checks)
-        if flags and not _judged(_read_flags(flags, device), checks):
+        if not _device_valid(
+            checked, device, groups.get(device, {}), large.get(device, []), strategy, positions
+        ):
             return None
     return positions
+
+
+def _device_valid(
+    checked: list[CheckedPatch],
+    device: torch.device,
+    groups: dict[torch.dtype, list[int]],
+    large: list[int],
+    strategy: CopyStrategy,
+    positions: dict[int, torch.Tensor],
+) -> bool:
+    """`_all_valid` on one device: small patches by index dtype (`groups`), `large` ones alone."""
+    flags: list[torch.Tensor | int] = []  # 0-d tensors (on CPU, some host ints), read at once
+    checks: list[tuple[str, int]] = []  # how to judge each flag on the host
+    small = [k for ks in groups.values() for k in ks]
+    on_host = _on_host(device)
+    if on_host and len(small) < _CPU_JOINED_FROM:
+        for k in small:  # one by one (`_CPU_JOINED_FROM`)
+            indices = checked[k]._patch.indices
+            assert indices is not None
+            if not _host_valid(checked[k], indices, strategy):
+                return False
+    elif len(small) == 1:  # one patch: its int64 positions, no concatenation
+        (k,) = small
+        indices = checked[k]._patch.indices
+        assert indices is not None
+        positions[k] = _small_flags(checked[k], indices, device, strategy, flags, checks)
+    else:
+        small_values: dict[torch.dtype, list[torch.Tensor]] = {}  # by checkpoint dtype
+        for ks in groups.values():
+            _batch_flags(checked, ks, device, flags, checks, positions)
+            for k in ks:
+                patch = checked[k]._patch
+                values = patch.values
+                if values.dtype != patch.dtype:  # cast one by one, as staging does: a
+                    values = values.to(patch.dtype)  # joint cast could round twice
+                small_values.setdefault(patch.dtype, []).append(values)
+        for dtype, joined in small_values.items():
+            flags.append(
+                strategy.reserved_values(
+                    joined[0] if len(joined) == 1 else torch.cat(joined), dtype
+                )
+            )
+            checks.append(("eq", 0))
+    for k in large:
+        indices = checked[k]._patch.indices
+        assert indices is not None
+        if on_host:
+            if not _host_valid(checked[k], indices, strategy):
+                return False
+        else:
+            _blocked_flags(checked[k], indices.to(device), device, strategy, flags, checks)
+    return not flags or _judged(_read_flags(flags, device), checks)
 
 
 def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrategy) -> bool:
@@ -1215,8 +1239,3 @@ def validate_patches(
             patches, strategy=chosen, validate_unique_indices=validate_unique_indices
         )
     ]
-
-
-def numel_of(shape: Sequence[int]) -> int:
-    """Elements of a tensor of `shape`."""
-    return math.prod(shape)

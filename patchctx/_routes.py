@@ -23,18 +23,20 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 
 from patchctx import _cpu_passes
+from patchctx._arguments import flag, positive_int
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, scratch, undo_block
 from patchctx._cpu_passes import shifted_positions
-from patchctx._errors import InvalidPatchError
-from patchctx._geometry import Route, host_covered
+from patchctx._geometry import Route, Segment, host_covered
 from patchctx._swap import builtin_copy
 from patchctx._undo import UndoLog, storage_flat
 
 __all__ = [
     "LiveTensors",
     "Route",
+    "RouteBook",
     "RouteStore",
+    "book_of",
     "replay",
     "replay_bounds",
     "replay_dense",
@@ -51,68 +53,41 @@ def _release(lock: Any) -> None:
 _T = TypeVar("_T")
 
 
-def _check_arguments(verify_every: object, learn_dense: object) -> None:
-    """Refuse a `RouteCache` argument of the wrong type or range, naming it."""
-    if verify_every is not None and (
-        isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 1
-    ):
-        raise InvalidPatchError(
-            f"RouteCache(verify_every=...) takes a positive int or None; you supplied "
-            f"{verify_every!r}"
-        )
-    if not isinstance(learn_dense, bool):
-        raise InvalidPatchError(
-            f"RouteCache(learn_dense=...) takes a bool; you supplied {learn_dense!r}"
-        )
+class RouteBook:
+    """What a `RouteStore` remembers, and the narrow interface the load layer drives it by.
 
+    The load layer asks it to plan (`usable`: the route of a patch, its destinations checked
+    live; `due_for_verification`) and to learn (`store`, `verified`, `learnt_nothing`);
+    `RouteCache` (the load layer) documents the behaviour.
+    """
 
-class RouteStore:
-    """What `RouteCache` remembers and looks up; `RouteCache` (the load layer) documents it."""
-
-    def __init__(self, *, verify_every: int | None = None, learn_dense: bool = False) -> None:
-        _check_arguments(verify_every, learn_dense)
-        self._learn_dense = learn_dense
-        self._routes: dict[str, Route] = {}
-        self._model: weakref.ref[Any] | None = None
-        self._lock = threading.RLock()  # taken only through `_locked`
-        self._verify_every = verify_every
-        self._uses: dict[str, int] = {}
-        self._verify_all = False
-        self._mismatches: list[str] = []
+    def __init__(self, verify_every: int | None, learn_dense: bool) -> None:
+        self.learn_dense = learn_dense
+        self.verify_every = verify_every
+        self.routes: dict[str, Route] = {}
+        self.model: weakref.ref[Any] | None = None
+        self.lock = threading.RLock()  # taken only through `locked`
+        self.uses: dict[str, int] = {}
+        self.verify_all = False  # `RouteCache.verify`: every patch goes through the loader
+        self.mismatches: list[str] = []
         # The model the slots were found in, and its slots (one object, swapped at once).
-        self._slots: tuple[torch.nn.Module | None, dict[str, _Slot]] = (None, {})
+        self.slots: tuple[torch.nn.Module | None, dict[str, _Slot]] = (None, {})
         # Names a dry run found no route for, with the shape and dtype it was run with: their
-        # dense patches go through the loader without another dry run (`_unlearned`).
-        self._no_route: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        # dense patches go through the loader without another dry run (`unlearned`).
+        self.no_route: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self.stats = RouteStats()
 
-    @property
-    def verify_every(self) -> int | None:
-        """Every how many patches to a name its route is checked against the loader."""
-        return self._verify_every
+    def route(self, name: str) -> Route | None:
+        """The route remembered for `name`, unchecked."""
+        return self.routes.get(name)
 
-    def __len__(self) -> int:
-        return len(self._routes)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._routes
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._routes))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self)} routes)"
-
-    def _route(self, name: str) -> Route | None:
-        return self._routes.get(name)
-
-    def _locked(self, body: Callable[[], _T]) -> _T:
+    def locked(self, body: Callable[[], _T]) -> _T:
         """Run `body` holding the lock; release it on every exit, even an asynchronous one.
 
         Never a ``with`` block: an exception raised between its body's last line and its exit
         would keep the lock, and every later call would wait for ever.
         """
-        lock = self._lock
+        lock = self.lock
         try:
             lock.acquire()
             result = body()
@@ -121,40 +96,32 @@ class RouteStore:
         finally:
             _release(lock)  # a second release, for an exception that cut the first
 
-    def clear(self) -> None:
-        """Forget every route (the next patch to each name goes through the loader)."""
+    def forget(self, name: str | None = None) -> None:
+        """Forget the route of `name`, or every route (`None`)."""
 
         def forget() -> None:
-            self._routes.clear()
-            self._no_route.clear()
+            if name is None:
+                self.routes.clear()
+                self.no_route.clear()
+            else:
+                self.routes.pop(name, None)
+                self.no_route.pop(name, None)
 
-        self._locked(forget)
+        self.locked(forget)
 
-    def invalidate(self, name: str) -> None:
-        """Forget the route of `name` (no error if there is none)."""
-
-        def forget() -> None:
-            self._routes.pop(name, None)
-            self._no_route.pop(name, None)
-
-        self._locked(forget)
-
-    # -- used by load_checkpoint_weight_patches ------------------------------------------
-
-    def _bind(self, model: object) -> None:
+    def bind(self, model: object) -> None:
         """Tie the cache to `model`; a different model clears it."""
 
         def bind() -> None:
-            bound = self._model() if self._model is not None else None
+            bound = self.model() if self.model is not None else None
             if bound is not model:
-                self._routes.clear()
-                self._no_route.clear()
-                self._model = weakref.ref(model)
-                self._slots = (None, {})
+                self.forget()  # (the lock is reentrant)
+                self.model = weakref.ref(model)
+                self.slots = (None, {})
 
-        self._locked(bind)
+        self.locked(bind)
 
-    def _live(self, model: torch.nn.Module) -> LiveTensors:
+    def live(self, model: torch.nn.Module) -> LiveTensors:
         """`model`'s tensors by name, looked up where they are registered right now.
 
         The (module, attribute) of every name is found once per model, with the chain of
@@ -169,8 +136,9 @@ class RouteStore:
         """
         return LiveTensors(self, model)
 
-    def _slot_of(self, name: str, model: torch.nn.Module) -> torch.Tensor | None:
-        found_in, slots = self._slots
+    def slot_of(self, name: str, model: torch.nn.Module) -> torch.Tensor | None:
+        """The tensor `model` registers under `name` now, or `None` (see `live`)."""
+        found_in, slots = self.slots
         slot = slots.get(name) if found_in is model else None
         if slot is not None:
             for parent, attr, child in slot[2]:  # (a loop: a generator costs more than it)
@@ -179,7 +147,7 @@ class RouteStore:
                     break
         if slot is None:
             slots = _slots_of(model)
-            self._slots = (model, slots)
+            self.slots = (model, slots)
             slot = slots.get(name)
             if slot is None:
                 return None
@@ -187,36 +155,37 @@ class RouteStore:
         tensor = module._parameters.get(attr)
         return tensor if tensor is not None else module._buffers.get(attr)
 
-    def _store(self, route: Route) -> None:
-        self._locked(lambda: self._routes.__setitem__(route.name, route))
+    def store(self, route: Route) -> None:
+        """Remember `route` (recorded by a loader call or learnt by a dry run)."""
+        self.locked(lambda: self.routes.__setitem__(route.name, route))
         self.stats.recorded += 1
 
-    def _unlearned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    def unlearned(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Whether a dry run of the loader found no route for `name` at this shape and dtype."""
-        return self._no_route.get(name) == (shape, dtype)
+        return self.no_route.get(name) == (shape, dtype)
 
-    def _learnt_nothing(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Remember that a dry run found no route for `name` (see `_unlearned`)."""
-        self._locked(lambda: self._no_route.__setitem__(name, (shape, dtype)))
+    def learnt_nothing(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Remember that a dry run found no route for `name` (see `unlearned`)."""
+        self.locked(lambda: self.no_route.__setitem__(name, (shape, dtype)))
 
-    def _due_for_verification(self, name: str) -> bool:
+    def due_for_verification(self, name: str) -> bool:
         """Whether this patch to `name` goes through the loader to check its route."""
-        if self._verify_all:
+        if self.verify_all:
             return True
-        if self._verify_every is None:
+        if self.verify_every is None:
             return False
-        uses = self._uses.get(name, 0) + 1
-        self._uses[name] = uses
-        return uses % self._verify_every == 0
+        uses = self.uses.get(name, 0) + 1
+        self.uses[name] = uses
+        return uses % self.verify_every == 0
 
-    def _verified(self, name: str, old: Route, new: Route | None) -> None:
+    def verified(self, name: str, old: Route, new: Route | None) -> None:
         """Compare a route the loader just recorded with the cached one."""
         self.stats.verified += 1
         if new is None or new.segments != old.segments or new.fills != old.fills:
             self.stats.mismatched += 1
-            self._mismatches.append(name)
+            self.mismatches.append(name)
 
-    def _usable(
+    def usable(
         self,
         name: str,
         shape: tuple[int, ...],
@@ -228,16 +197,68 @@ class RouteStore:
         Returns it with each segment's destination tensor, then each fill's, as checked (what
         replay writes).
         """
-        route = self._routes.get(name)
+        route = self.routes.get(name)
         if route is None:
             return None
         same = route.shape == shape and route.dtype == dtype
         targets = _live_targets(route, tensors) if same else None
         if targets is None:  # another tensor now, or a destination no longer live
-            self.invalidate(name)
+            self.forget(name)
             self.stats.invalidated += 1
             return None
         return route, targets
+
+
+class RouteStore:
+    """What `RouteCache` remembers and looks up; `RouteCache` (the load layer) documents it."""
+
+    def __init__(self, *, verify_every: int | None = None, learn_dense: bool = False) -> None:
+        if verify_every is not None:
+            positive_int(verify_every, "RouteCache(verify_every=...)")
+        flag(learn_dense, "RouteCache(learn_dense=...)")
+        self._book = RouteBook(verify_every, learn_dense)
+        self.stats = self._book.stats
+
+    @property
+    def verify_every(self) -> int | None:
+        """Every how many patches to a name its route is checked against the loader."""
+        return self._book.verify_every
+
+    def __len__(self) -> int:
+        return len(self._book.routes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._book.routes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._book.routes))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} routes)"
+
+    def clear(self) -> None:
+        """Forget every route (the next patch to each name goes through the loader)."""
+        self._book.forget()
+
+    def invalidate(self, name: str) -> None:
+        """Forget the route of `name` (no error if there is none)."""
+        self._book.forget(name)
+
+    # -- for the load layer (a dry run records through these) ------------------------------
+
+    def _route(self, name: str) -> Route | None:
+        return self._book.route(name)
+
+    def _bind(self, model: object) -> None:
+        self._book.bind(model)
+
+    def _store(self, route: Route) -> None:
+        self._book.store(route)
+
+
+def book_of(store: RouteStore) -> RouteBook:
+    """The `RouteBook` of `store`: what the load layer plans replays with and teaches."""
+    return store._book
 
 
 def _live_targets(route: Route, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
@@ -291,10 +312,10 @@ def _names(tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
 
 
 class LiveTensors(Mapping[str, torch.Tensor]):
-    """`RouteStore._live`: a read-only name -> tensor view of one model."""
+    """`RouteBook.live`: a read-only name -> tensor view of one model."""
 
-    def __init__(self, cache: RouteStore, model: torch.nn.Module) -> None:
-        self._cache, self._model = cache, model
+    def __init__(self, book: RouteBook, model: torch.nn.Module) -> None:
+        self._book, self._model = book, model
         self._names: frozenset[str] | None = None
 
     def names(self) -> frozenset[str]:
@@ -308,13 +329,13 @@ class LiveTensors(Mapping[str, torch.Tensor]):
         return self._names
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._cache._slot_of(name, self._model)
+        tensor = self._book.slot_of(name, self._model)
         if tensor is None:
             raise KeyError(name)
         return tensor
 
     def get(self, name: str, default: Any = None) -> Any:
-        tensor = self._cache._slot_of(name, self._model)
+        tensor = self._book.slot_of(name, self._model)
         return default if tensor is None else tensor
 
     def __iter__(self) -> Iterator[str]:
@@ -376,7 +397,7 @@ def replay(
     reused buffer per thread), so memory stays O(block) and the work is a few operations
     per million positions. `bounds`: per segment, the covered slice of the sorted indices if
     the caller found it already (`replay_bounds`, one host read for many replays).
-    `targets`: each segment's destination tensor, checked live (`RouteStore._usable`).
+    `targets`: each segment's destination tensor, checked live (`RouteBook.usable`).
     `listed`: the indices as a Python list when validation made one (a few, on CPU: see
     `CheckedPatch._listed`); a CPU destination's positions are made from it.
     """
@@ -407,7 +428,6 @@ def replay(
             return
     values = _apart(values, spans)
     source = positions if positions is not None else indices
-    source_device = source.device
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     last = route._numel - 1
     for number, segment in enumerate(route.segments):
@@ -416,15 +436,17 @@ def replay(
             covered = (0, source.shape[0])  # the whole tensor: every index, no search
         target = targets[number]
         device = target.device
-        if device == source_device and device == values.device:
+        if device == source.device and device == values.device:
             device_indices, device_values = source, values
         else:
             if device not in on_device:
                 on_device[device] = (source.to(device), values.to(device))
             device_indices, device_values = on_device[device]
-        count = device_indices.shape[0]
-        if not (sorted_unique and segment._direct):
-            flat = storage_flat(target)
+        if sorted_unique and segment._direct:
+            _write_run(
+                route.dtype, segment, target, device_indices, device_values, covered, undo, listed
+            )
+        else:
             found, picked = segment.positions(
                 device_indices, sorted_unique=sorted_unique, covered=covered
             )
@@ -433,55 +455,70 @@ def replay(
                 update = chosen.to(dtype=route.dtype).to(dtype=segment.dtype)
                 if undo is not None:
                     undo.save_positions(target, found)
-                write_at(flat, found, update)
-            continue
-        # The common case: sorted indices, a contiguous run onto a contiguous run. Binary search
-        # the covered slice, then shift it block by block (no copy at all when the shift is 0
-        # and the indices are already int64).
-        start, stop = covered if covered is not None else segment.covered(device_indices)
-        inside, direct = segment._inside, segment._shift
-        assert direct is not None  # a direct segment
-        if undo is None and inside is not None:
-            # Within the contiguous tensor: its own elements, no view to make (the undo log
-            # keeps storage positions, so an atomic call takes the storage's flat view).
-            flat, shift = target, inside
-        else:
-            # The storage up to the segment's last position (`live` checked it is there).
-            flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
-        on_cpu = device.type == "cpu" and _cpu_passes.HOST
-        size = block_size()
-        if undo is not None and on_cpu and stop - start > size >> 6:  # (see `undo_block`)
-            span = int(device_indices[stop - 1]) - int(device_indices[start]) + 1
-            size = undo_block(stop - start, span)
-        for begin in range(start, stop, size):
-            end = min(stop, begin + size)
-            whole = begin == 0 and end == count  # no slicing (each slice is an operation)
-            if listed is not None and on_cpu:
-                at = _cpu_passes.listed_positions(listed, begin, end, shift)
-            elif shift == 0 and device_indices.dtype == torch.long:
-                at = device_indices if whole else device_indices[begin:end]
-            elif on_cpu:
-                # numpy, into this thread's buffer: no intra-op threads to wait on, and no
-                # torch slice or buffer to make (about a microsecond each).
-                at = shifted_positions(device_indices, begin, end, shift)
-            else:
-                block = device_indices if whole else device_indices[begin:end]
-                at = scratch(device, torch.long, min(size, stop - start))[: end - begin]
-                if shift and block.dtype == torch.long:
-                    torch.sub(block, shift, out=at)
-                else:
-                    builtin_copy(at, block)  # int32 to int64: cheaper than a subtraction
-                    if shift:  # in int64: int32 arithmetic wraps past 2**31 (see `positions`)
-                        at.sub_(shift)
-            update = device_values if whole else device_values[begin:end]
-            if update.dtype != route.dtype:
-                update = update.to(dtype=route.dtype)
-            if update.dtype != segment.dtype:
-                update = update.to(dtype=segment.dtype)
-            if undo is not None:
-                undo.save_positions(target, at)
-            write_at(flat, at, update)
+                write_at(storage_flat(target), found, update)
     _refill(route, targets, undo)
+
+
+def _write_run(
+    dtype: torch.dtype,
+    segment: Segment,
+    target: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    covered: tuple[int, int] | None,
+    undo: UndoLog | None,
+    listed: list[int] | None,
+) -> None:
+    """`replay`'s common case: sorted `indices`, a contiguous run onto a contiguous run.
+
+    Binary search the covered slice, then shift it block by block (no copy at all when the
+    shift is 0 and the indices are already int64). `dtype`: the checkpoint's.
+    """
+    count = indices.shape[0]
+    start, stop = covered if covered is not None else segment.covered(indices)
+    inside, direct = segment._inside, segment._shift
+    assert direct is not None  # a direct segment
+    if undo is None and inside is not None:
+        # Within the contiguous tensor: its own elements, no view to make (the undo log
+        # keeps storage positions, so an atomic call takes the storage's flat view).
+        flat, shift = target, inside
+    else:
+        # The storage up to the segment's last position (`live` checked it is there).
+        flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
+    device = target.device
+    on_cpu = device.type == "cpu" and _cpu_passes.HOST
+    size = block_size()
+    if undo is not None and on_cpu and stop - start > size >> 6:  # (see `undo_block`)
+        span = int(indices[stop - 1]) - int(indices[start]) + 1
+        size = undo_block(stop - start, span)
+    for begin in range(start, stop, size):
+        end = min(stop, begin + size)
+        whole = begin == 0 and end == count  # no slicing (each slice is an operation)
+        if listed is not None and on_cpu:
+            at = _cpu_passes.listed_positions(listed, begin, end, shift)
+        elif shift == 0 and indices.dtype == torch.long:
+            at = indices if whole else indices[begin:end]
+        elif on_cpu:
+            # numpy, into this thread's buffer: no intra-op threads to wait on, and no
+            # torch slice or buffer to make (about a microsecond each).
+            at = shifted_positions(indices, begin, end, shift)
+        else:
+            block = indices if whole else indices[begin:end]
+            at = scratch(device, torch.long, min(size, stop - start))[: end - begin]
+            if shift and block.dtype == torch.long:
+                torch.sub(block, shift, out=at)
+            else:
+                builtin_copy(at, block)  # int32 to int64: cheaper than a subtraction
+                if shift:  # in int64: int32 arithmetic wraps past 2**31 (see `positions`)
+                    at.sub_(shift)
+        update = values if whole else values[begin:end]
+        if update.dtype != dtype:
+            update = update.to(dtype=dtype)
+        if update.dtype != segment.dtype:
+            update = update.to(dtype=segment.dtype)
+        if undo is not None:
+            undo.save_positions(target, at)
+        write_at(flat, at, update)
 
 
 def replay_whole(
@@ -607,10 +644,6 @@ def _slice(
         return None
     first, second = slot
     if isinstance(first, torch.device):  # read from the device with the others
-        return _pair(read[first][second])
+        start, stop = read[first][second]
+        return int(start), int(stop)
     return first, second
-
-
-def _pair(values: list[int]) -> tuple[int, int]:
-    start, stop = values
-    return int(start), int(stop)

@@ -210,71 +210,16 @@ def run_loader(
         BaseException: Whatever the loader raised; the model is as it was before the call
             (except for dense writes when `atomic` is false).
     """
-    sparse = [load for load in loads if load.indices is not None]
     call = _Call(model, index, undo, loads, atomic=atomic, kind_casts=kind_casts)
     done = False
     try:
         weights = [(load.name, _tensor_for(load, call.ledger, atomic=atomic)) for load in loads]
-        for load in sparse:
-            call.recorder.expect(load.name)
-        try:
-            call.enter()
-            try:
-                # Read to the end here, under the guard: a generator's body runs only now.
-                names = read_names(model.load_weights(weights))
-            except BaseException:
-                call.leave()
-                raise
-            call.leave()
-        finally:
-            call.leave()  # every cleanup runs twice, at different lines (module doc)
-        left_open = call.frame.left_open()
-        if left_open is not None:
-            raise LoaderContractError(
-                f"{left_open}: a dispatch mode would see every later operation of this thread, "
-                "a masked region would hold the region lock and the copy_ swap past the call. "
-                "patchctx took it off the thread and refused the call"
-            )
-        if call.ledger.refusals:
-            first = call.ledger.refusals[0]
-            raise type(first)(
-                f"the loader caught patchctx's refusal and carried on, so what it did next "
-                f"rests on data it could not see: {first}"
-            ) from first
-        changed = call.snapshot.restore()
-        if changed:
-            raise _rebound(changed)
+        names = _call_loader(call, loads, weights)
+        _refuse_what_it_left(call)
         weights.clear()  # the staged tensors die here unless the loader kept them
-        kept = call.kept()
-        if kept:
-            gc.collect()  # a reference cycle may be all that keeps a temporary alive
-            kept = call.kept()
-        if kept:
-            raise LoaderContractError(
-                f"the loader kept staged data of {', '.join(map(repr, kept))} in an object "
-                "that outlives the load (a cache, an attribute, a global): it holds 'keep' "
-                "marks, not weights. Copy what you need into the model's own tensors"
-            )
+        _refuse_kept(call)
         if strict:
-            skipped = [
-                load
-                for load in loads
-                if load.name not in call.ledger.consumed and 0 not in load.shape  # (empty: 0)
-            ]
-            if skipped:
-                raise InvalidPatchError(
-                    [
-                        PatchProblem(
-                            load.position,
-                            load.name,
-                            "no loader call consumed it: the model's load_weights wrote none "
-                            "of its data into a parameter or buffer (it skips the name: unknown, "
-                            "misspelt, or held by another rank). Fix the name, or pass "
-                            "strict=False for a loader that legitimately skips names",
-                        )
-                        for load in skipped
-                    ]
-                )
+            _refuse_skipped(call, loads)
         done = True
     except BaseException:
         call.rollback()
@@ -289,16 +234,15 @@ def run_loader(
                 call.ledger.restore_inputs()
             finally:
                 call.ledger.restore_inputs()
-    shapes = {load.name: (load.shape, load.dtype) for load in sparse}
-    routes = call.recorder.routes(
-        shapes,
+    recorder = call.recorder
+    routes = recorder.routes(
+        {load.name: (load.shape, load.dtype) for load in loads if load.indices is not None},
         other_writes=[write.how for write in call.ledger.other_writes()],
         constants=call.ledger.constants(),
         loading=call.ledger.loading,
         reported=names,
         tensor_names=frozenset(index.tensors),
     )
-    recorder = call.recorder
     return LoadResult(
         names,
         routes,
@@ -307,3 +251,79 @@ def run_loader(
         frozenset(recorder.alone),
         frozenset(call.ledger.consumed),
     )
+
+
+def _call_loader(
+    call: _Call, loads: list[Load], weights: list[tuple[str, torch.Tensor]]
+) -> set[str]:
+    """Run ``load_weights`` on the staged `weights` under the guard; the names it reports."""
+    for load in loads:
+        if load.indices is not None:
+            call.recorder.expect(load.name)
+    try:
+        call.enter()
+        try:
+            # Read to the end here, under the guard: a generator's body runs only now.
+            names = read_names(call.model.load_weights(weights))
+        except BaseException:
+            call.leave()
+            raise
+        call.leave()
+    finally:
+        call.leave()  # every cleanup runs twice, at different lines (module doc)
+    return names
+
+
+def _refuse_what_it_left(call: _Call) -> None:
+    """Refuse a loader that left a mode on the thread, hid a refusal or rebound a tensor."""
+    left_open = call.frame.left_open()
+    if left_open is not None:
+        raise LoaderContractError(
+            f"{left_open}: a dispatch mode would see every later operation of this thread, "
+            "a masked region would hold the region lock and the copy_ swap past the call. "
+            "patchctx took it off the thread and refused the call"
+        )
+    if call.ledger.refusals:
+        first = call.ledger.refusals[0]
+        raise type(first)(
+            f"the loader caught patchctx's refusal and carried on, so what it did next "
+            f"rests on data it could not see: {first}"
+        ) from first
+    changed = call.snapshot.restore()
+    if changed:
+        raise _rebound(changed)
+
+
+def _refuse_kept(call: _Call) -> None:
+    """Refuse a loader that kept staged data past the call (once its references are gone)."""
+    kept = call.kept()
+    if kept:
+        gc.collect()  # a reference cycle may be all that keeps a temporary alive
+        kept = call.kept()
+    if kept:
+        raise LoaderContractError(
+            f"the loader kept staged data of {', '.join(map(repr, kept))} in an object "
+            "that outlives the load (a cache, an attribute, a global): it holds 'keep' "
+            "marks, not weights. Copy what you need into the model's own tensors"
+        )
+
+
+def _refuse_skipped(call: _Call, loads: list[Load]) -> None:
+    """`strict`: refuse the loads whose data reached no model tensor (an empty one: none)."""
+    skipped = [
+        load for load in loads if load.name not in call.ledger.consumed and 0 not in load.shape
+    ]
+    if skipped:
+        raise InvalidPatchError(
+            [
+                PatchProblem(
+                    load.position,
+                    load.name,
+                    "no loader call consumed it: the model's load_weights wrote none "
+                    "of its data into a parameter or buffer (it skips the name: unknown, "
+                    "misspelt, or held by another rank). Fix the name, or pass "
+                    "strict=False for a loader that legitimately skips names",
+                )
+                for load in skipped
+            ]
+        )

@@ -280,9 +280,7 @@ def test_a_shape_no_tensor_can_hold_is_refused_with_its_reason() -> None:
 
 
 def check_structural(patches: list[CheckpointWeightPatch]) -> list[_patch.CheckedPatch]:
-    return [
-        _patch.CheckedPatch._make(k, p, _patch.numel_of(p.shape)) for k, p in enumerate(patches)
-    ]
+    return [_patch.CheckedPatch._make(k, p, math.prod(p.shape)) for k, p in enumerate(patches)]
 
 
 @pytest.mark.parametrize("block", [0, 3, 7])

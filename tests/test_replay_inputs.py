@@ -204,7 +204,8 @@ def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
         name, (2 * H,), torch.float32, torch.tensor([0.5]), torch.tensor([0])
     )
     load_checkpoint_weight_patches(model, [learn], routes=cache)
-    route = cache._routes[name]
+    route = cache._route(name)
+    assert route is not None
     buffer = layer.buffer
     apart = [
         torch.ones(4),  # elsewhere

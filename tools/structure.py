@@ -84,7 +84,19 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loader call", ("_session",)),
     ("routes", ("_routes",)),
     ("load", ("_load", "_warm", "_audit", "_prepare")),
-    ("trainer", ("_encoding", "_cost", "_changes", "_shards", "_diff", "_lowbyte", "testing")),
+    (
+        "trainer",
+        (
+            "_encoding",
+            "_changes",
+            "_choose",
+            "_cost",
+            "_shards",
+            "_diff",
+            "_lowbyte",
+            "testing",
+        ),
+    ),
     ("storage", ("_storage",)),  # a subpackage: its modules share its floor
     ("public face", ("__init__",)),
 )
@@ -92,14 +104,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Each figure's ceiling (the ratchet: lower it as a figure falls; line counts are rounded up to
 # the next 50) and the target of issue 30.
 CEILINGS: dict[str, int] = {
-    "eager lines of `import patchctx`": 10_400,
+    "eager lines of `import patchctx`": 10_200,
     "full lines of load_checkpoint_weight_patches": 9_700,
-    "full lines of masked_copy + strategies + swap + errors": 3_250,
-    "classes over 150 lines": 7,
-    "functions over 80 lines": 9,
+    "full lines of masked_copy + strategies + swap + errors": 3_200,
+    "classes over 150 lines": 5,
+    "functions over 80 lines": 4,
     "private names imported across files": 0,
-    "private attributes read off other objects": 257,
-    "modules in import circles": 2,
+    "private attributes read off other objects": 214,
+    "modules in import circles": 0,
     "upward imports": 0,
     "words of the user docs": 20_000,
     "words of the changelog": 3_000,

@@ -6,6 +6,7 @@ updates into versions at a directory or an fsspec URL. Nothing of the core impor
 its public names are re-exported by `patchctx`.
 """
 
+from patchctx._storage._errors import StoredUpdateError
 from patchctx._storage._format import (
     PositionEncoding,
     StoredPatch,
@@ -28,6 +29,7 @@ __all__ = [
     "StorageFollower",
     "StoragePublisher",
     "StoredPatch",
+    "StoredUpdateError",
     "UpdateManifest",
     "load_patches",
     "read_manifest",

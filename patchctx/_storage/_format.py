@@ -47,9 +47,9 @@ from patchctx._errors import (
     InvalidPatchTypeError,
     PatchError,
     PatchProblem,
-    StoredUpdateError,
 )
 from patchctx._patch import CheckpointWeightPatch, validate_patches
+from patchctx._storage._errors import StoredUpdateError
 from patchctx._storage._files import Store, open_store
 from patchctx._storage._reader import read_data_file
 from patchctx._strategies import BoolMask

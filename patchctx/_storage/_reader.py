@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from patchctx._errors import StoredUpdateError
+from patchctx._storage._errors import StoredUpdateError
 from patchctx._storage._files import SizeMismatch, Store
 
 __all__ = ["SAFETENSORS_CODES", "read_data_file"]

@@ -40,12 +40,13 @@ from typing import Generic, TypeVar
 import torch
 
 from patchctx._diff import diff_state_dicts, receiver_dtype
-from patchctx._errors import InvalidPatchTypeError, PatchProblem, StoredUpdateError
+from patchctx._errors import InvalidPatchTypeError, PatchProblem
 from patchctx._load import RouteCache, load_checkpoint_weight_patches
 from patchctx._lowbyte import LowByteDetector
 from patchctx._model import SupportsLoadWeights, model_tensors
 from patchctx._ordering import Coalesce
 from patchctx._patch import CheckpointWeightPatch, check_patches
+from patchctx._storage._errors import StoredUpdateError
 from patchctx._storage._files import Store, SubStore, open_store
 from patchctx._storage._format import (
     MANIFEST,

@@ -28,7 +28,6 @@ if importlib.util.find_spec("vllm") is None:
         name="vllm",
     )
 
-from patchctx._errors import UpdateConflictError, WeightVersionError
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._apply import audit_model
 from patchctx.vllm._backend import (
@@ -46,6 +45,7 @@ from patchctx.vllm._codec import (
     plan_payload,
 )
 from patchctx.vllm._driver import PatchStats, apply_patches, set_weight_version
+from patchctx.vllm._errors import UpdateConflictError, WeightVersionError
 from patchctx.vllm._extension import PatchWorkerExtension
 from patchctx.vllm._layout import install_from_environment, keep_checkpoint_layout
 from patchctx.vllm._storage import (

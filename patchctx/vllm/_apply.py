@@ -30,11 +30,11 @@ from patchctx import (
     validate_patches,
 )
 from patchctx._bits import bit_view
-from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
 from patchctx._geometry import Route
 from patchctx._model import SupportsLoadWeights, model_tensors, read_names
 from patchctx._undo import storage_flat
 from patchctx.vllm._aliases import aliases_in, tied_aliases
+from patchctx.vllm._errors import WeightVersionError
 from patchctx.vllm._layout import repack_touched
 from patchctx.vllm._transformed import refusing_transformed, transformed_in, transformed_weights
 from patchctx.vllm._walk import ModelWalk

@@ -35,15 +35,12 @@ from patchctx import (
     LoaderError,
     PatchError,
 )
-from patchctx._errors import (  # public as patchctx.vllm.WeightVersionError, ...
-    PatchProblem,
-    UpdateConflictError,
-    WeightVersionError,
-)
+from patchctx._errors import PatchProblem
 from patchctx._model import read_names
 from patchctx.vllm._aliases import tied_aliases
 from patchctx.vllm._apply import WorkerPatcher
 from patchctx.vllm._codec import ALGORITHMS, FAST, SECURE, PatchPayload, decode_payload
+from patchctx.vllm._errors import UpdateConflictError, WeightVersionError
 from patchctx.vllm._transport import (
     OWNER,
     InlineTransport,

@@ -13,10 +13,10 @@ from patchctx._errors import (
     LoaderContractError,
     LoaderError,
     PatchError,
-    WeightVersionError,
 )
 from patchctx._patch import CheckpointWeightPatch
 from patchctx.vllm._codec import encode_patches
+from patchctx.vllm._errors import WeightVersionError
 from patchctx.vllm._extension import APPLY_METHOD, SET_VERSION_METHOD
 
 __all__ = ["PatchStats", "apply_patches", "set_weight_version"]

@@ -33,9 +33,9 @@ from patchctx import (
     diff_state_dicts,
     patch_nbytes,
 )
-from patchctx._errors import UpdateConflictError
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import ALGORITHMS, FAST, SECURE, PayloadPlan, Sealed, plan_payload
+from patchctx.vllm._errors import UpdateConflictError
 from patchctx.vllm._transport import (
     InlineTransport,
     NCCLTransport,

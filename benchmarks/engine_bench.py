@@ -251,18 +251,22 @@ def patchctx_update(
     from patchctx import diff_state_dicts
 
     waited = 0.0 if bucket is None else bucket.waited
+    began = time.perf_counter()
     if method == "patchctx dense":
-        began = time.perf_counter()
         dense = diff_state_dicts(engine.sent, new, cost=None, dense_above=1e-12)
         diff_ms = (time.perf_counter() - began) * 1e3
         stats = engine.send_weights(dense)
         assert stats is not None
-        engine.remember(new)
-        trainer_ms, total_ms = diff_ms + stats.encode_ms, diff_ms + stats.total_ms
+        engine.remember(new)  # what a caller of send_weights does next
     else:
-        stats = engine.send_state_dict(new)
+        stats = engine.send_state_dict(new)  # its record of the state included
         assert stats is not None
-        trainer_ms, total_ms = stats.diff_ms + stats.encode_ms, stats.total_ms
+        diff_ms = stats.diff_ms
+    # The whole call, as the caller waits for it: the trainer's record of what the workers
+    # now hold (after the update) is trainer time too.
+    total_ms = (time.perf_counter() - began) * 1e3
+    sent_ms = stats.total_ms + (diff_ms if method == "patchctx dense" else 0.0)
+    trainer_ms = diff_ms + stats.encode_ms + (total_ms - sent_ms)
     wire_ms = 0.0 if bucket is None else (bucket.waited - waited) * 1e3
     return {
         "trainer_ms": trainer_ms,

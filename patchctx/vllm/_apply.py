@@ -31,7 +31,7 @@ from patchctx import (
 )
 from patchctx._bits import bit_view
 from patchctx._errors import WeightVersionError  # public as patchctx.vllm.WeightVersionError
-from patchctx._geometry import Route
+from patchctx._geometry import Route, Segment
 from patchctx._model import SupportsLoadWeights, model_tensors, read_names
 from patchctx._undo import storage_flat
 from patchctx.vllm._aliases import aliases_in, tied_aliases
@@ -424,10 +424,7 @@ class WorkerPatcher:
                 unverified += 1
                 continue
             values = patch.values.detach().reshape(-1).to(patch.dtype)
-            if patch.indices is None:
-                indices = torch.arange(values.numel(), device=values.device)
-                ordered = True
-            else:
+            if patch.indices is not None:
                 indices = patch.indices.detach().to(device=values.device, dtype=torch.long)
                 ordered = indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
             for segment in route.segments:
@@ -435,11 +432,16 @@ class WorkerPatcher:
                 if live is None:
                     differ.append(f"{patch.name!r} (its weight {segment.tensor_name!r} is gone)")
                     break
-                found, picked = segment.positions(indices.to(live.device), sorted_unique=ordered)
                 flat = storage_flat(live.detach().view(segment.dtype))
-                got = flat[found]
-                want = values.to(live.device)[picked].to(segment.dtype)
-                elements += int(found.numel())
+                if patch.indices is None:  # the segment's views themselves, as replay wrote
+                    got, want = _dense_views(segment, flat, values.to(live.device))
+                else:
+                    found, picked = segment.positions(
+                        indices.to(live.device), sorted_unique=ordered
+                    )
+                    got = flat[found]
+                    want = values.to(live.device)[picked].to(segment.dtype)
+                elements += int(got.numel())
                 if not torch.equal(bit_view(got), bit_view(want)):
                     differ.append(f"{patch.name!r} (in {segment.tensor_name!r})")
                     break
@@ -452,6 +454,21 @@ class WorkerPatcher:
                 "stale route wrote them); the update is undone"
             )
         return {"verified": verified, "elements": elements, "unverified": unverified}
+
+
+def _dense_views(
+    segment: Segment, flat: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight's view a dense patch's segment wrote, the patch's values it should hold).
+
+    Strided views compared in place: a dense read-back reads each byte once, with no index
+    of 8 bytes per element built, gathered through and thrown away.
+    """
+    there, here = segment.target, segment.source
+    got = torch.as_strided(flat, there.size, there.stride, there.offset)
+    values = values.contiguous()  # the source geometry is a contiguous tensor's
+    start = values.storage_offset() + here.offset
+    return got, torch.as_strided(values, here.size, here.stride, start).to(segment.dtype)
 
 
 def _in_layerwise_reload_stats(

@@ -408,6 +408,56 @@ def _chunks(
     return groups
 
 
+def _advance(
+    sent: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
+    patches: list[CheckpointWeightPatch],
+) -> bool:
+    """Write `patches`, the diff from `sent` to `state`, into `sent`: O(changed), not a copy.
+
+    `sent` then holds, bit for bit, what ``remember(state)`` would build: the diff's positions
+    are where the bits of the cast differ, and its values are those bits. A tied name (a
+    tensor of `state` that views another's elements) gets the patch sent under its twin.
+    Returns whether it could; `False` (names, shapes or dtypes that differ, twins of another
+    geometry) writes nothing, and the caller copies the state whole.
+    """
+    if sent.keys() != state.keys():
+        return False
+    by_name = {patch.name: patch for patch in patches}
+    if len(by_name) != len(patches):
+        return False
+    twins: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], list[str]] = {}
+    for name, tensor in state.items():
+        held = sent[name]
+        if held.shape != tensor.shape or held.device != tensor.device:
+            return False
+        if tensor.numel() == 0:
+            continue
+        where = tensor.untyped_storage().data_ptr()
+        offset = int(tensor.storage_offset())
+        key = (where, offset, tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        twins.setdefault(key, []).append(name)
+    if len({key[0] for key in twins}) != len(twins):
+        return False  # tensors that overlap in other ways: the diff's own rules, a whole copy
+    for names in twins.values():
+        patched = [by_name[name] for name in names if name in by_name]
+        if len(patched) == 1:  # sent once, under whichever twin the diff took first
+            by_name.update(dict.fromkeys(names, patched[0]))
+    for name, patch in by_name.items():
+        record = sent.get(name)
+        if record is None or patch.values.dtype != record.dtype or not record.is_contiguous():
+            return False
+        if patch.indices is None and patch.values.numel() != record.numel():
+            return False
+    for name, patch in by_name.items():
+        flat = sent[name].view(-1)
+        if patch.indices is None:
+            flat.copy_(patch.values.reshape(-1))
+        else:
+            flat.index_put_((patch.indices.to(torch.int64),), patch.values)
+    return True
+
+
 class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
     """The ``patchctx`` backend's trainer engine: diffs, encodes and sends updates.
 
@@ -558,13 +608,26 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
     def send_state_dict(
         self, state: Mapping[str, torch.Tensor], *, target_version: str | None = None
     ) -> SendStats | None:
-        """Diff `state` against what was last sent and send the difference."""
+        """Diff `state` against what was last sent and send the difference.
+
+        Once the workers took it, the record of what they hold is advanced by the patches
+        sent (O(changed elements), not a copy of `state`), bit for bit what `remember`
+        would make of `state`; where the patches cannot say it (names or shapes that
+        differ), `state` is copied whole.
+        """
         started = time.perf_counter()
         info = self.init_info
         patches = diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
         diff_ms = (time.perf_counter() - started) * 1000.0
         stats = self._send(patches, diff_ms, started, target_version)
-        self.remember(state)
+        try:
+            advanced = _advance(self.sent, state, patches)
+        except BaseException:
+            self.sent = {}  # half advanced: the next diff refuses until the state is whole
+            self.remember(state)
+            raise
+        if not advanced:
+            self.remember(state)
         return stats
 
     def send_weight_chunk(self, patches: Iterable[CheckpointWeightPatch], *, last: bool) -> int:

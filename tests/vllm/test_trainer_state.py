@@ -56,6 +56,10 @@ def assert_same_record(engine: PatchctxTrainerEngine, state: dict[str, torch.Ten
     for name, tensor in engine.sent.items():
         assert advanced[name].dtype == tensor.dtype, name
         assert torch.equal(bits(advanced[name]), bits(tensor)), name
+        # never a view of the trainer's own tensors, which go on stepping in place
+        assert advanced[name].untyped_storage().data_ptr() != (
+            state[name].untyped_storage().data_ptr()
+        )
         for other, held in advanced.items():  # a record never aliases another name's
             assert other == name or held.untyped_storage().data_ptr() != (
                 advanced[name].untyped_storage().data_ptr()

@@ -35,7 +35,7 @@ from patchctx._warm import WarmReport, WarmRow
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the docs
     from patchctx._cost import UpdateCost
-    from patchctx._diff import diff_state_dicts, patch_nbytes
+    from patchctx._diff import diff_state_dicts, iter_diff_state_dicts, patch_nbytes
     from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
     from patchctx._lowbyte import LowByteDetector
     from patchctx._shards import TensorShard
@@ -67,6 +67,7 @@ _LAZY: dict[str, str] = {
     "UpdateManifest": "patchctx._storage",
     "WireEncoding": "patchctx._encoding",
     "diff_state_dicts": "patchctx._diff",
+    "iter_diff_state_dicts": "patchctx._diff",
     "load_patches": "patchctx._storage",
     "patch_nbytes": "patchctx._diff",
     "read_manifest": "patchctx._storage",
@@ -143,6 +144,7 @@ __all__ = [
     "__version__",
     "audit",
     "diff_state_dicts",
+    "iter_diff_state_dicts",
     "load_checkpoint_weight_patches",
     "load_patches",
     "masked_copy",

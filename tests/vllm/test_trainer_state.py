@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from patchctx import InvalidPatchError
+from patchctx import CheckpointWeightPatch, InvalidPatchError
 from patchctx.vllm import PatchctxTrainerEngine, PatchctxTrainerInitInfo
 
 pytestmark = pytest.mark.vllm
@@ -97,9 +97,14 @@ def step(
     receiver=st.sampled_from([None, torch.bfloat16]),
     specials=st.booleans(),
     seed=st.integers(0, 2**16),
+    chunk_bytes=st.sampled_from([None, 1, 3000]),
 )
 def test_the_record_after_each_update_is_what_a_whole_copy_would_hold(
-    densities: list[float], receiver: torch.dtype | None, specials: bool, seed: int
+    densities: list[float],
+    receiver: torch.dtype | None,
+    specials: bool,
+    seed: int,
+    chunk_bytes: int | None,
 ) -> None:
     generator = torch.Generator().manual_seed(seed)
     embed = torch.randn(64, 16, generator=generator)
@@ -111,7 +116,9 @@ def test_the_record_after_each_update_is_what_a_whole_copy_would_hold(
         "steps": torch.arange(10, dtype=torch.int64),
     }
     client = Recording()
-    info = PatchctxTrainerInitInfo(rank=0, transport="inline", dtype=receiver)
+    info = PatchctxTrainerInitInfo(
+        rank=0, transport="inline", dtype=receiver, chunk_bytes=chunk_bytes
+    )
     engine = PatchctxTrainerEngine.trainer_init(info, client=client)
     engine.remember(state)
     for number, density in enumerate(densities):
@@ -174,3 +181,38 @@ def test_an_interrupt_while_the_record_advances_leaves_it_whole(
     monkeypatch.undo()
     assert len(calls) == 2 and client.version == "1"
     assert_same_record(engine, state)
+
+
+def test_in_chunks_a_chunk_goes_while_the_next_patches_are_still_being_made() -> None:
+    """``chunk_bytes`` with a stream of patches: the first chunk reaches the workers before
+    the stream has made its last patch (and `send_state_dict` streams its diff the same way).
+    """
+    log: list[str] = []
+
+    class Logged(Recording):
+        def update_weights(self, update_info: Any) -> None:
+            log.append("update")
+            super().update_weights(update_info)
+
+    client = Logged()
+    engine = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(rank=0, transport="inline", chunk_bytes=64), client=client
+    )
+
+    def made() -> Any:
+        for number in range(6):
+            log.append(f"made {number}")
+            yield CheckpointWeightPatch(f"w{number}", (16,), torch.float32, torch.ones(16))
+
+    stats = engine.send_weights(made())
+    assert stats is not None and stats.patches == 6 and client.version == "1"
+    assert len(client.updates) == 6  # 64 bytes of values each: one chunk per patch
+    assert log.index("update") < log.index("made 5"), log
+    # the diff streams the same way: chunk 0 goes before the last tensor is diffed
+    state = {f"w{number}": torch.zeros(16) for number in range(6)}
+    engine.remember(state)
+    new = {name: torch.ones(16) for name in state}
+    before = len(client.updates)
+    engine.send_state_dict(new)
+    assert len(client.updates) - before == 6
+    assert_same_record(engine, new)

@@ -646,14 +646,16 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         started = time.perf_counter()
         info = self.init_info
         stream = iter_diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
+        if not self.is_sender:  # checked as the sender checks it; the diff is the sender's
+            self.remember(state)
+            return None
         # One chunk: the whole diff before the update opens. In chunks: each goes once full,
         # and the rest is diffed while it travels and the workers check it.
         patches = list(stream) if info.chunk_bytes is None else stream
         diff_ms = (time.perf_counter() - started) * 1000.0
         taken: list[CheckpointWeightPatch] = []
         stats = self._send(patches, diff_ms, started, target_version, taken=taken)
-        if stats is None:  # not the sender: nothing was diffed or sent, the state is copied
-            self.remember(state)
+        if stats is None:  # only a rank that is not the sender gets none
             return None
         try:
             advanced = _advance(self.sent, state, taken)
@@ -803,9 +805,10 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         group: list[CheckpointWeightPatch] | None = next(groups)
         position = 0
         while group is not None:
+            asked = time.perf_counter()
+            following = next(groups, None)  # a stream's next patches are diffed here
             begin = time.perf_counter()
-            following = next(groups, None)
-            begin, diff_s = time.perf_counter(), diff_s + time.perf_counter() - begin
+            diff_s += begin - asked
             plan, sender = self._plan(group, self.version, target)
             info = self._write(
                 plan,

@@ -251,18 +251,22 @@ def patchctx_update(
     from patchctx import diff_state_dicts
 
     waited = 0.0 if bucket is None else bucket.waited
+    began = time.perf_counter()
     if method == "patchctx dense":
-        began = time.perf_counter()
         dense = diff_state_dicts(engine.sent, new, cost=None, dense_above=1e-12)
         diff_ms = (time.perf_counter() - began) * 1e3
         stats = engine.send_weights(dense)
         assert stats is not None
-        engine.remember(new)
-        trainer_ms, total_ms = diff_ms + stats.encode_ms, diff_ms + stats.total_ms
+        engine.remember(new)  # what a caller of send_weights does next
     else:
-        stats = engine.send_state_dict(new)
+        stats = engine.send_state_dict(new)  # its record of the state included
         assert stats is not None
-        trainer_ms, total_ms = stats.diff_ms + stats.encode_ms, stats.total_ms
+        diff_ms = stats.diff_ms
+    # The whole call, as the caller waits for it: the trainer's record of what the workers
+    # now hold (after the update) is trainer time too.
+    total_ms = (time.perf_counter() - began) * 1e3
+    sent_ms = stats.total_ms + (diff_ms if method == "patchctx dense" else 0.0)
+    trainer_ms = diff_ms + stats.encode_ms + (total_ms - sent_ms)
     wire_ms = 0.0 if bucket is None else (bucket.waited - waited) * 1e3
     return {
         "trainer_ms": trainer_ms,
@@ -307,6 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"Qwen2, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
         f"{numel / 1e6:.1f} M parameters (float32), {len(weights)} tensors, "
         + ("checkpoint layout kept" if args.keep_layout else "vLLM's prepacked CPU kernels")
+        + ("" if args.chunk_bytes is None else f"; patchctx in chunks of {args.chunk_bytes} B")
     )
     print(f"model: {model_line}", flush=True)
     calibrated = calibrate(args.calibrate)
@@ -370,7 +375,9 @@ def serve_rows(
         client = HTTPWeightSyncClient(server.url, timeout=600)
 
         def trainer(cost: Any, bucket: TokenBucket | None) -> Any:
-            info = PatchctxTrainerInitInfo(rank=0, inline_below=0, cost=cost)
+            info = PatchctxTrainerInitInfo(
+                rank=0, inline_below=0, cost=cost, chunk_bytes=args.chunk_bytes
+            )
             linked = client if bucket is None else LimitedClient(client, bucket)
             engine = PatchctxTrainerEngine.trainer_init(info, client=linked)
             engine.remember(weights)
@@ -554,6 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         help="link rates in bytes/s (0: shared memory; 1.25e8 is 1 Gb/s, 1.25e9 10 Gb/s)",
     )
     parser.add_argument("--repeats", type=int, help="updates per row (default 3)")
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=None,
+        help="patchctx's trainers send in update_weights chunks of about this many bytes, "
+        "the diff of the rest overlapping each chunk's wire and check (default: one chunk)",
+    )
     parser.add_argument("--keep-layout", action="store_true", help="no CPU prepacking")
     parser.add_argument(
         "--no-calibrate",

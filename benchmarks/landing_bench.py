@@ -2,10 +2,10 @@
 
 ``python -m benchmarks.landing_bench`` (in ``.venv-vllm``): one worker engine holding a bf16
 4096 x 2048 weight; each round sends one sparse patch (its route learnt first, so the patch
-is replayed) and times ``finish_weight_update``, which applies the update and, with the
-read-back on, reads back every changed element through the route. With and without, in one
-process, order alternated; min and median of 7 per density. (Issue 29 owns the main bench
-tables; this is the measurement behind the figures on the vLLM page.)
+is replayed; the last row's is dense) and times ``finish_weight_update``, which applies the
+update and, with the read-back on, reads back every changed element through the route.
+With and without, in one process, order alternated; min and median of 7 per density.
+(Issue 29 owns the main bench tables; this is the measurement behind the vLLM page.)
 """
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ def main() -> None:
     def finish(density: float, verify: bool) -> float:
         engine.verify_landing = verify
         count = int(numel * density)
-        indices = torch.randperm(numel, generator=generator)[:count].sort().values
+        indices = (
+            None  # 100%: a dense patch, every element read back
+            if density == 1.0
+            else torch.randperm(numel, generator=generator)[:count].sort().values
+        )
         values = torch.randn(count, generator=generator).bfloat16()
         patch = CheckpointWeightPatch("w", (ROWS, COLS), torch.bfloat16, values, indices)
         steps[0] += 1
@@ -72,7 +76,7 @@ def main() -> None:
         return (time.perf_counter() - started) * 1000.0
 
     finish(0.001, False)  # learns the route
-    for density in (0.001, 0.01, 0.05):
+    for density in (0.001, 0.01, 0.05, 1.0):
         times: dict[bool, list[float]] = {True: [], False: []}
         for round_ in range(7):
             for verify in (True, False) if round_ % 2 else (False, True):

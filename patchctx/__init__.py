@@ -33,7 +33,7 @@ from patchctx._warm import WarmReport, WarmRow
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the docs
     from patchctx._audit import AuditReport, AuditRow, audit
     from patchctx._cost import UpdateCost
-    from patchctx._diff import diff_state_dicts, patch_nbytes
+    from patchctx._diff import diff_state_dicts, iter_diff_state_dicts, patch_nbytes
     from patchctx._encoding import WireEncoding, wire_encoding, wire_sizes
     from patchctx._lowbyte import LowByteDetector
     from patchctx._prepare import prepare
@@ -72,6 +72,7 @@ _LAZY: dict[str, str] = {
     "WireEncoding": "patchctx._encoding",
     "audit": "patchctx._audit",
     "diff_state_dicts": "patchctx._diff",
+    "iter_diff_state_dicts": "patchctx._diff",
     "load_patches": "patchctx._storage",
     "patch_nbytes": "patchctx._diff",
     "prepare": "patchctx._prepare",
@@ -149,6 +150,7 @@ __all__ = [
     "__version__",
     "audit",
     "diff_state_dicts",
+    "iter_diff_state_dicts",
     "load_checkpoint_weight_patches",
     "load_patches",
     "masked_copy",

@@ -9,7 +9,7 @@ puts on the wire, each sparse patch in its smallest encoding (`patchctx._encodin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias, cast
 
@@ -29,6 +29,7 @@ __all__ = [
     "choose_sparse",
     "diff_state_dicts",
     "index_dtype",
+    "iter_diff_state_dicts",
     "patch_nbytes",
     "sparse_is_smaller",
     "sparse_nbytes",
@@ -476,15 +477,86 @@ def diff_state_dicts(
         >>> [p.indices is None for p in diff_state_dicts(old, new, cost=None)]
         [False]
     """
+    return list(
+        iter_diff_state_dicts(
+            old,
+            new,
+            dtype=dtype,
+            names=names,
+            dense_above=dense_above,
+            strategy=strategy,
+            cost=cost,
+        )
+    )
+
+
+def iter_diff_state_dicts(
+    old: Mapping[str, torch.Tensor | TensorShard],
+    new: Mapping[str, torch.Tensor | TensorShard],
+    *,
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+    names: Iterable[str] | None = None,
+    dense_above: float | None = None,
+    strategy: CopyStrategy | None = None,
+    cost: UpdateCost | None = UpdateCost(),  # noqa: B008 (frozen: one shared instance is safe)
+) -> Iterator[CheckpointWeightPatch]:
+    """`diff_state_dicts`, one patch at a time: each tensor is diffed when the next is asked for.
+
+    A sender can put the first patches on their way while the rest are still being diffed
+    (``PatchctxTrainerEngine`` with ``chunk_bytes`` sends each chunk as soon as it is full).
+    Every check that needs no tensor data runs here, before this returns, and raises as
+    `diff_state_dicts` raises; the patches are those `diff_state_dicts` returns, in its order.
+    Sharded values (`TensorShard`, ``DTensor``) are the exception to the one-at-a-time rule:
+    their patches are checked together (no position is sent twice), so with any of them the
+    first patch comes once every tensor is diffed. `old` and `new` must stay as they are
+    until the last patch is out.
+
+    Args:
+        old: As for `diff_state_dicts`.
+        new: As for `diff_state_dicts`.
+        dtype: As for `diff_state_dicts`.
+        names: As for `diff_state_dicts`.
+        dense_above: As for `diff_state_dicts`.
+        strategy: As for `diff_state_dicts`.
+        cost: As for `diff_state_dicts`.
+
+    Returns:
+        An iterator over the patches.
+
+    Raises:
+        InvalidPatchError: As `diff_state_dicts`, from this call, before any tensor is read.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import iter_diff_state_dicts
+        >>> old = {"a": torch.zeros(4), "b": torch.zeros(4)}
+        >>> new = {"a": torch.tensor([0.0, 2.0, 0.0, 0.0]), "b": torch.zeros(4)}
+        >>> patches = iter_diff_state_dicts(old, new, cost=None)
+        >>> [(patch.name, patch.indices.tolist()) for patch in patches]
+        [('a', [1])]
+        >>> iter_diff_state_dicts(old, {"a": torch.zeros(5)})
+        Traceback (most recent call last):
+        ...
+        patchctx._errors.InvalidPatchError: ...
+    """
     unsharded_old, unsharded_new, boxes = _unshard(old, new)
     plan = _plan(unsharded_old, unsharded_new, dtype, names, dense_above, strategy, cost)
     local_old = cast(Mapping[str, torch.Tensor], unsharded_old)  # mappings: _plan checked
     local_new = cast(Mapping[str, torch.Tensor], unsharded_new)
-    patches = []
+    return _patches(plan, local_old, local_new, boxes)
+
+
+def _patches(
+    plan: _Plan,
+    local_old: Mapping[str, torch.Tensor],
+    local_new: Mapping[str, torch.Tensor],
+    boxes: dict[str, TensorShard],
+) -> Iterator[CheckpointWeightPatch]:
+    held: list[CheckpointWeightPatch] = []  # with shards: every patch, until the check
     spread: list[CheckpointWeightPatch] = []  # dense boxes sent as every position
     diffed: set[tuple[object, ...]] = set()
     for name, receiver in plan.tensors:
-        before, after = local_old[name], local_new[name]
+        after = local_new[name]
         view = _view_key(after)
         # Tied names are one tensor on the receiver only when it holds them in one dtype.
         key = None if view is None else (*view, receiver)
@@ -493,24 +565,41 @@ def diff_state_dicts(
         if key is not None:
             diffed.add(key)
         box = boxes.get(name)
-        patch = diff_tensor(
-            name,
-            before.detach(),
-            after.detach(),
-            receiver,
-            plan.strategy,
-            plan.dense_above if box is None else None,
-            plan.cost if box is None else None,
-        )
+        patch = _diffed(name, local_old[name], after, receiver, plan, box)
         if patch is not None and box is not None:
             patch = _globalized(patch, box)
             if patch.indices is not None and patch.values.numel() == box.local.numel():
                 spread.append(patch)
-        if patch is not None:
-            patches.append(patch)
+        if patch is None:
+            continue
+        if boxes:
+            held.append(patch)
+        else:
+            yield patch
     if spread:
         _check_spread(spread, plan.strategy)
-    return patches
+    yield from held
+
+
+@without_grad
+def _diffed(
+    name: str,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    receiver: torch.dtype,
+    plan: _Plan,
+    box: TensorShard | None,
+) -> CheckpointWeightPatch | None:
+    """One tensor's patch (or none), with gradient recording off while it is made."""
+    return diff_tensor(
+        name,
+        before.detach(),
+        after.detach(),
+        receiver,
+        plan.strategy,
+        plan.dense_above if box is None else None,
+        plan.cost if box is None else None,
+    )
 
 
 def _unshard(old: object, new: object) -> tuple[object, object, dict[str, TensorShard]]:

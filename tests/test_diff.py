@@ -26,6 +26,7 @@ from patchctx import (
     NaNMask,
     UpdateCost,
     diff_state_dicts,
+    iter_diff_state_dicts,
     load_checkpoint_weight_patches,
     patch_nbytes,
     validate_patches,
@@ -765,3 +766,26 @@ def test_patch_nbytes_counts_values_and_indices_as_sent() -> None:
     assert patch_nbytes([unordered]) == 3 * (2 + 4)
     out_of_range = sparse._replace(indices=torch.tensor([0, 1, 100]))
     assert patch_nbytes([out_of_range]) == 3 * (2 + 8)
+
+
+def test_the_stream_of_patches_diffs_each_tensor_when_asked_and_checks_everything_first() -> None:
+    """`iter_diff_state_dicts`: every check before it returns, each tensor diffed only when
+    its patch is asked for (a tensor changed after the first patch is out is diffed as it is
+    then), and the patches `diff_state_dicts` returns, in its order, with tied names once."""
+    old = {"a": torch.zeros(8), "b": torch.zeros(8), "c": torch.zeros(3)}
+    new = {"a": torch.zeros(8), "b": torch.zeros(8), "c": torch.ones(3)}
+    new["a"][2] = 1.0
+    with pytest.raises(InvalidPatchError, match="'c': shape differs"):
+        iter_diff_state_dicts(old, dict(new, c=torch.zeros(4)))  # no tensor read yet
+    stream = iter_diff_state_dicts(old, new, cost=None)
+    first = next(stream)
+    assert (first.name, first.indices is not None and first.indices.tolist()) == ("a", [2])
+    new["b"][5] = 7.0  # after the first patch: the stream has not read b yet
+    rest = list(stream)
+    assert [(p.name, p.values.tolist()) for p in rest] == [("b", [7.0]), ("c", [1.0] * 3)]
+    tied = torch.arange(4.0)
+    together = {"x": tied, "y": tied, "z": torch.ones(2)}
+    apart = {"x": torch.zeros(4), "y": torch.zeros(4), "z": torch.zeros(2)}
+    streamed = [(p.name, p.values.tolist()) for p in iter_diff_state_dicts(apart, together)]
+    listed = [(p.name, p.values.tolist()) for p in diff_state_dicts(apart, together)]
+    assert streamed == listed == [("x", [0.0, 1.0, 2.0, 3.0]), ("z", [1.0, 1.0])]

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+import numpy
 import torch
 
 from patchctx import (
@@ -30,7 +31,7 @@ from patchctx import (
     validate_patches,
 )
 from patchctx._bits import bit_view
-from patchctx._geometry import Route
+from patchctx._geometry import Route, Segment
 from patchctx._model import SupportsLoadWeights, model_tensors, read_names
 from patchctx._undo import storage_flat
 from patchctx.vllm._aliases import aliases_in, tied_aliases
@@ -424,10 +425,7 @@ class WorkerPatcher:
                 unverified += 1
                 continue
             values = patch.values.detach().reshape(-1).to(patch.dtype)
-            if patch.indices is None:
-                indices = torch.arange(values.numel(), device=values.device)
-                ordered = True
-            else:
+            if patch.indices is not None:
                 indices = patch.indices.detach().to(device=values.device, dtype=torch.long)
                 ordered = indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
             for segment in route.segments:
@@ -435,12 +433,17 @@ class WorkerPatcher:
                 if live is None:
                     differ.append(f"{patch.name!r} (its weight {segment.tensor_name!r} is gone)")
                     break
-                found, picked = segment.positions(indices.to(live.device), sorted_unique=ordered)
                 flat = storage_flat(live.detach().view(segment.dtype))
-                got = flat[found]
-                want = values.to(live.device)[picked].to(segment.dtype)
-                elements += int(found.numel())
-                if not torch.equal(bit_view(got), bit_view(want)):
+                if patch.indices is None:  # the segment's views themselves, as replay wrote
+                    got, want = _dense_views(segment, flat, values.to(live.device))
+                else:
+                    found, picked = segment.positions(
+                        indices.to(live.device), sorted_unique=ordered
+                    )
+                    got = flat[found]
+                    want = values.to(live.device)[picked].to(segment.dtype)
+                elements += int(got.numel())
+                if not _same_bits(got, want):
                     differ.append(f"{patch.name!r} (in {segment.tensor_name!r})")
                     break
             else:
@@ -452,6 +455,37 @@ class WorkerPatcher:
                 "stale route wrote them); the update is undone"
             )
         return {"verified": verified, "elements": elements, "unverified": unverified}
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `got` and `want` hold the same bits.
+
+    Contiguous CPU memory is compared by numpy, at about twice ``torch.equal``'s speed there.
+    """
+    got, want = bit_view(got), bit_view(want)
+    if (
+        got.device.type == want.device.type == "cpu"
+        and got.is_contiguous()
+        and want.is_contiguous()
+        and got.dtype == want.dtype
+    ):
+        return bool(numpy.array_equal(got.numpy(), want.numpy()))
+    return torch.equal(got, want)
+
+
+def _dense_views(
+    segment: Segment, flat: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight's view a dense patch's segment wrote, the patch's values it should hold).
+
+    Strided views compared in place: a dense read-back reads each byte once, with no index
+    of 8 bytes per element built, gathered through and thrown away.
+    """
+    there, here = segment.target, segment.source
+    got = torch.as_strided(flat, there.size, there.stride, there.offset)
+    values = values.contiguous()  # the source geometry is a contiguous tensor's
+    start = values.storage_offset() + here.offset
+    return got, torch.as_strided(values, here.size, here.stride, start).to(segment.dtype)
 
 
 def _in_layerwise_reload_stats(

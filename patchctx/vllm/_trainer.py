@@ -14,7 +14,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -30,7 +31,7 @@ from patchctx import (
     CheckpointWeightPatch,
     PatchError,
     UpdateCost,
-    diff_state_dicts,
+    iter_diff_state_dicts,
     patch_nbytes,
 )
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
@@ -391,21 +392,91 @@ class _FromBytes:
 
 
 def _chunks(
-    patches: list[CheckpointWeightPatch], chunk_bytes: int | None
-) -> list[list[CheckpointWeightPatch]]:
-    """`patches` in runs of about `chunk_bytes` of values and indices (one run: `None`)."""
-    if chunk_bytes is None or not patches:
-        return [patches]
-    groups: list[list[CheckpointWeightPatch]] = [[]]
+    patches: Iterable[CheckpointWeightPatch], chunk_bytes: int | None
+) -> Iterator[list[CheckpointWeightPatch]]:
+    """`patches` in runs of about `chunk_bytes` of values and indices (one run: `None`).
+
+    A run is yielded once it is full, before the next patch is asked for: from a stream
+    of patches (`iter_diff_state_dicts`), the rest is diffed while it travels.
+    """
+    if chunk_bytes is None:
+        yield list(patches)
+        return
+    group: list[CheckpointWeightPatch] = []
     size = 0
     for patch in patches:
         nbytes = patch_nbytes([patch])
-        if groups[-1] and size + nbytes > chunk_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(patch)
+        if group and size + nbytes > chunk_bytes:
+            yield group
+            group, size = [], 0
+        group.append(patch)
         size += nbytes
-    return groups
+    yield group
+
+
+def _kept(
+    patches: Iterable[CheckpointWeightPatch], taken: list[CheckpointWeightPatch]
+) -> Iterator[CheckpointWeightPatch]:
+    """`patches`, each appended to `taken` as it is handed on."""
+    for patch in patches:
+        taken.append(patch)
+        yield patch
+
+
+def _advance(
+    sent: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
+    patches: list[CheckpointWeightPatch],
+) -> bool:
+    """Write `patches`, the diff from `sent` to `state`, into `sent`: O(changed), not a copy.
+
+    `sent` then holds, bit for bit, what ``remember(state)`` would build: the diff's positions
+    are where the bits of the cast differ, and its values are those bits. A tied name (a
+    tensor of `state` that views another's elements) gets the patch sent under its twin. A
+    dense patch's values (the diff's own copy, never a view of `state`) become the record.
+    Returns whether it could; `False` (names, shapes or dtypes that differ, twins of another
+    geometry) writes nothing, and the caller copies the state whole.
+    """
+    if sent.keys() != state.keys():
+        return False
+    by_name = {patch.name: patch for patch in patches}
+    if len(by_name) != len(patches):
+        return False
+    twins: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], list[str]] = {}
+    for name, tensor in state.items():
+        held = sent[name]
+        if held.shape != tensor.shape or held.device != tensor.device:
+            return False
+        if tensor.numel() == 0:
+            continue
+        where = tensor.untyped_storage().data_ptr()
+        offset = int(tensor.storage_offset())
+        key = (where, offset, tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        twins.setdefault(key, []).append(name)
+    if len({key[0] for key in twins}) != len(twins):
+        return False  # tensors that overlap in other ways: the diff's own rules, a whole copy
+    for names in twins.values():
+        patched = [by_name[name] for name in names if name in by_name]
+        if len(patched) == 1:  # sent once, under whichever twin the diff took first
+            by_name.update(dict.fromkeys(names, patched[0]))
+    for name, patch in by_name.items():
+        record = sent.get(name)
+        if record is None or patch.values.dtype != record.dtype or not record.is_contiguous():
+            return False
+        if patch.indices is None and patch.values.numel() != record.numel():
+            return False
+    uses = Counter(id(patch) for patch in by_name.values())
+    for name, patch in by_name.items():
+        record = sent[name]
+        if patch.indices is None and uses[id(patch)] == 1 and patch.values.is_contiguous():
+            # The diff's dense values are its own copy, and spent once sent: they become
+            # the record (a twin's record is a copy, so no two names share one).
+            sent[name] = patch.values.view(record.shape)
+        elif patch.indices is None:
+            record.view(-1).copy_(patch.values.reshape(-1))
+        else:
+            record.view(-1).index_put_((patch.indices.to(torch.int64),), patch.values)
+    return True
 
 
 class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
@@ -548,23 +619,52 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         *,
         target_version: str | None = None,
     ) -> SendStats | None:
-        """Send `patches` as one update (or, without them, the source's difference)."""
+        """Send `patches` as one update (or, without them, the source's difference).
+
+        With ``chunk_bytes``, `patches` may be a generator that makes them as they are
+        asked for: each chunk goes once it is full, while the next ones are made.
+        """
         if patches is None:
             if self.source is None:
                 raise ValueError("send_weights() without patches needs a WeightSource at init")
             return self.send_state_dict(dict(self.source), target_version=target_version)
-        return self._send(list(patches), 0.0, time.perf_counter(), target_version)
+        # In chunks, a stream of patches is taken as it comes: each chunk goes once full.
+        chunked = self.init_info.chunk_bytes is not None
+        given = patches if chunked else list(patches)
+        return self._send(given, 0.0, time.perf_counter(), target_version)
 
     def send_state_dict(
         self, state: Mapping[str, torch.Tensor], *, target_version: str | None = None
     ) -> SendStats | None:
-        """Diff `state` against what was last sent and send the difference."""
+        """Diff `state` against what was last sent and send the difference.
+
+        Once the workers took it, the record of what they hold is advanced by the patches
+        sent (O(changed elements), not a copy of `state`), bit for bit what `remember`
+        would make of `state`; where the patches cannot say it (names or shapes that
+        differ), `state` is copied whole.
+        """
         started = time.perf_counter()
         info = self.init_info
-        patches = diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
+        stream = iter_diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
+        if not self.is_sender:  # checked as the sender checks it; the diff is the sender's
+            self.remember(state)
+            return None
+        # One chunk: the whole diff before the update opens. In chunks: each goes once full,
+        # and the rest is diffed while it travels and the workers check it.
+        patches = list(stream) if info.chunk_bytes is None else stream
         diff_ms = (time.perf_counter() - started) * 1000.0
-        stats = self._send(patches, diff_ms, started, target_version)
-        self.remember(state)
+        taken: list[CheckpointWeightPatch] = []
+        stats = self._send(patches, diff_ms, started, target_version, taken=taken)
+        if stats is None:  # only a rank that is not the sender gets none
+            return None
+        try:
+            advanced = _advance(self.sent, state, taken)
+        except BaseException:
+            self.sent = {}  # half advanced: the next diff refuses until the state is whole
+            self.remember(state)
+            raise
+        if not advanced:
+            self.remember(state)
         return stats
 
     def send_weight_chunk(self, patches: Iterable[CheckpointWeightPatch], *, last: bool) -> int:
@@ -685,28 +785,36 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
 
     def _send_chunks(
         self,
-        groups: list[list[CheckpointWeightPatch]],
+        groups: Iterator[list[CheckpointWeightPatch]],
         target: str,
         update_id: str,
         pool: ThreadPoolExecutor,
         in_flight: list[Future[str]],
-    ) -> tuple[float, float, int, set[str]]:
-        """Write and deliver every chunk: encode and update seconds, bytes, transports.
+    ) -> tuple[float, float, float, int, set[str]]:
+        """Write and deliver every chunk: diff, encode and update seconds, bytes, transports.
 
         Chunk k+1 is written while the workers receive and check chunk k (one delivery at a
         time, in order, from `pool`; a collective sender delivers each chunk as it is
-        written). The delivery in flight is in `in_flight`, for the caller to wait on.
+        written), and from a stream of patches, chunk k+2 is diffed meanwhile: a chunk goes
+        once the next one is known, which tells whether it is the last. The delivery in
+        flight is in `in_flight`, for the caller to wait on.
         """
         began = time.perf_counter()
-        encode_s, nbytes, transports = 0.0, 0, set()
-        for position, group in enumerate(groups):
+        diff_s = encode_s = 0.0
+        nbytes, transports = 0, set()
+        group: list[CheckpointWeightPatch] | None = next(groups)
+        position = 0
+        while group is not None:
+            asked = time.perf_counter()
+            following = next(groups, None)  # a stream's next patches are diffed here
             begin = time.perf_counter()
+            diff_s += begin - asked
             plan, sender = self._plan(group, self.version, target)
             info = self._write(
                 plan,
                 sender,
                 pooled=True,
-                last=position == len(groups) - 1,
+                last=following is None,
                 update_id=update_id,
                 chunk=position,
             )
@@ -719,22 +827,31 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
                 transports.add(self._deliver(info, sender))
             else:
                 in_flight.append(pool.submit(self._deliver, info, sender))
+            group, position = following, position + 1
         while in_flight:
             transports.add(in_flight[0].result())
             in_flight.pop()
-        return encode_s, time.perf_counter() - began - encode_s, nbytes, transports
+        update_s = time.perf_counter() - began - encode_s - diff_s
+        return diff_s, encode_s, update_s, nbytes, transports
 
     def _send(
         self,
-        patches: list[CheckpointWeightPatch],
+        patches: Iterable[CheckpointWeightPatch],
         diff_ms: float,
         started: float,
         target_version: str | None,
+        *,
+        taken: list[CheckpointWeightPatch] | None = None,
     ) -> SendStats | None:
+        """Send `patches` as one update; those of a stream are diffed as its chunks go.
+
+        `taken` receives every patch sent, in order.
+        """
         if not self.is_sender:
             return None
         target = target_version or next_version(self.version)
-        groups = _chunks(patches, self.init_info.chunk_bytes)
+        taken = [] if taken is None else taken
+        groups = _chunks(_kept(patches, taken), self.init_info.chunk_bytes)
         self._ended_by_workers = False
         update_id = uuid.uuid4().hex[:16]
         self.client.start_weight_update()
@@ -742,7 +859,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         pool = ThreadPoolExecutor(max_workers=1)
         in_flight: list[Future[str]] = []
         try:
-            encode_s, update_s, nbytes, transports = self._send_chunks(
+            diff_s, encode_s, update_s, nbytes, transports = self._send_chunks(
                 groups, target, update_id, pool, in_flight
             )
         except BaseException:
@@ -780,9 +897,9 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
                 "(vLLM's finish carries no update id); check which weights are served"
             )
         return SendStats(
-            patches=len(patches),
+            patches=len(taken),
             nbytes=nbytes,
-            diff_ms=diff_ms,
+            diff_ms=diff_ms + (0.0 if isinstance(patches, list) else diff_s * 1000.0),
             encode_ms=encode_s * 1000.0,
             update_ms=update_s * 1000.0,
             total_ms=(time.perf_counter() - started) * 1000.0,
@@ -790,7 +907,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             version=target,
             dense_nbytes=sum(
                 patch.values.numel() * patch.values.element_size()
-                for patch in patches
+                for patch in taken
                 if patch.indices is None
             ),
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from patchctx import CheckpointWeightPatch, PatchError
 from patchctx.vllm import (
     PatchctxTrainerEngine,
     PatchctxTrainerInitInfo,
+    PatchctxWeightTransferEngine,
     UpdateConflictError,
     WeightVersionError,
 )
@@ -338,3 +340,85 @@ def test_a_foreign_or_unreadable_chunk_leaves_the_open_update_as_it_was() -> Non
     owner.send_weight_chunk(chunks_of("A", 2)[1], last=True)
     client.finish_weight_update(owner.version)
     assert torch.equal(worker.model.w.detach(), applied([chunks_of("A", 2)]))
+
+
+class Shaped(torch.nn.Module):
+    """Weights laid out as vLLM lays them: q, k and v packed in one parameter, a weight kept
+    transposed, a tensor-parallel shard (columns 2..5 of the checkpoint's 8), a bf16 copy of
+    an fp32 checkpoint tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 4), requires_grad=False)
+        self.up_t = torch.nn.Parameter(torch.zeros(5, 3), requires_grad=False)
+        self.shard = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.low = torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            if name in ("q", "k", "v"):
+                start = {"q": 0, "k": 4, "v": 8}[name]
+                self.qkv.narrow(0, start, 4).copy_(tensor)
+            elif name == "up":
+                self.up_t.copy_(tensor.t())
+            elif name == "shard":
+                self.shard.copy_(tensor.narrow(1, 2, 4))
+            else:
+                self.low.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+SHAPES = {"q": (4, 4), "k": (4, 4), "v": (4, 4), "up": (3, 5), "shard": (6, 8), "half": (7,)}
+
+
+def dense_update(seed: int) -> list[CheckpointWeightPatch]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        CheckpointWeightPatch(
+            name, shape, torch.float32, torch.randn(*shape, generator=generator).reshape(-1)
+        )
+        for name, shape in SHAPES.items()
+    ]
+
+
+def test_a_dense_update_is_read_back_view_by_view_and_a_wrong_byte_rolls_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dense patches through packed, transposed, sliced and cast weights: the proof of landing
+    compares every element each route wrote (the shard's 24 of its checkpoint's 48), and a
+    replay that gets one element of one segment wrong fails the finish with nothing kept."""
+    from patchctx import _load, _routes
+
+    parallel = SimpleNamespace(rank=0, pipeline_parallel_size=1)
+    config = SimpleNamespace(parallel_config=parallel, model_config=None)
+    worker = PatchctxWeightTransferEngine(None, config, torch.device("cpu"), Shaped())
+    client = LocalClient(worker)
+    trainer = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(transport="inline", rank=0), client=client
+    )
+    written = 16 * 3 + 15 + 24 + 7
+    for seed in (1, 2):  # the first learns the routes, the second replays them
+        patches = dense_update(seed)
+        assert trainer.send_weights(patches) is not None
+        assert worker.last_stats is not None
+        assert worker.last_stats["landing"] == {"verified": 6, "elements": written, "unverified": 0}
+        reference = Shaped()
+        reference.load_weights((p.name, p.values.view(p.shape)) for p in patches)
+        for name, tensor in reference.state_dict().items():
+            assert torch.equal(worker.model.state_dict()[name], tensor), name
+    before = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    real = _routes.replay_dense
+
+    def one_wrong(route: Any, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        real(route, values, *args, **kwargs)
+        if route.segments[0].tensor_name == "shard":  # the last element it wrote, changed
+            worker.model.shard.data[-1, -1] += 1.0
+
+    monkeypatch.setattr(_load, "replay_dense", one_wrong)
+    with pytest.raises(PatchError, match=r"proof of landing failed.*'shard'"):
+        trainer.send_weights(dense_update(3))
+    for name, tensor in worker.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert client.get_weight_version() == worker.patcher.version == "2"

@@ -27,7 +27,7 @@ from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteStats
-from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
+from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, ReservedBits
 from patchctx._warm import WarmReport, WarmRow
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the docs
@@ -133,6 +133,7 @@ __all__ = [
     "PublishedVersion",
     "RegionError",
     "RegionTimeoutError",
+    "ReservedBits",
     "RouteCache",
     "RouteStats",
     "SingleCall",

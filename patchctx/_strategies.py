@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, cast, runtime_checkable
+from typing import ClassVar, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -29,6 +29,7 @@ __all__ = [
     "CopyStrategy",
     "IntSentinel",
     "NaNMask",
+    "ReservedBits",
     "indexable",
     "reserved_on_host",
     "scatter_flat",
@@ -44,8 +45,11 @@ class CopyStrategy(Protocol):
     needs no base class, only the methods.
 
     Optional, asked by name: ``reserved_on_host(values, dtype) -> bool`` answers
-    `reserved_values` on the host; a class attribute ``fixed_support = True`` says
-    `unsupported_reason` depends on the dtype alone (answers kept per hashable value).
+    `reserved_values` on the host; ``reserved_bits(dtype) -> ReservedBits | None`` says the
+    reserved values as bits, which the trainer's diff tests on raw bits (`ReservedBits`); a
+    class attribute ``fixed_support = True`` says `unsupported_reason` depends on the dtype
+    alone (answers kept per hashable value). The built-ins have all three, and nothing
+    outside them asks which strategy a strategy is.
 
     Examples:
         >>> import torch
@@ -103,6 +107,32 @@ class CopyStrategy(Protocol):
         it cannot mask exactly.
         """
         ...
+
+
+class ReservedBits(NamedTuple):
+    """A strategy's reserved values in one dtype, said as bits (``reserved_bits(dtype)``).
+
+    The trainer's diff then finds them among a block's changed elements with integer passes
+    over the raw bits, instead of asking `reserved_values` of every block. The answer must
+    say what `reserved_values` says (``patchctx.testing.check_strategy`` compares them).
+
+    Attributes:
+        nan: Every NaN of the dtype (any sign and payload) is reserved.
+        value: This one value is reserved, compared by the bits of its cast to the dtype
+            (so a float ``0.0`` does not cover ``-0.0``); complex and bool dtypes are asked
+            through `reserved_values`.
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import BoolMask, IntSentinel, NaNMask
+        >>> NaNMask().reserved_bits(torch.bfloat16), BoolMask().reserved_bits(torch.int8)
+        (ReservedBits(nan=True, value=None), ReservedBits(nan=False, value=None))
+        >>> IntSentinel().reserved_bits(torch.int8)
+        ReservedBits(nan=False, value=-128)
+    """
+
+    nan: bool = False
+    value: int | float | None = None
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -289,6 +319,10 @@ class NaNMask:
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return f"NaN (NaNMask reserves NaN in {dtype} to mean 'keep the destination')"
 
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits | None:
+        """Every NaN, in a floating dtype (`ReservedBits`); `None` for the others."""
+        return ReservedBits(nan=True) if dtype.is_floating_point else None
+
     def reserved_on_host(self, values: torch.Tensor, dtype: torch.dtype) -> bool:
         """`reserved_values` on the host: `math.isnan`, torch's amax or the bits, by count."""
         if values.dtype is dtype and dtype in _NAN_BY_AMAX:
@@ -419,6 +453,12 @@ class IntSentinel:
                 return values.amax() == sentinel
         return (values == sentinel).any()
 
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits | None:
+        """The sentinel, in a dtype it can stage (`ReservedBits`); `None` for the others."""
+        if self.unsupported_reason(dtype) is not None:
+            return None
+        return ReservedBits(value=self.sentinel(dtype))
+
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return (
             f"{self.sentinel(dtype)} (IntSentinel reserves it in {dtype} to mean "
@@ -496,6 +536,10 @@ class BoolMask:
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return "no value (BoolMask reserves none)"
 
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits:
+        """Nothing, in every dtype (`ReservedBits`)."""
+        return ReservedBits()
+
     def stage(
         self,
         shape: Sequence[int],
@@ -566,6 +610,10 @@ class Auto:
 
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return self.resolve(dtype).describe_reserved(dtype)
+
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits | None:
+        """Those of the strategy `dtype` resolves to (`ReservedBits`)."""
+        return self.resolve(dtype).reserved_bits(dtype)
 
     def stage(
         self,

@@ -32,7 +32,6 @@ it with `LoaderContractError` before anything is written:
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -360,17 +359,15 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
     return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary, partial)
 
 
-def _leaking(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[StagedTensor]:
-    """The staged inputs whose values leave torch through `func`'s result.
+def _leaking(rule: _ops.Rule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[StagedTensor]:
+    """The staged inputs whose values leave torch through the op's result (`Rule.leak`).
 
     Through a Python number or bool (``equal``, ``allclose``, ``is_nonzero``, ``item``), or
     through a result whose shape depends on them (``nonzero``, ``unique``, a boolean-mask
     index, ``masked_select``): a loader can branch on either. For indexing, only the index
     tensors decide the shape; for ``masked_select``, only the mask.
     """
-    kind = _ops.leak_kind(func)
+    kind = rule.leak
     if kind is None:
         return []
     deciding: Any = (args, kwargs) if kind == "all" else _ops.argument(args, kwargs, 1, kind)
@@ -380,18 +377,6 @@ def _leaking(
 # The data argument of a view, a factory shaped like its input or a layout copy: ``self``, or
 # the tensor list of cat/stack (position 0 either way).
 _SELF = frozenset({0})
-
-
-@functools.cache
-def _operand_slots(
-    func: torch._ops.OpOverload, data: frozenset[int]
-) -> tuple[tuple[int, str], ...]:
-    """(position, name) of every tensor argument of `func` outside the `data` positions."""
-    return tuple(
-        (position, slot.name)
-        for position, slot in enumerate(func._schema.arguments)
-        if position not in data and "Tensor" in str(slot.type)
-    )
 
 
 def _refuse_kept_operands(
@@ -409,7 +394,9 @@ def _refuse_kept_operands(
     and no mask of the result can say so. Exact only when the patch keeps none of its
     positions (a dense patch, or a part of a sparse one that the patch changes entirely).
     """
-    for position, name in _operand_slots(func, data):
+    for position, name in _ops.rule(func).tensors:
+        if position in data:
+            continue
         for tensor in _ops.tensors_in(_ops.argument(args, kwargs, position, name)):
             if not isinstance(tensor, StagedTensor) or tensor._prov.dense:
                 continue
@@ -425,36 +412,28 @@ def _refuse_kept_operands(
 
 
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    rule = _ops.rule(func)
     staged = [t for t in _ops.tensors_in((args, kwargs)) if isinstance(t, StagedTensor)]
-    for leaking in _leaking(func, args, kwargs):
-        packet = func.overloadpacket
-        leaking._require_all_changed(
-            ".item()" if packet is aten._local_scalar_dense else str(packet)
-        )
-    written = _ops.written_arguments(func)
-    if written:
-        targets: list[torch.Tensor] = []
-        for position, name in written:
-            targets.extend(_ops.tensors_in(_ops.argument(args, kwargs, position, name)))
+    for leaking in _leaking(rule, args, kwargs):
+        leaking._require_all_changed(rule.said)
+    if rule.writes:
+        targets = _ops.targets_of(func, args, kwargs)
         if any(isinstance(t, StagedTensor) for t in targets):
-            return _write_into_staged(func, args, kwargs, targets, staged)
-        return _write_into_plain(func, args, kwargs, targets, staged)
-    packet = func.overloadpacket
-    if packet is aten._local_scalar_dense:
-        staged[0]._require_all_changed(".item()")
-        return func(staged[0]._data)
-    if func.is_view:
-        _refuse_kept_operands(func, args, kwargs, _SELF)
-        return _view(func, args, kwargs, staged)
-    if packet in _ops.LIKE:
-        _refuse_kept_operands(func, args, kwargs, _SELF)
-        return _like(func, args, kwargs, staged, known=_ops.LIKE[packet])
-    if packet in _ops.LAYOUT:
-        _refuse_kept_operands(func, args, kwargs, _SELF)
-        return _layout(func, args, kwargs, staged)
-    if torch.Tag.pointwise in func.tags:
+            return _write_into_staged(func, rule, args, kwargs, targets, staged)
+        return _write_into_plain(func, rule, args, kwargs, targets, staged)
+    kind = rule.kind
+    if kind == "pointwise":
         return _pointwise(func, args, kwargs, staged)
-    return _opaque(func, args, kwargs, staged)
+    if kind == "opaque":
+        return _opaque(func, args, kwargs, staged)
+    _refuse_kept_operands(func, args, kwargs, _SELF)
+    if kind == "view":
+        if rule.reinterprets:
+            return _reinterpret(staged[0], _ops.argument(args, kwargs, 1, "dtype"))
+        return _view(func, args, kwargs, staged)
+    if kind == "like":
+        return _like(func, args, kwargs, staged, known=rule.known)
+    return _layout(func, rule, args, kwargs, staged)
 
 
 def _wrap(result: Any, update: Callable[[torch.Tensor], torch.Tensor], prov: Provenance) -> Any:
@@ -479,8 +458,6 @@ def _view(
     staged: list[StagedTensor],
 ) -> Any:
     source = staged[0]
-    if func is aten.view.dtype:
-        return _reinterpret(source, _ops.argument(args, kwargs, 1, "dtype"))
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     mask_args, mask_kwargs = _unwrap(args, kwargs, _mask)
     data = func(*data_args, **data_kwargs)
@@ -535,6 +512,7 @@ def _like(
 
 def _layout(
     func: torch._ops.OpOverload,
+    rule: _ops.Rule,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     staged: list[StagedTensor],
@@ -542,16 +520,16 @@ def _layout(
     prov = _provenance(staged).derived()
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
-    if func.overloadpacket is aten._to_copy:
+    if rule.cast:
         device = data_kwargs.get("device")
         mask = staged[0]._update
         update = mask if device is None else mask.to(device=device)
         return StagedTensor(result, update.clone(), prov)
     mask_args = list(args)
-    data = list(args[0]) if func.overloadpacket in _ops.LISTS else [args[0]]
+    data = list(args[0]) if rule.lists else [args[0]]
     if not all(isinstance(t, StagedTensor) for t in data):
         prov.binary = False  # plain data joins as OUTSIDE
-    if func.overloadpacket in _ops.LISTS:
+    if rule.lists:
         mask_args[0] = [_known(t) for t in args[0]]
     else:
         mask_args[0] = _known(args[0])
@@ -710,6 +688,7 @@ def _opaque(
 
 def _write_into_staged(
     func: torch._ops.OpOverload,
+    rule: _ops.Rule,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     targets: list[torch.Tensor],
@@ -721,29 +700,28 @@ def _write_into_staged(
     prov = target._prov
     if len(targets) != 1 or target is not args[0] or not prov.mask_is_view:
         _refuse(f"the loader writes into staged data of {_label(prov.names)} with {func}")
-    packet = func.overloadpacket
-    moves = packet in _ops.MOVES and not _ops.accumulates(func, args, kwargs)
-    if moves:
-        _refuse_kept_operands(func, args, kwargs, frozenset({0, *_ops.MOVES[packet]}))
+    moved = rule.moves
+    moves = moved is not None and not _ops.accumulates(func, args, kwargs)
+    if moved is not None and moves:
+        _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
     if prov.root is not None:
         prov.root.tampered = True
     prov.binary = False  # the write may bring CONST positions in
     if prov.ledger is not None:
         prov.ledger.unprovable(prov.names, f"the loader modified it with {func}")
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
-    if moves:
-        moved = _ops.MOVES[packet]
+    if moved is not None and moves:
         mask_args = [target._update] + [
             _moved_mask(a) if i in moved else tree_map(_data, a) for i, a in enumerate(args) if i
         ]
         func(*data_args, **data_kwargs)
         func(*mask_args, **tree_map(_data, kwargs))
         return target
-    if packet in (aten.zero_,):
+    if rule.fill:  # (zero_: fill_ moves its value)
         func(*data_args, **data_kwargs)
         target._update.fill_(CONST)
         return target
-    if torch.Tag.pointwise in func.tags:
+    if rule.kind == "pointwise":
         others = [s for s in staged if s is not target]
         combined = _combined([target, *others], target.shape, str(func)) if others else None
         mask = target._update if combined is None else combined
@@ -761,6 +739,7 @@ def _write_into_staged(
 
 def _write_into_plain(
     func: torch._ops.OpOverload,
+    rule: _ops.Rule,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     targets: list[torch.Tensor],
@@ -769,20 +748,19 @@ def _write_into_plain(
     """Staged data written into plain tensors: the masked merge, or a refusal before writing."""
     prov = _provenance(staged)
     names = prov.names
-    packet = func.overloadpacket
     if len(targets) != 1:
         _refuse(f"the loader writes staged data of {_label(names)} with {func}")
     target = targets[0]
     in_place = bool(args) and args[0] is target
-    if packet is aten.copy_ and in_place:
+    if rule.whole and in_place:
         source = args[1]
         if not isinstance(source, StagedTensor):
             _refuse(f"the loader copies into a plain tensor with staged arguments ({func})")
         _admit(prov, target, names, "copy_")
         _merge(target, source._data, source._update, source, names, prov, binary=prov.binary)
         return target
-    if packet in _ops.MOVES and in_place and not _ops.accumulates(func, args, kwargs):
-        moved = _ops.MOVES[packet]
+    moved = rule.moves
+    if moved is not None and in_place and not _ops.accumulates(func, args, kwargs):
         _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
         _admit(prov, target, names, str(func))
         scratch = target.clone()
@@ -796,16 +774,12 @@ def _write_into_plain(
         func(update, *mask_args[1:], **data_kwargs)
         _merge(target, scratch, update, None, names, prov)
         return target
-    if (
-        not in_place
-        and not reads_own_output(target, args, kwargs)
-        and torch.Tag.pointwise in func.tags
-    ):
+    if not in_place and rule.kind == "pointwise" and not reads_own_output(target, args, kwargs):
         # The out= form of a pointwise operation: compute, then merge.
         _admit(prov, target, names, str(func))
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
         fresh = torch.empty(0, dtype=target.dtype, device=target.device)
-        for position, name in _ops.written_arguments(func):
+        for position, name in rule.writes:
             if position < len(data_args):
                 data_args = (*data_args[:position], fresh, *data_args[position + 1 :])
             else:

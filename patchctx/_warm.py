@@ -333,18 +333,15 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
         t._ledger() is not ledger for t in dry
     ):
         ledger.stop("deferred", f"the loader mixes it with data of another load ({func})", names)
-    written = _ops.written_arguments(func)
-    if written:
-        targets: list[torch.Tensor] = []
-        for position, name in written:
-            value = args[position] if position < len(args) else kwargs.get(name)
-            targets.extend(_ops.tensors_in(value))
+    rule = _ops.rule(func)
+    if rule.writes:
+        targets = _ops.targets_of(func, args, kwargs)
         if any(isinstance(t, DryTensor) for t in targets):
             return _write_into_dry(func, args, kwargs, targets, ledger, names)
         return _write_into_plain(func, args, kwargs, targets, ledger, names)
-    if func.overloadpacket is aten._local_scalar_dense:
+    if rule.said == ".item()":
         dry[0]._refuse_read(".item()")
-    if func.is_view:
+    if rule.kind == "view":
         return _view(func, args, kwargs, dry[0], ledger, names)
     return _compute(func, args, kwargs, dry[0], ledger, names)
 
@@ -390,7 +387,7 @@ def _view(
 ) -> Any:
     """A view: taken of the meta tensor, so its geometry is the real one; the root goes along."""
     prov = source._prov
-    if func is aten.view.dtype:
+    if _ops.rule(func).reinterprets:
         dtype = args[1] if len(args) > 1 else kwargs["dtype"]
         if dtype.itemsize != source.dtype.itemsize:
             ledger.unprovable(names, f"the loader reinterpreted it as {dtype}")
@@ -411,12 +408,7 @@ def _compute(
     result, device = _meta_result(func, args, kwargs, ledger, names)
     if not _only_tensors(result):
         source._refuse_read(f"{func} returns {type(result).__name__}")
-    packet = func.overloadpacket
-    if (
-        packet not in _ops.LAYOUT
-        and packet not in _ops.LIKE
-        and torch.Tag.pointwise not in func.tags
-    ):
+    if _ops.rule(func).kind == "opaque":
         ledger.unprovable(names, f"the loader computed {func} from it")
     prov = Provenance(names, ledger)
     return _wrap(result, lambda data: DryTensor(data, prov, device or source.device))
@@ -462,12 +454,12 @@ def _write_into_plain(
     names: frozenset[str],
 ) -> Any:
     """Dry data written into a plain tensor: checked and recorded as in a patch load, skipped."""
-    packet = func.overloadpacket
+    rule = _ops.rule(func)
     if len(targets) != 1:
         ledger.stop("unlearnable", f"the loader writes it with {func}", names)
     target = targets[0]
     in_place = bool(args) and args[0] is target
-    how = "copy_" if packet is aten.copy_ else str(func)
+    how = "copy_" if rule.whole else str(func)
     if ledger.index.owner(target) is None:
         ledger.stop(
             "unlearnable",
@@ -479,7 +471,7 @@ def _write_into_plain(
         ledger.admit(target, names, how, dense=False)
     except LoaderContractError as error:
         ledger.stop("unlearnable", str(error), names)
-    if packet is aten.copy_ and in_place:
+    if rule.whole and in_place:
         source = args[1]
         if not isinstance(source, DryTensor):
             ledger.stop("unlearnable", f"the loader copies with dry arguments ({func})", names)
@@ -496,21 +488,17 @@ def _write_into_plain(
             )
         ledger.log_masked(target, None, source, names)
         return target
-    if packet in _ops.MOVES and in_place and not _ops.accumulates(func, args, kwargs):
-        moved = _ops.MOVES[packet]
+    moved = rule.moves
+    if moved is not None and in_place and not _ops.accumulates(func, args, kwargs):
         if any(isinstance(a, DryTensor) for i, a in enumerate(args) if i and i not in moved):
             ledger.stop("unlearnable", f"the loader indexes with it ({func})", names)
         _meta_result(func, args, kwargs, ledger, names)  # raises where the real write would
         ledger.log_masked(target, None, None, names)
         return target
-    if (
-        not in_place
-        and torch.Tag.pointwise in func.tags
-        and not reads_own_output(target, args, kwargs)
-    ):
+    if not in_place and rule.kind == "pointwise" and not reads_own_output(target, args, kwargs):
         fresh = torch.empty(0, dtype=target.dtype, device="meta")
         fresh_args, fresh_kwargs = list(args), dict(kwargs)
-        for position, name in _ops.written_arguments(func):
+        for position, name in rule.writes:
             if position < len(fresh_args):
                 fresh_args[position] = fresh
             else:
@@ -555,22 +543,14 @@ class _DryGuard(DispatchMode):
         ledger = self.ledger
         for tensor in _ops.host_reads(func, args, kwargs):  # the loader may decide on it
             ledger.host_read(tensor)
-        written = _ops.written_arguments(func)
-        targets: list[torch.Tensor] = []
-        for position, name in written:
-            targets.extend(
-                _ops.tensors_in(args[position] if position < len(args) else kwargs.get(name))
-            )
+        rule = _ops.rule(func)
+        targets = _ops.targets_of(func, args, kwargs)
         owned = [(t, ledger.index.owner(t)) for t in targets]
         model_targets = [(t, owner) for t, owner in owned if owner is not None]
-        if not func.is_view:
+        if rule.kind != "view":
             # A model tensor written here is checked as a write (`plain_write` refuses what a
             # patch load refuses), and the write is skipped: what it reads does not matter.
-            skip = (
-                targets
-                if func.overloadpacket in _ops.PURE_WRITES
-                else [t for t, _ in model_targets]
-            )
+            skip = targets if rule.pure_write else [t for t, _ in model_targets]
             for tensor in tensors:
                 if all(tensor is not t for t in skip):
                     self._read(tensor, func)
@@ -584,16 +564,16 @@ class _DryGuard(DispatchMode):
         if not model_targets:
             result = func(*args, **kwargs)
             ledger.derive(tensors, result)
-            ledger.constancy(func.overloadpacket in _ops.LIFTS, tensors, targets, result)
+            ledger.constancy(rule.lifts, tensors, targets, result)
             return result
         labels = ", ".join(repr(owner.name) for _, owner in model_targets)
-        if func.overloadpacket in _ops.RESHAPING:
+        if rule.reshaping:
             ledger.stop(
                 "unlearnable",
                 f"the loader calls {func} on {labels}, changing its shape, strides or storage: "
                 "a patch load refuses that",
             )
-        if torch.Tag.out in func.tags or len(targets) != 1 or written[0][0] != 0:
+        if rule.out or len(targets) != 1 or rule.writes[0][0] != 0:
             ledger.stop("deferred", f"a dry run does not skip the loader's {func} into {labels}")
         try:
             func(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # raises where it would

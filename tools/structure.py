@@ -93,7 +93,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # the next 50) and the target of issue 30.
 CEILINGS: dict[str, int] = {
     "eager lines of `import patchctx`": 10_400,
-    "full lines of load_checkpoint_weight_patches": 9_700,
+    "full lines of load_checkpoint_weight_patches": 9_650,
     "full lines of masked_copy + strategies + swap + errors": 3_250,
     "classes over 150 lines": 7,
     "functions over 80 lines": 9,

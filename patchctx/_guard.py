@@ -67,10 +67,11 @@ class Guard(DispatchMode):
         rule = _ops.rule(func)
         targets = _ops.targets_of(func, args, kwargs)
         ledger = self.ledger
-        if ledger.masked and rule.kind != "view":
+        if (ledger.masked or not ledger.performs) and rule.kind != "view":
+            skipped = rule.pure_write or not ledger.performs  # (a dry run skips the write)
             for tensor in tensors:
-                if not rule.pure_write or all(tensor is not t for t in targets):
-                    ledger.read(tensor)
+                if not skipped or all(tensor is not t for t in targets):
+                    ledger.read(tensor, func)
         for target in targets:
             ledger.input_write(target)  # a dense patch's values: undone when the call ends
         model_targets = [t for t in targets if ledger.index.owner(t) is not None]
@@ -95,6 +96,8 @@ class Guard(DispatchMode):
                     f"the loader calls {func} on {owner.name!r}, changing its shape, strides or "
                     "storage; patch loads write in place; nothing was written"
                 )
+        if not ledger.performs:
+            return ledger.skip(func, args, kwargs, targets)
         if rule.out:
             return self._out(func, args, kwargs, model_targets)
         for target in model_targets:

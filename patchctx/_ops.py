@@ -58,6 +58,7 @@ class Rule:
     # How it lets values out of torch: all its tensors (a Python scalar, a shape that depends
     # on them), only its "indices" or its "mask" (for the shape), or not at all.
     leak: Literal["all", "indices", "mask"] | None = None
+    item: bool = False  # hands one element to Python (``.item()``, ``bool(t)``): a value read
     said: str = ""  # the op, as messages name it
     tensors: tuple[tuple[int, str], ...] = ()  # (position, name) of every tensor argument
 
@@ -66,75 +67,48 @@ _TABLE: dict[Any, dict[str, Any]] = {}  # op (packet or overload) -> the facts r
 _RULES: dict[torch._ops.OpOverload, Rule] = {}
 
 
-def register(*ops: Any, **facts: Any) -> None:
-    """Register `facts` (fields of `Rule`) for `ops`: packets, or overloads of their own."""
-    for op in ops:
+def register(ops: str, **facts: Any) -> None:
+    """Register `facts` (fields of `Rule`) for `ops`, ATen names: packets or overloads."""
+    for name in ops.split():
+        op = aten
+        for part in name.split("."):
+            op = getattr(op, part)
         _TABLE.setdefault(op, {}).update(facts)
 
 
-_LAYOUT = (
-    aten._to_copy,
-    aten.index_select,
-    aten.index,
-    aten.gather,
-    aten.repeat,
-    aten.repeat_interleave,
-    aten.flip,
-    aten.roll,
-    aten.narrow_copy,
-    aten.slice_copy,
-    aten.select_copy,
-    aten.t_copy,
-    aten.transpose_copy,
-    aten.permute_copy,
-    aten.expand_copy,
-    aten.view_copy,
-    aten.unsqueeze_copy,
-    aten.squeeze_copy,
-    aten.alias_copy,
-    aten.detach_copy,
-    aten.unfold_copy,
-    aten._unsafe_view,
-    aten.masked_select,
-    aten.take,
-    aten.tril,
-    aten.triu,
-)
-register(*_LAYOUT, kind="layout")
-register(aten._to_copy, cast=True)
-register(aten.cat, aten.stack, aten.hstack, aten.vstack, kind="layout", lists=True)
-register(aten.zeros_like, aten.ones_like, aten.full_like, kind="like", known=True)
-register(aten.rand_like, aten.randn_like, aten.randint_like, kind="like", known=True)
-register(aten.new_zeros, aten.new_ones, aten.new_full, kind="like", known=True)
-register(aten.empty_like, aten.new_empty, aten.new_empty_strided, kind="like")
-register(aten.copy_, moves=(1,), pure_write=True, whole=True)
-register(aten.index_put_, aten._index_put_impl_, moves=(2,), accumulate="accumulate")
-register(aten.index_copy_, aten.scatter_, moves=(3,))
-register(aten.scatter_, accumulate="reduce")
-register(aten.masked_scatter_, aten.masked_fill_, moves=(2,))
-register(aten.index_fill_, moves=(3,))
-register(aten.fill_, moves=(1,), pure_write=True, fill=True)
-register(aten.zero_, pure_write=True, fill=True)
-register(aten.view.dtype, reinterprets=True)
-register(aten._local_scalar_dense, said=".item()")
-register(aten.lift_fresh, aten.lift_fresh_copy, lifts=True)
+# Copies that rearrange or cast elements without combining them (a mask goes along).
 register(
-    aten.set_,
-    aten.resize_,
-    aten.resize_as_,
-    aten.as_strided_,
-    aten.t_,
-    aten.transpose_,
-    aten.squeeze_,
-    aten.unsqueeze_,
-    aten.swapdims_,
-    aten.swapaxes_,
-    aten.detach_,
-    aten._resize_output_,
+    "_to_copy index_select index gather repeat repeat_interleave flip roll narrow_copy "
+    "slice_copy select_copy t_copy transpose_copy permute_copy expand_copy view_copy "
+    "unsqueeze_copy squeeze_copy alias_copy detach_copy unfold_copy _unsafe_view masked_select "
+    "take tril triu",
+    kind="layout",
+)
+register("_to_copy", cast=True)
+register("cat stack hstack vstack", kind="layout", lists=True)
+register(
+    "zeros_like ones_like full_like rand_like randn_like randint_like", kind="like", known=True
+)
+register("new_zeros new_ones new_full", kind="like", known=True)
+register("empty_like new_empty new_empty_strided", kind="like")
+register("copy_", moves=(1,), pure_write=True, whole=True)
+register("index_put_ _index_put_impl_", moves=(2,), accumulate="accumulate")
+register("index_copy_ scatter_", moves=(3,))
+register("scatter_", accumulate="reduce")
+register("masked_scatter_ masked_fill_", moves=(2,))
+register("index_fill_", moves=(3,))
+register("fill_", moves=(1,), pure_write=True, fill=True)
+register("zero_", pure_write=True, fill=True)
+register("view.dtype", reinterprets=True)
+register("_local_scalar_dense", said=".item()", item=True)
+register("lift_fresh lift_fresh_copy", lifts=True)
+register(
+    "set_ resize_ resize_as_ as_strided_ t_ transpose_ squeeze_ unsqueeze_ swapdims_ swapaxes_ "
+    "detach_ _resize_output_",
     reshaping=True,
 )
-register(aten.index, aten._unsafe_index, leak_of="indices")
-register(aten.masked_select, leak_of="mask")
+register("index _unsafe_index", leak_of="indices")
+register("masked_select", leak_of="mask")
 
 # What an operation returns to Python that is not a tensor: a value that has left torch.
 _SCALAR_RETURNS = frozenset({"bool", "number", "float", "Scalar", "complex"})
@@ -151,30 +125,20 @@ def rule(func: torch._ops.OpOverload) -> Rule:
 def _build(func: torch._ops.OpOverload) -> Rule:
     facts = {**_TABLE.get(func.overloadpacket, {}), **_TABLE.get(func, {})}
     schema, tags = func._schema, func.tags
-    slots = list(schema.arguments)
-    names = [slot.name for slot in slots]
-    accumulate = facts.pop("accumulate", None)
-    leak_of = facts.pop("leak_of", "all")
-    leak: str | None = None
-    if torch.Tag.data_dependent_output in tags or any(
-        str(r.type) in _SCALAR_RETURNS for r in schema.returns
-    ):
-        leak = "all"
-    elif torch.Tag.dynamic_output_shape in tags:
-        leak = leak_of
+    slots = list(enumerate(schema.arguments))
+    names = [slot.name for _, slot in slots]
+    accumulate, leak_of = facts.pop("accumulate", None), facts.pop("leak_of", "all")
+    scalar = any(str(r.type) in _SCALAR_RETURNS for r in schema.returns)
+    leak: Any = "all" if scalar or torch.Tag.data_dependent_output in tags else None
     kind = facts.pop("kind", "pointwise" if torch.Tag.pointwise in tags else "opaque")
     made = Rule(
         kind="view" if func.is_view else kind,
-        writes=tuple(
-            (position, slot.name)
-            for position, slot in enumerate(slots)
-            if slot.alias_info is not None and slot.alias_info.is_write
-        ),
+        writes=tuple((p, s.name) for p, s in slots if s.alias_info and s.alias_info.is_write),
         out=torch.Tag.out in tags,
         accumulate=None if accumulate not in names else (names.index(accumulate), accumulate),
-        leak=leak,  # type: ignore[arg-type]
+        leak=leak or (leak_of if torch.Tag.dynamic_output_shape in tags else None),
         said=str(func.overloadpacket),
-        tensors=tuple((p, slot.name) for p, slot in enumerate(slots) if "Tensor" in str(slot.type)),
+        tensors=tuple((p, s.name) for p, s in slots if "Tensor" in str(s.type)),
     )
     return replace(made, **facts)
 

@@ -52,12 +52,9 @@ __all__ = [
     "Root",
     "StagedTensor",
     "UnchangedValueRead",
-    "reads_own_output",
     "stage",
     "stage_dense",
 ]
-
-aten = torch.ops.aten
 
 
 class Ledger(Protocol):
@@ -94,6 +91,14 @@ class Ledger(Protocol):
 
     def unprovable(self, names: frozenset[str], reason: str) -> None:
         """Routes of `names` cannot be proven equal to the loader path, for `reason`."""
+        ...
+
+    def values_read(self, names: frozenset[str], what: str) -> None:
+        """The loader takes values of `names` out of torch with `what` (a dry run stops)."""
+        ...
+
+    def cannot_follow(self, func: object, error: Exception, names: frozenset[str]) -> None:
+        """`func` on data of `names` raised `error`: a load lets it go up, a dry run stops."""
         ...
 
     def is_constant(self, tensor: torch.Tensor) -> bool:
@@ -143,6 +148,8 @@ class Provenance:
     # what the loader does with it (a branch, a computed offset) could change how it writes
     # the positions the patch keeps, which the masked merge cannot follow.
     partial: bool = True
+    # The device a dry run's tensor claims (its values and mask are on meta: see `_warm`).
+    device: torch.device | None = None
 
     def derived(self, *, mask_is_view: bool = True, binary: bool = True) -> Provenance:
         return Provenance(
@@ -153,6 +160,7 @@ class Provenance:
             self.dense,
             binary and self.binary,
             self.partial,
+            self.device,
         )
 
 
@@ -233,7 +241,7 @@ class StagedTensor(torch.Tensor):
             strides=data.stride(),
             storage_offset=data.storage_offset(),
             dtype=data.dtype,
-            device=data.device,
+            device=prov.device or data.device,
             layout=data.layout,
             requires_grad=False,
         )
@@ -248,15 +256,18 @@ class StagedTensor(torch.Tensor):
         pass
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
-        changed = int((self._update == CHANGED).sum().item())
+        meta = self._update.is_meta  # a dry run's: values and mask on meta
+        changed = "dry" if meta else f"changed={int((self._update == CHANGED).sum())}"
         return (
             f"StagedTensor({_label(self._prov.names)}, shape={tuple(self.shape)}, "
-            f"dtype={self.dtype}, changed={changed}/{self.numel()})"
+            f"dtype={self.dtype}, {changed}/{self.numel()})"
         )
 
     # -- reading values out of torch --------------------------------------------------------
 
     def _require_all_changed(self, what: str) -> None:
+        if self._prov.ledger is not None:  # (a dry run stops here)
+            self._prov.ledger.values_read(self._prov.names, what)
         if self._prov.partial and not self._prov.dense:
             raise self._noted(
                 UnchangedValueRead(
@@ -266,11 +277,6 @@ class StagedTensor(torch.Tensor):
                     "follow; send this tensor dense, or one that changes every element"
                 )
             )
-        if self._prov.ledger is not None:
-            self._prov.ledger.unprovable(self._prov.names, f"the loader read values with {what}")
-            consumed = getattr(self._prov.ledger, "consumed", None)
-            if consumed is not None:  # the loader took the values (to write them itself)
-                consumed |= self._prov.names
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StagedTensor:
         result = self.clone()
@@ -333,6 +339,11 @@ class StagedTensor(torch.Tensor):
                 if isinstance(tensor, StagedTensor):
                     tensor._noted(error)
             raise
+        except Exception as error:  # a dry run stops where its meta values cannot go on
+            staged = [t for t in _ops.tensors_in((args, kwargs)) if isinstance(t, StagedTensor)]
+            if staged and staged[0]._prov.ledger is not None:
+                staged[0]._prov.ledger.cannot_follow(func, error, staged[0]._prov.names)
+            raise
         finally:
             end_bypass(was_inside)  # a second reset, for an exception that cut the first
 
@@ -356,7 +367,8 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
     dense = all(s._prov.dense for s in staged)
     binary = all(s._prov.binary for s in staged)
     partial = any(s._prov.partial for s in staged)
-    return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary, partial)
+    ledger = next(iter(ledgers.values()), None)
+    return Provenance(names, ledger, None, True, dense, binary, partial, first.device)
 
 
 def _leaking(rule: _ops.Rule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[StagedTensor]:
@@ -400,7 +412,7 @@ def _refuse_kept_operands(
         for tensor in _ops.tensors_in(_ops.argument(args, kwargs, position, name)):
             if not isinstance(tensor, StagedTensor) or tensor._prov.dense:
                 continue
-            if bool((tensor._update == KEEP).any()):
+            if _any(tensor._update == KEEP):
                 _refuse(
                     f"the loader passes staged data of {_label(tensor._prov.names)} to {func} "
                     f"as its {name!r} argument, which decides which elements are read or "
@@ -414,10 +426,16 @@ def _refuse_kept_operands(
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     rule = _ops.rule(func)
     staged = [t for t in _ops.tensors_in((args, kwargs)) if isinstance(t, StagedTensor)]
-    for leaking in _leaking(rule, args, kwargs):
-        leaking._require_all_changed(rule.said)
+    # A dry run's data (values and mask on meta): an operation needing values fails on meta
+    # and stops the run, but for a value read out (.item()), which rules a route out.
+    dry = staged[0]._data.is_meta
+    if not dry or rule.item:
+        for leaking in _leaking(rule, args, kwargs):
+            leaking._require_all_changed(rule.said)
+    targets = _ops.targets_of(func, args, kwargs) if rule.writes else []
+    if dry:  # the other tensors stand in on meta (the written ones are the ledger's)
+        args, kwargs = tree_map(lambda value: _on_meta(value, targets), (args, kwargs))
     if rule.writes:
-        targets = _ops.targets_of(func, args, kwargs)
         if any(isinstance(t, StagedTensor) for t in targets):
             return _write_into_staged(func, rule, args, kwargs, targets, staged)
         return _write_into_plain(func, rule, args, kwargs, targets, staged)
@@ -434,6 +452,21 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     if kind == "like":
         return _like(func, args, kwargs, staged, known=rule.known)
     return _layout(func, rule, args, kwargs, staged)
+
+
+def _on_meta(value: Any, keep: list[torch.Tensor]) -> Any:
+    """A plain tensor's stand-in on meta in a dry run (not `keep`), and ``device=`` meta."""
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    plain = isinstance(value, torch.Tensor) and not isinstance(value, StagedTensor)
+    if not plain or value.is_meta or any(value is k for k in keep):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+
+def _any(flags: torch.Tensor) -> bool:
+    """Whether a boolean tensor holds True: never on meta (a dry run knows no mask)."""
+    return not flags.is_meta and bool(flags.any())
 
 
 def _wrap(result: Any, update: Callable[[torch.Tensor], torch.Tensor], prov: Provenance) -> Any:
@@ -478,7 +511,7 @@ def _reinterpret(source: StagedTensor, dtype: torch.dtype) -> StagedTensor:
     elif new > old:  # new // old elements become one: all of them kept, or none
         grouped = update.reshape(*update.shape[:-1], -1, new // old)
         first = grouped.select(-1, 0)
-        if bool((grouped != first.unsqueeze(-1)).any()):
+        if _any(grouped != first.unsqueeze(-1)):
             _refuse(
                 f"the loader reads staged data of {_label(source._prov.names)} as {dtype}, "
                 "joining changed and unchanged elements into one; a masked write cannot keep "
@@ -559,13 +592,13 @@ def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> to
         keep |= mask == KEEP
         changed |= mask == CHANGED
         outside |= mask == OUTSIDE
-    if bool((keep & changed).any()):
+    if _any(keep & changed):
         _refuse(
             f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
             " where one input is changed by the patch and another is not; the result there "
             "depends on values patchctx does not know"
         )
-    if bool((keep & outside).any()):
+    if _any(keep & outside):
         _refuse(
             f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
             " where one input is kept by the patch and another holds values of a plain tensor "
@@ -610,7 +643,7 @@ def _refuse_mixed_with_outside(
     numbers and data of the patch itself may meet kept positions; plain tensors may meet
     changed ones only.
     """
-    if outside and bool((mask == KEEP).any()):
+    if outside and _any(mask == KEEP):
         _refuse(
             f"the loader computes {func} from staged data of {_label(names)} and a plain "
             f"tensor ({', '.join(f'{tuple(t.shape)} {t.dtype}' for t in outside[:3])}) at "
@@ -644,9 +677,9 @@ def _uniform(staged: list[StagedTensor]) -> int | None:
     """The one code a result mixing every position of the inputs gets, or None if mixed."""
     keep = changed = outside = False
     for tensor in staged:
-        keep = keep or bool((tensor._update == KEEP).any())
-        changed = changed or bool((tensor._update == CHANGED).any())
-        outside = outside or bool((tensor._update == OUTSIDE).any())
+        keep = keep or _any(tensor._update == KEEP)
+        changed = changed or _any(tensor._update == CHANGED)
+        outside = outside or _any(tensor._update == OUTSIDE)
     if keep and (changed or outside):
         return None  # (kept positions with model state: as mixed, see `_combined`)
     return KEEP if keep else CHANGED if changed else OUTSIDE if outside else CONST
@@ -730,7 +763,7 @@ def _write_into_staged(
         if combined is not None:
             target._update.copy_(combined)
         return target
-    if not any(bool((s._update == KEEP).any()) for s in staged):
+    if not any(_any(s._update == KEEP) for s in staged):
         func(*data_args, **data_kwargs)  # nothing to keep: exact as it is
         target._update.fill_(CHANGED)
         return target
@@ -748,6 +781,7 @@ def _write_into_plain(
     """Staged data written into plain tensors: the masked merge, or a refusal before writing."""
     prov = _provenance(staged)
     names = prov.names
+    dry = staged[0]._data.is_meta  # (a dry run's writes are checked and logged, not done)
     if len(targets) != 1:
         _refuse(f"the loader writes staged data of {_label(names)} with {func}")
     target = targets[0]
@@ -763,22 +797,22 @@ def _write_into_plain(
     if moved is not None and in_place and not _ops.accumulates(func, args, kwargs):
         _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
         _admit(prov, target, names, str(func))
-        scratch = target.clone()
+        scratch = _on_meta(target, []) if dry else target.clone()
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
         func(scratch, *data_args[1:], **data_kwargs)
-        update = torch.zeros(target.shape, dtype=torch.uint8, device=target.device)  # KEEP
+        update = torch.zeros(target.shape, dtype=torch.uint8, device=scratch.device)  # KEEP
         mask_args = [
-            _moved_mask(a, target.device) if i in moved else tree_map(_data, a)
+            _moved_mask(a, scratch.device) if i in moved else tree_map(_data, a)
             for i, a in enumerate(args)
         ]
         func(update, *mask_args[1:], **data_kwargs)
         _merge(target, scratch, update, None, names, prov)
         return target
-    if not in_place and rule.kind == "pointwise" and not reads_own_output(target, args, kwargs):
+    if not in_place and rule.kind == "pointwise" and not _reads_own_output(target, args, kwargs):
         # The out= form of a pointwise operation: compute, then merge.
         _admit(prov, target, names, str(func))
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
-        fresh = torch.empty(0, dtype=target.dtype, device=target.device)
+        fresh = torch.empty(0, dtype=target.dtype, device="meta" if dry else target.device)
         for position, name in rule.writes:
             if position < len(data_args):
                 data_args = (*data_args[:position], fresh, *data_args[position + 1 :])
@@ -795,14 +829,14 @@ def _write_into_plain(
         _refuse_mixed_with_outside(func, names, mask, outside)
         _merge(target, result, mask, None, names, prov)
         return target
-    if not any(bool((s._update == KEEP).any()) for s in staged):
+    if not any(_any(s._update == KEEP) for s in staged):
         # Nothing to keep: the staged inputs are plain data in all but name (a patch covering
         # every element), and the operation is exact as it is.
         _admit(prov, target, names, str(func))
         if prov.ledger is not None:
             prov.ledger.log_masked(target, None, None, names, dense=prov.dense)
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
-        return func(*data_args, **data_kwargs)
+        return target if dry else func(*data_args, **data_kwargs)
     _refuse(
         f"the loader writes staged data of {_label(names)} into a tensor with {func}, which "
         "reads or accumulates what the tensor held: the positions the patch does not change "
@@ -811,7 +845,7 @@ def _write_into_plain(
     )
 
 
-def reads_own_output(target: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+def _reads_own_output(target: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Whether an ``out=`` operation also reads its output's storage (``add(p, w, out=p)``)."""
     try:
         key = target.untyped_storage().data_ptr()
@@ -849,12 +883,18 @@ def _merge(
             "negated view of a tensor (w.conj(), w.conj().imag); copy into the tensor itself"
         )
     try:
-        update = update.expand(target.shape)
+        if not update.is_meta:
+            update = update.expand(target.shape)
+        elif torch.broadcast_shapes(update.shape, target.shape) != target.shape:  # type: ignore[no-untyped-call]
+            raise RuntimeError  # (a dry run: by shapes alone, no op a loader's own mode sees)
     except RuntimeError:
         _refuse(
             f"the loader copies staged data of {_label(names)} ({tuple(update.shape)}) into a "
             f"tensor of shape {tuple(target.shape)}, which it does not broadcast to"
         )
+    if update.is_meta and prov.ledger is not None:  # a dry run: logged, not written
+        prov.ledger.log_masked(target, None, source, names)
+        return
     if prov.dense:  # every position written: a plain copy_, which casts and moves itself
         if prov.ledger is not None:
             prov.ledger.log_masked(target, None, source, names, dense=True)
@@ -901,7 +941,7 @@ def stage(
     root = Root(data)
     # Fewer indices than elements: some position is kept (no pass needed). As many or more
     # (a patch naming every element, or repeats): the mask says.
-    partial = indices.numel() < numel or bool((update == KEEP).any())
+    partial = indices.numel() < numel or _any(update == KEEP)
     prov = Provenance(frozenset({name}), ledger, root, partial=partial)
     return StagedTensor(data, update.view(data.shape), prov)
 

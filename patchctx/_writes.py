@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -225,6 +225,8 @@ def _label(names: frozenset[str]) -> str:
 class WriteLedger:
     """Admits, logs and checks every write of one loader call (any thread; see module doc)."""
 
+    performs = True  # False for a dry run's ledger: writes checked and logged, not done
+
     def __init__(
         self,
         index: ModelIndex,
@@ -419,7 +421,9 @@ class WriteLedger:
                     self.undo.save_view(destination)
                 return
             self.masked.append(MaskedWrite(span, owner.name, names))
-            if update is None or not self.compact:  # every position, or a short-lived log
+            if not self.performs:
+                pass  # (a dry run: nothing is written, nothing to undo)
+            elif update is None or not self.compact:  # every position, or a short-lived log
                 self.undo.save_view(destination)
             else:
                 where = update.nonzero()
@@ -439,6 +443,21 @@ class WriteLedger:
     def unprovable(self, names: frozenset[str], reason: str) -> None:
         with self._lock:
             self.recorder.unprovable(names, reason)
+
+    def values_read(self, names: frozenset[str], what: str) -> None:
+        """The loader takes values of `names` out of torch: no route, and they are consumed."""
+        with self._lock:
+            self.recorder.unprovable(names, f"the loader read values with {what}")
+            self.consumed |= names  # (it may write them itself)
+
+    def cannot_follow(self, func: object, error: Exception, names: frozenset[str]) -> None:
+        """An operation on staged data raised: it goes up to the loader as it is."""
+
+    def skip(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[Any]
+    ) -> Any:
+        """A dry run's own write into the model: checked and logged, not done (`performs`)."""
+        raise NotImplementedError
 
     # -- plain writes and reads (the guard, in the loader's thread) -------------------------
 
@@ -559,8 +578,8 @@ class WriteLedger:
         """Put back every caller's input the loader wrote in place (idempotent)."""
         self.input_undo.restore()
 
-    def read(self, tensor: torch.Tensor) -> None:
-        """The loader reads `tensor`: a weight it has written from staged data feeds another."""
+    def read(self, tensor: torch.Tensor, how: object) -> None:
+        """The loader reads `tensor` (`how`): a weight written from staged data feeds another."""
         if not self.masked:
             return
         key = storage_key(tensor)

@@ -92,13 +92,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Each figure's ceiling (the ratchet: lower it as a figure falls; line counts are rounded up to
 # the next 50) and the target of issue 30.
 CEILINGS: dict[str, int] = {
-    "eager lines of `import patchctx`": 10_400,
-    "full lines of load_checkpoint_weight_patches": 9_650,
+    "eager lines of `import patchctx`": 10_050,
+    "full lines of load_checkpoint_weight_patches": 9_300,
     "full lines of masked_copy + strategies + swap + errors": 3_250,
     "classes over 150 lines": 7,
     "functions over 80 lines": 9,
     "private names imported across files": 0,
-    "private attributes read off other objects": 257,
+    "private attributes read off other objects": 235,
     "modules in import circles": 2,
     "upward imports": 0,
     "words of the user docs": 20_000,

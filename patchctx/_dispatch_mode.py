@@ -18,12 +18,7 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DispatchMode", "dynamo_loaded"]
-
-
-def dynamo_loaded() -> bool:
-    """Whether ``torch._dynamo`` is imported in this process."""
-    return "torch._dynamo" in sys.modules
+__all__ = ["DispatchMode"]
 
 
 def _skip_dynamo_once_loaded(handler: Callable[..., Any]) -> Callable[..., Any]:

@@ -81,12 +81,12 @@ class Guard(DispatchMode):
                     ledger.index.refuse_aliased(target, f"the loader, with {func},")
         if not model_targets:
             result = func(*args, **kwargs)
-            ledger.derive(tensors, result)
-            if ledger.sources:
+            ledger.lineage.derive(tensors, result)
+            if ledger.lineage.sources:
                 ledger.plain_sources(tensors, [], result)  # dense data carried on
-            ledger.constancy(rule.lifts, tensors, targets, result)
+            ledger.lineage.constancy(rule.lifts, tensors, targets, result)
             return result
-        if ledger.sources:
+        if ledger.lineage.sources:
             ledger.plain_sources(tensors, model_targets, None)  # before the write: kinds
         for target in model_targets:
             owner = ledger.index.owner(target)

@@ -52,6 +52,8 @@ __all__ = [
     "Root",
     "StagedTensor",
     "UnchangedValueRead",
+    "label",
+    "on_meta",
     "stage",
     "stage_dense",
 ]
@@ -178,7 +180,8 @@ def _refuse(message: str) -> NoReturn:
     raise LoaderContractError(message + "; nothing was written")
 
 
-def _label(names: frozenset[str]) -> str:
+def label(names: frozenset[str]) -> str:
+    """Checkpoint names as messages list them."""
     return ", ".join(map(repr, sorted(names)))
 
 
@@ -259,7 +262,7 @@ class StagedTensor(torch.Tensor):
         meta = self._update.is_meta  # a dry run's: values and mask on meta
         changed = "dry" if meta else f"changed={int((self._update == CHANGED).sum())}"
         return (
-            f"StagedTensor({_label(self._prov.names)}, shape={tuple(self.shape)}, "
+            f"StagedTensor({label(self._prov.names)}, shape={tuple(self.shape)}, "
             f"dtype={self.dtype}, {changed}/{self.numel()})"
         )
 
@@ -271,7 +274,7 @@ class StagedTensor(torch.Tensor):
         if self._prov.partial and not self._prov.dense:
             raise self._noted(
                 UnchangedValueRead(
-                    f"{what} of staged data of {_label(self._prov.names)}: the patch does not "
+                    f"{what} of staged data of {label(self._prov.names)}: the patch does not "
                     "change every element, and a value read out of torch could decide how the "
                     "loader writes the ones it keeps (a branch), which the masked merge cannot "
                     "follow; send this tensor dense, or one that changes every element"
@@ -298,7 +301,7 @@ class StagedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise self._noted(
             LoaderContractError(
-                f"pickling staged data of {_label(self._prov.names)} (pickle, torch.save, "
+                f"pickling staged data of {label(self._prov.names)} (pickle, torch.save, "
                 "multiprocessing): it would turn the 'keep' marks into plain numbers"
             )
         )
@@ -306,7 +309,7 @@ class StagedTensor(torch.Tensor):
     def _no_storage(self, *args: object, **kwargs: object) -> NoReturn:
         raise self._noted(
             LoaderContractError(
-                f"raw memory access to staged data of {_label(self._prov.names)} (storage, "
+                f"raw memory access to staged data of {label(self._prov.names)} (storage, "
                 "data_ptr, DLPack): the bytes alone do not say which positions the patch changes"
             )
         )
@@ -414,7 +417,7 @@ def _refuse_kept_operands(
                 continue
             if _any(tensor._update == KEEP):
                 _refuse(
-                    f"the loader passes staged data of {_label(tensor._prov.names)} to {func} "
+                    f"the loader passes staged data of {label(tensor._prov.names)} to {func} "
                     f"as its {name!r} argument, which decides which elements are read or "
                     "written (an index, a mask): the patch does not change every element of it, "
                     "and where it does not, the staged data holds a placeholder instead of the "
@@ -434,7 +437,7 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
             leaking._require_all_changed(rule.said)
     targets = _ops.targets_of(func, args, kwargs) if rule.writes else []
     if dry:  # the other tensors stand in on meta (the written ones are the ledger's)
-        args, kwargs = tree_map(lambda value: _on_meta(value, targets), (args, kwargs))
+        args, kwargs = tree_map(lambda value: on_meta(value, targets), (args, kwargs))
     if rule.writes:
         if any(isinstance(t, StagedTensor) for t in targets):
             return _write_into_staged(func, rule, args, kwargs, targets, staged)
@@ -454,7 +457,7 @@ def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     return _layout(func, rule, args, kwargs, staged)
 
 
-def _on_meta(value: Any, keep: list[torch.Tensor]) -> Any:
+def on_meta(value: Any, keep: Sequence[torch.Tensor] = ()) -> Any:
     """A plain tensor's stand-in on meta in a dry run (not `keep`), and ``device=`` meta."""
     if isinstance(value, torch.device):
         return torch.device("meta")
@@ -513,7 +516,7 @@ def _reinterpret(source: StagedTensor, dtype: torch.dtype) -> StagedTensor:
         first = grouped.select(-1, 0)
         if _any(grouped != first.unsqueeze(-1)):
             _refuse(
-                f"the loader reads staged data of {_label(source._prov.names)} as {dtype}, "
+                f"the loader reads staged data of {label(source._prov.names)} as {dtype}, "
                 "joining changed and unchanged elements into one; a masked write cannot keep "
                 "part of an element"
             )
@@ -594,13 +597,13 @@ def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> to
         outside |= mask == OUTSIDE
     if _any(keep & changed):
         _refuse(
-            f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
+            f"the loader computes {what} from staged data of {label(_provenance(staged).names)}"
             " where one input is changed by the patch and another is not; the result there "
             "depends on values patchctx does not know"
         )
     if _any(keep & outside):
         _refuse(
-            f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
+            f"the loader computes {what} from staged data of {label(_provenance(staged).names)}"
             " where one input is kept by the patch and another holds values of a plain tensor "
             "(joined with torch.cat, or copied into staged data): a dense load would combine "
             "the checkpoint's value with that tensor as it is now. Send this tensor as a dense "
@@ -645,7 +648,7 @@ def _refuse_mixed_with_outside(
     """
     if outside and _any(mask == KEEP):
         _refuse(
-            f"the loader computes {func} from staged data of {_label(names)} and a plain "
+            f"the loader computes {func} from staged data of {label(names)} and a plain "
             f"tensor ({', '.join(f'{tuple(t.shape)} {t.dtype}' for t in outside[:3])}) at "
             "positions the patch does not change: there a dense load would combine the "
             "checkpoint's value with that tensor as it is now (model state, a buffer, a scale, "
@@ -696,7 +699,7 @@ def _opaque(
     prov = _provenance(staged)
     if state is None:
         _refuse(
-            f"the loader computes {func} over staged data of {_label(prov.names)} that mixes "
+            f"the loader computes {func} over staged data of {label(prov.names)} that mixes "
             "changed and unchanged positions; its result depends on values patchctx does not "
             "know. Send this tensor as a dense patch"
         )
@@ -709,7 +712,7 @@ def _opaque(
         prov.ledger.unprovable(prov.names, f"the loader computed {func} from it")
     if not isinstance(result, (torch.Tensor, list, tuple)):
         if state == KEEP:
-            _refuse(f"{func} reads staged data of {_label(prov.names)} the patch does not change")
+            _refuse(f"{func} reads staged data of {label(prov.names)} the patch does not change")
         return result
     return _wrap(
         result, lambda value: _codes(value, state), prov.derived(binary=state in (KEEP, CHANGED))
@@ -732,7 +735,7 @@ def _write_into_staged(
     assert isinstance(target, StagedTensor)
     prov = target._prov
     if len(targets) != 1 or target is not args[0] or not prov.mask_is_view:
-        _refuse(f"the loader writes into staged data of {_label(prov.names)} with {func}")
+        _refuse(f"the loader writes into staged data of {label(prov.names)} with {func}")
     moved = rule.moves
     moves = moved is not None and not _ops.accumulates(func, args, kwargs)
     if moved is not None and moves:
@@ -767,7 +770,7 @@ def _write_into_staged(
         func(*data_args, **data_kwargs)  # nothing to keep: exact as it is
         target._update.fill_(CHANGED)
         return target
-    _refuse(f"the loader changes staged data of {_label(prov.names)} in place with {func}")
+    _refuse(f"the loader changes staged data of {label(prov.names)} in place with {func}")
 
 
 def _write_into_plain(
@@ -783,7 +786,7 @@ def _write_into_plain(
     names = prov.names
     dry = staged[0]._data.is_meta  # (a dry run's writes are checked and logged, not done)
     if len(targets) != 1:
-        _refuse(f"the loader writes staged data of {_label(names)} with {func}")
+        _refuse(f"the loader writes staged data of {label(names)} with {func}")
     target = targets[0]
     in_place = bool(args) and args[0] is target
     if rule.whole and in_place:
@@ -797,7 +800,7 @@ def _write_into_plain(
     if moved is not None and in_place and not _ops.accumulates(func, args, kwargs):
         _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
         _admit(prov, target, names, str(func))
-        scratch = _on_meta(target, []) if dry else target.clone()
+        scratch = on_meta(target, []) if dry else target.clone()
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
         func(scratch, *data_args[1:], **data_kwargs)
         update = torch.zeros(target.shape, dtype=torch.uint8, device=scratch.device)  # KEEP
@@ -821,7 +824,7 @@ def _write_into_plain(
         result = func(*data_args, **data_kwargs)
         if result.shape != target.shape:
             _refuse(
-                f"the loader writes {tuple(result.shape)} values of {_label(names)} with {func} "
+                f"the loader writes {tuple(result.shape)} values of {label(names)} with {func} "
                 f"into a tensor of shape {tuple(target.shape)} (it would be resized)"
             )
         mask = _combined(staged, result.shape, str(func))
@@ -838,7 +841,7 @@ def _write_into_plain(
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
         return target if dry else func(*data_args, **data_kwargs)
     _refuse(
-        f"the loader writes staged data of {_label(names)} into a tensor with {func}, which "
+        f"the loader writes staged data of {label(names)} into a tensor with {func}, which "
         "reads or accumulates what the tensor held: the positions the patch does not change "
         "would not keep their values (only copy_, indexed assignment, index_copy_, "
         "masked_scatter_, scatter_, fill_ and out= pointwise writes can be masked)"
@@ -879,7 +882,7 @@ def _merge(
     if target.is_conj() or target.is_neg():
         # ``torch.where(..., out=)`` would write the stored bits, not what the view stands for.
         _refuse(
-            f"the loader copies staged data of {_label(names)} into a lazily conjugated or "
+            f"the loader copies staged data of {label(names)} into a lazily conjugated or "
             "negated view of a tensor (w.conj(), w.conj().imag); copy into the tensor itself"
         )
     try:
@@ -889,7 +892,7 @@ def _merge(
             raise RuntimeError  # (a dry run: by shapes alone, no op a loader's own mode sees)
     except RuntimeError:
         _refuse(
-            f"the loader copies staged data of {_label(names)} ({tuple(update.shape)}) into a "
+            f"the loader copies staged data of {label(names)} ({tuple(update.shape)}) into a "
             f"tensor of shape {tuple(target.shape)}, which it does not broadcast to"
         )
     if update.is_meta and prov.ledger is not None:  # a dry run: logged, not written

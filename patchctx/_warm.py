@@ -6,14 +6,11 @@ So a warm-up hands the loader, for each checkpoint name, the staged type of a pa
 meta: a `StagedTensor` whose values and mask are meta tensors (no memory), claiming the model's
 device, under the same guard. What differs is its ledger (`_DryLedger`), which both consult:
 
-- views, layout copies, casts and computations run on meta as in a patch load, so a view's
-  sizes, strides and offsets are those the loader's would have, and a computed result is never
-  a route; refusals that depend on which positions a patch changes do not apply (no mask);
-- a write of it into a parameter or buffer is admitted and recorded (`Recorder`) as in a patch
-  load, and not performed; a refusal rules the name's route out (``unlearnable``);
-- a value read out of torch (``item()``, ``tolist()``, storage) rules the route out too; an
-  operation that needs values (a data-dependent shape, ``torch.equal``) fails on meta, and
-  what a dry run cannot mirror exactly stops the run (``deferred``).
+- views and computations run on meta as in a patch load (a view's geometry is the loader's; a
+  computed result is never a route); refusals by which positions a patch changes do not apply;
+- a write into a parameter or buffer is admitted and recorded (`Recorder`), not performed; a
+  refusal, or a value read out of torch (``item()``, ``tolist()``), rules the route out; an
+  operation needing values fails on meta, which, like all a dry run cannot mirror, stops it.
 
 The loader's own plain writes into the model (a constant fill of padding, say) are checked
 and logged as a patch load logs them, then skipped (a constant fill goes into the route, which
@@ -55,7 +52,7 @@ from patchctx._model import SupportsLoadWeights, as_module, check_model, model_t
 from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
 from patchctx._snapshot import Snapshot
-from patchctx._staged import Provenance, Root, StagedTensor
+from patchctx._staged import Provenance, Root, StagedTensor, label, on_meta
 from patchctx._undo import UndoLog
 from patchctx._writes import ModelIndex, WriteLedger, span_of, storage_key
 
@@ -131,22 +128,7 @@ class WarmReport:
 
 
 class _Stop(BaseException):
-    """Ends a dry run that can no longer follow the loader exactly.
-
-    A `BaseException`, so that a loader's ``except Exception`` does not swallow it; one that
-    swallows it anyway changes nothing, since the reason was recorded before it was raised.
-    """
-
-
-def _label(names: frozenset[str]) -> str:
-    return ", ".join(map(repr, sorted(names)))
-
-
-def _twin(value: Any) -> Any:
-    """A plain tensor's stand-in on meta: its sizes, strides and dtype."""
-    if not isinstance(value, torch.Tensor) or value.is_meta:
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    """Ends a dry run that cannot follow the loader (not `Exception`; its reason noted first)."""
 
 
 class _DryLedger(WriteLedger):
@@ -175,19 +157,13 @@ class _DryLedger(WriteLedger):
             self.stopped = (status, reason)
 
     def stop(self, status: _Status, reason: str, names: Iterable[str] = ()) -> NoReturn:
-        """End the run (`halt`); outside one, refuse the use of its dry data instead.
-
-        A loader that kept a dry tensor (in a cache, an attribute) may use it in a later call,
-        a real load included: the run's internal stop must not escape it, so that use is
-        refused with a `LoaderContractError`, before the operation runs.
-        """
+        """End the run (`halt`); after it, refuse a use of its dry data (a loader kept it)."""
         if not self.open:
             raise LoaderContractError(
-                f"the loader used the dry tensor of {_label(frozenset(names) or self.loading)} "
-                "that a dry run of it handed it before (RouteCache.warm, or a dense patch with "
-                "routes= learning its route) after that run ended: it kept it (a cache, an "
-                f"attribute) and it holds no values ({reason}). Reset the loader's state; a "
-                "loader that keeps checkpoint tensors across calls cannot be dry-run"
+                f"the loader used the dry tensor of {label(frozenset(names) or self.loading)} "
+                "a dry run (RouteCache.warm, or routes= learning a route) handed it, after that "
+                f"run: it kept it (a cache, an attribute), and it holds no values ({reason}). "
+                "A loader that keeps checkpoint tensors across calls cannot be dry-run"
             )
         self.halt(status, reason, names)
         raise _Stop(reason)
@@ -220,7 +196,7 @@ class _DryLedger(WriteLedger):
         if _ops.rule(func).out or len(targets) != 1 or args[0] is not targets[0]:
             self.stop("deferred", f"a dry run does not skip the loader's {func} into {labels}")
         try:
-            func(*tree_map(_twin, args), **tree_map(_twin, kwargs))  # raises where it would
+            func(*tree_map(on_meta, args), **tree_map(on_meta, kwargs))  # raises where it would
         except Exception as error:
             self.stop(
                 "deferred", f"a dry run cannot follow {func} into {labels} ({type(error).__name__})"
@@ -350,7 +326,7 @@ def _dry_run(
     if kept:
         ledger.halt(
             "unlearnable",
-            f"the loader kept {_label(frozenset(kept))} after returning (a cache, an "
+            f"the loader kept {label(frozenset(kept))} after returning (a cache, an "
             "attribute): a patch load refuses that",
             kept,
         )

@@ -95,7 +95,7 @@ CEILINGS: dict[str, int] = {
     "eager lines of `import patchctx`": 10_050,
     "full lines of load_checkpoint_weight_patches": 9_300,
     "full lines of masked_copy + strategies + swap + errors": 3_250,
-    "classes over 150 lines": 7,
+    "classes over 150 lines": 6,
     "functions over 80 lines": 9,
     "private names imported across files": 0,
     "private attributes read off other objects": 235,

@@ -26,18 +26,13 @@ from patchctx._writes import Constant, WriteLedger, span_of, storage_key
 
 __all__ = ["Guard", "constant_of"]
 
-aten = torch.ops.aten
-
 
 def constant_of(func: torch._ops.OpOverload, args: tuple[Any, ...]) -> Constant | None:
     """The value `func` fills its target with when it is a constant fill, else `None`."""
-    if func is aten.zero_.default:
-        return 0
-    if func is aten.fill_.Scalar and len(args) > 1:
-        value = args[1]
-        if isinstance(value, (bool, int, float, complex)):
-            return value
-    return None
+    if not _ops.rule(func).fill:
+        return None
+    value = args[1] if len(args) > 1 else 0  # (zero_)
+    return value if isinstance(value, (bool, int, float, complex)) else None
 
 
 class Guard(DispatchMode):
@@ -69,17 +64,14 @@ class Guard(DispatchMode):
             return func(*args, **kwargs)  # the staged data handles it
         for tensor in _ops.host_reads(func, args, kwargs):  # the loader may decide on it
             self.ledger.host_read(tensor)
-        written = _ops.written_arguments(func)
-        targets: list[torch.Tensor] = []
-        for position, name in written:
-            value = args[position] if position < len(args) else kwargs.get(name)
-            targets.extend(_ops.tensors_in(value))
+        rule = _ops.rule(func)
+        targets = _ops.targets_of(func, args, kwargs)
         ledger = self.ledger
-        if ledger.masked and not func.is_view:
-            pure_write = func.overloadpacket in _ops.PURE_WRITES
+        if (ledger.masked or not ledger.performs) and rule.kind != "view":
+            skipped = rule.pure_write or not ledger.performs  # (a dry run skips the write)
             for tensor in tensors:
-                if not pure_write or all(tensor is not t for t in targets):
-                    ledger.read(tensor)
+                if not skipped or all(tensor is not t for t in targets):
+                    ledger.read(tensor, func)
         for target in targets:
             ledger.input_write(target)  # a dense patch's values: undone when the call ends
         model_targets = [t for t in targets if ledger.index.owner(t) is not None]
@@ -89,22 +81,24 @@ class Guard(DispatchMode):
                     ledger.index.refuse_aliased(target, f"the loader, with {func},")
         if not model_targets:
             result = func(*args, **kwargs)
-            ledger.derive(tensors, result)
-            if ledger.sources:
+            ledger.lineage.derive(tensors, result)
+            if ledger.lineage.sources:
                 ledger.plain_sources(tensors, [], result)  # dense data carried on
-            ledger.constancy(func.overloadpacket in _ops.LIFTS, tensors, targets, result)
+            ledger.lineage.constancy(rule.lifts, tensors, targets, result)
             return result
-        if ledger.sources:
+        if ledger.lineage.sources:
             ledger.plain_sources(tensors, model_targets, None)  # before the write: kinds
         for target in model_targets:
             owner = ledger.index.owner(target)
             assert owner is not None
-            if func.overloadpacket in _ops.RESHAPING:
+            if rule.reshaping:
                 raise LoaderContractError(
                     f"the loader calls {func} on {owner.name!r}, changing its shape, strides or "
                     "storage; patch loads write in place; nothing was written"
                 )
-        if torch.Tag.out in func.tags:
+        if not ledger.performs:
+            return ledger.skip(func, args, kwargs, targets)
+        if rule.out:
             return self._out(func, args, kwargs, model_targets)
         for target in model_targets:
             ledger.plain_write(target, str(func), constant=constant_of(func, args))
@@ -153,7 +147,7 @@ class Guard(DispatchMode):
 
         new_args = list(args)
         new_kwargs = dict(kwargs)
-        for position, name in _ops.written_arguments(func):
+        for position, name in _ops.rule(func).writes:
             in_args = position < len(new_args)
             if not in_args and name not in new_kwargs:
                 continue

@@ -32,7 +32,6 @@ it with `LoaderContractError` before anything is written:
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -53,12 +52,11 @@ __all__ = [
     "Root",
     "StagedTensor",
     "UnchangedValueRead",
-    "reads_own_output",
+    "label",
+    "on_meta",
     "stage",
     "stage_dense",
 ]
-
-aten = torch.ops.aten
 
 
 class Ledger(Protocol):
@@ -95,6 +93,14 @@ class Ledger(Protocol):
 
     def unprovable(self, names: frozenset[str], reason: str) -> None:
         """Routes of `names` cannot be proven equal to the loader path, for `reason`."""
+        ...
+
+    def values_read(self, names: frozenset[str], what: str) -> None:
+        """The loader takes values of `names` out of torch with `what` (a dry run stops)."""
+        ...
+
+    def cannot_follow(self, func: object, error: Exception, names: frozenset[str]) -> None:
+        """`func` on data of `names` raised `error`: a load lets it go up, a dry run stops."""
         ...
 
     def is_constant(self, tensor: torch.Tensor) -> bool:
@@ -144,6 +150,8 @@ class Provenance:
     # what the loader does with it (a branch, a computed offset) could change how it writes
     # the positions the patch keeps, which the masked merge cannot follow.
     partial: bool = True
+    # The device a dry run's tensor claims (its values and mask are on meta: see `_warm`).
+    device: torch.device | None = None
 
     def derived(self, *, mask_is_view: bool = True, binary: bool = True) -> Provenance:
         return Provenance(
@@ -154,6 +162,7 @@ class Provenance:
             self.dense,
             binary and self.binary,
             self.partial,
+            self.device,
         )
 
 
@@ -171,7 +180,8 @@ def _refuse(message: str) -> NoReturn:
     raise LoaderContractError(message + "; nothing was written")
 
 
-def _label(names: frozenset[str]) -> str:
+def label(names: frozenset[str]) -> str:
+    """Checkpoint names as messages list them."""
     return ", ".join(map(repr, sorted(names)))
 
 
@@ -234,7 +244,7 @@ class StagedTensor(torch.Tensor):
             strides=data.stride(),
             storage_offset=data.storage_offset(),
             dtype=data.dtype,
-            device=data.device,
+            device=prov.device or data.device,
             layout=data.layout,
             requires_grad=False,
         )
@@ -249,29 +259,27 @@ class StagedTensor(torch.Tensor):
         pass
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
-        changed = int((self._update == CHANGED).sum().item())
+        meta = self._update.is_meta  # a dry run's: values and mask on meta
+        changed = "dry" if meta else f"changed={int((self._update == CHANGED).sum())}"
         return (
-            f"StagedTensor({_label(self._prov.names)}, shape={tuple(self.shape)}, "
-            f"dtype={self.dtype}, changed={changed}/{self.numel()})"
+            f"StagedTensor({label(self._prov.names)}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, {changed}/{self.numel()})"
         )
 
     # -- reading values out of torch --------------------------------------------------------
 
     def _require_all_changed(self, what: str) -> None:
+        if self._prov.ledger is not None:  # (a dry run stops here)
+            self._prov.ledger.values_read(self._prov.names, what)
         if self._prov.partial and not self._prov.dense:
             raise self._noted(
                 UnchangedValueRead(
-                    f"{what} of staged data of {_label(self._prov.names)}: the patch does not "
+                    f"{what} of staged data of {label(self._prov.names)}: the patch does not "
                     "change every element, and a value read out of torch could decide how the "
                     "loader writes the ones it keeps (a branch), which the masked merge cannot "
                     "follow; send this tensor dense, or one that changes every element"
                 )
             )
-        if self._prov.ledger is not None:
-            self._prov.ledger.unprovable(self._prov.names, f"the loader read values with {what}")
-            consumed = getattr(self._prov.ledger, "consumed", None)
-            if consumed is not None:  # the loader took the values (to write them itself)
-                consumed |= self._prov.names
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StagedTensor:
         result = self.clone()
@@ -293,7 +301,7 @@ class StagedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise self._noted(
             LoaderContractError(
-                f"pickling staged data of {_label(self._prov.names)} (pickle, torch.save, "
+                f"pickling staged data of {label(self._prov.names)} (pickle, torch.save, "
                 "multiprocessing): it would turn the 'keep' marks into plain numbers"
             )
         )
@@ -301,7 +309,7 @@ class StagedTensor(torch.Tensor):
     def _no_storage(self, *args: object, **kwargs: object) -> NoReturn:
         raise self._noted(
             LoaderContractError(
-                f"raw memory access to staged data of {_label(self._prov.names)} (storage, "
+                f"raw memory access to staged data of {label(self._prov.names)} (storage, "
                 "data_ptr, DLPack): the bytes alone do not say which positions the patch changes"
             )
         )
@@ -334,6 +342,11 @@ class StagedTensor(torch.Tensor):
                 if isinstance(tensor, StagedTensor):
                     tensor._noted(error)
             raise
+        except Exception as error:  # a dry run stops where its meta values cannot go on
+            staged = [t for t in _ops.tensors_in((args, kwargs)) if isinstance(t, StagedTensor)]
+            if staged and staged[0]._prov.ledger is not None:
+                staged[0]._prov.ledger.cannot_follow(func, error, staged[0]._prov.names)
+            raise
         finally:
             end_bypass(was_inside)  # a second reset, for an exception that cut the first
 
@@ -357,20 +370,19 @@ def _provenance(staged: list[StagedTensor]) -> Provenance:
     dense = all(s._prov.dense for s in staged)
     binary = all(s._prov.binary for s in staged)
     partial = any(s._prov.partial for s in staged)
-    return Provenance(names, next(iter(ledgers.values()), None), None, True, dense, binary, partial)
+    ledger = next(iter(ledgers.values()), None)
+    return Provenance(names, ledger, None, True, dense, binary, partial, first.device)
 
 
-def _leaking(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[StagedTensor]:
-    """The staged inputs whose values leave torch through `func`'s result.
+def _leaking(rule: _ops.Rule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[StagedTensor]:
+    """The staged inputs whose values leave torch through the op's result (`Rule.leak`).
 
     Through a Python number or bool (``equal``, ``allclose``, ``is_nonzero``, ``item``), or
     through a result whose shape depends on them (``nonzero``, ``unique``, a boolean-mask
     index, ``masked_select``): a loader can branch on either. For indexing, only the index
     tensors decide the shape; for ``masked_select``, only the mask.
     """
-    kind = _ops.leak_kind(func)
+    kind = rule.leak
     if kind is None:
         return []
     deciding: Any = (args, kwargs) if kind == "all" else _ops.argument(args, kwargs, 1, kind)
@@ -380,18 +392,6 @@ def _leaking(
 # The data argument of a view, a factory shaped like its input or a layout copy: ``self``, or
 # the tensor list of cat/stack (position 0 either way).
 _SELF = frozenset({0})
-
-
-@functools.cache
-def _operand_slots(
-    func: torch._ops.OpOverload, data: frozenset[int]
-) -> tuple[tuple[int, str], ...]:
-    """(position, name) of every tensor argument of `func` outside the `data` positions."""
-    return tuple(
-        (position, slot.name)
-        for position, slot in enumerate(func._schema.arguments)
-        if position not in data and "Tensor" in str(slot.type)
-    )
 
 
 def _refuse_kept_operands(
@@ -409,13 +409,15 @@ def _refuse_kept_operands(
     and no mask of the result can say so. Exact only when the patch keeps none of its
     positions (a dense patch, or a part of a sparse one that the patch changes entirely).
     """
-    for position, name in _operand_slots(func, data):
+    for position, name in _ops.rule(func).tensors:
+        if position in data:
+            continue
         for tensor in _ops.tensors_in(_ops.argument(args, kwargs, position, name)):
             if not isinstance(tensor, StagedTensor) or tensor._prov.dense:
                 continue
-            if bool((tensor._update == KEEP).any()):
+            if _any(tensor._update == KEEP):
                 _refuse(
-                    f"the loader passes staged data of {_label(tensor._prov.names)} to {func} "
+                    f"the loader passes staged data of {label(tensor._prov.names)} to {func} "
                     f"as its {name!r} argument, which decides which elements are read or "
                     "written (an index, a mask): the patch does not change every element of it, "
                     "and where it does not, the staged data holds a placeholder instead of the "
@@ -425,36 +427,49 @@ def _refuse_kept_operands(
 
 
 def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    rule = _ops.rule(func)
     staged = [t for t in _ops.tensors_in((args, kwargs)) if isinstance(t, StagedTensor)]
-    for leaking in _leaking(func, args, kwargs):
-        packet = func.overloadpacket
-        leaking._require_all_changed(
-            ".item()" if packet is aten._local_scalar_dense else str(packet)
-        )
-    written = _ops.written_arguments(func)
-    if written:
-        targets: list[torch.Tensor] = []
-        for position, name in written:
-            targets.extend(_ops.tensors_in(_ops.argument(args, kwargs, position, name)))
+    # A dry run's data (values and mask on meta): an operation needing values fails on meta
+    # and stops the run, but for a value read out (.item()), which rules a route out.
+    dry = staged[0]._data.is_meta
+    if not dry or rule.item:
+        for leaking in _leaking(rule, args, kwargs):
+            leaking._require_all_changed(rule.said)
+    targets = _ops.targets_of(func, args, kwargs) if rule.writes else []
+    if dry:  # the other tensors stand in on meta (the written ones are the ledger's)
+        args, kwargs = tree_map(lambda value: on_meta(value, targets), (args, kwargs))
+    if rule.writes:
         if any(isinstance(t, StagedTensor) for t in targets):
-            return _write_into_staged(func, args, kwargs, targets, staged)
-        return _write_into_plain(func, args, kwargs, targets, staged)
-    packet = func.overloadpacket
-    if packet is aten._local_scalar_dense:
-        staged[0]._require_all_changed(".item()")
-        return func(staged[0]._data)
-    if func.is_view:
-        _refuse_kept_operands(func, args, kwargs, _SELF)
-        return _view(func, args, kwargs, staged)
-    if packet in _ops.LIKE:
-        _refuse_kept_operands(func, args, kwargs, _SELF)
-        return _like(func, args, kwargs, staged, known=_ops.LIKE[packet])
-    if packet in _ops.LAYOUT:
-        _refuse_kept_operands(func, args, kwargs, _SELF)
-        return _layout(func, args, kwargs, staged)
-    if torch.Tag.pointwise in func.tags:
+            return _write_into_staged(func, rule, args, kwargs, targets, staged)
+        return _write_into_plain(func, rule, args, kwargs, targets, staged)
+    kind = rule.kind
+    if kind == "pointwise":
         return _pointwise(func, args, kwargs, staged)
-    return _opaque(func, args, kwargs, staged)
+    if kind == "opaque":
+        return _opaque(func, args, kwargs, staged)
+    _refuse_kept_operands(func, args, kwargs, _SELF)
+    if kind == "view":
+        if rule.reinterprets:
+            return _reinterpret(staged[0], _ops.argument(args, kwargs, 1, "dtype"))
+        return _view(func, args, kwargs, staged)
+    if kind == "like":
+        return _like(func, args, kwargs, staged, known=rule.known)
+    return _layout(func, rule, args, kwargs, staged)
+
+
+def on_meta(value: Any, keep: Sequence[torch.Tensor] = ()) -> Any:
+    """A plain tensor's stand-in on meta in a dry run (not `keep`), and ``device=`` meta."""
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    plain = isinstance(value, torch.Tensor) and not isinstance(value, StagedTensor)
+    if not plain or value.is_meta or any(value is k for k in keep):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+
+def _any(flags: torch.Tensor) -> bool:
+    """Whether a boolean tensor holds True: never on meta (a dry run knows no mask)."""
+    return not flags.is_meta and bool(flags.any())
 
 
 def _wrap(result: Any, update: Callable[[torch.Tensor], torch.Tensor], prov: Provenance) -> Any:
@@ -479,8 +494,6 @@ def _view(
     staged: list[StagedTensor],
 ) -> Any:
     source = staged[0]
-    if func is aten.view.dtype:
-        return _reinterpret(source, _ops.argument(args, kwargs, 1, "dtype"))
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     mask_args, mask_kwargs = _unwrap(args, kwargs, _mask)
     data = func(*data_args, **data_kwargs)
@@ -501,9 +514,9 @@ def _reinterpret(source: StagedTensor, dtype: torch.dtype) -> StagedTensor:
     elif new > old:  # new // old elements become one: all of them kept, or none
         grouped = update.reshape(*update.shape[:-1], -1, new // old)
         first = grouped.select(-1, 0)
-        if bool((grouped != first.unsqueeze(-1)).any()):
+        if _any(grouped != first.unsqueeze(-1)):
             _refuse(
-                f"the loader reads staged data of {_label(source._prov.names)} as {dtype}, "
+                f"the loader reads staged data of {label(source._prov.names)} as {dtype}, "
                 "joining changed and unchanged elements into one; a masked write cannot keep "
                 "part of an element"
             )
@@ -535,6 +548,7 @@ def _like(
 
 def _layout(
     func: torch._ops.OpOverload,
+    rule: _ops.Rule,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     staged: list[StagedTensor],
@@ -542,16 +556,16 @@ def _layout(
     prov = _provenance(staged).derived()
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
     result = func(*data_args, **data_kwargs)
-    if func.overloadpacket is aten._to_copy:
+    if rule.cast:
         device = data_kwargs.get("device")
         mask = staged[0]._update
         update = mask if device is None else mask.to(device=device)
         return StagedTensor(result, update.clone(), prov)
     mask_args = list(args)
-    data = list(args[0]) if func.overloadpacket in _ops.LISTS else [args[0]]
+    data = list(args[0]) if rule.lists else [args[0]]
     if not all(isinstance(t, StagedTensor) for t in data):
         prov.binary = False  # plain data joins as OUTSIDE
-    if func.overloadpacket in _ops.LISTS:
+    if rule.lists:
         mask_args[0] = [_known(t) for t in args[0]]
     else:
         mask_args[0] = _known(args[0])
@@ -581,15 +595,15 @@ def _combined(staged: list[StagedTensor], shape: Sequence[int], what: str) -> to
         keep |= mask == KEEP
         changed |= mask == CHANGED
         outside |= mask == OUTSIDE
-    if bool((keep & changed).any()):
+    if _any(keep & changed):
         _refuse(
-            f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
+            f"the loader computes {what} from staged data of {label(_provenance(staged).names)}"
             " where one input is changed by the patch and another is not; the result there "
             "depends on values patchctx does not know"
         )
-    if bool((keep & outside).any()):
+    if _any(keep & outside):
         _refuse(
-            f"the loader computes {what} from staged data of {_label(_provenance(staged).names)}"
+            f"the loader computes {what} from staged data of {label(_provenance(staged).names)}"
             " where one input is kept by the patch and another holds values of a plain tensor "
             "(joined with torch.cat, or copied into staged data): a dense load would combine "
             "the checkpoint's value with that tensor as it is now. Send this tensor as a dense "
@@ -632,9 +646,9 @@ def _refuse_mixed_with_outside(
     numbers and data of the patch itself may meet kept positions; plain tensors may meet
     changed ones only.
     """
-    if outside and bool((mask == KEEP).any()):
+    if outside and _any(mask == KEEP):
         _refuse(
-            f"the loader computes {func} from staged data of {_label(names)} and a plain "
+            f"the loader computes {func} from staged data of {label(names)} and a plain "
             f"tensor ({', '.join(f'{tuple(t.shape)} {t.dtype}' for t in outside[:3])}) at "
             "positions the patch does not change: there a dense load would combine the "
             "checkpoint's value with that tensor as it is now (model state, a buffer, a scale, "
@@ -666,9 +680,9 @@ def _uniform(staged: list[StagedTensor]) -> int | None:
     """The one code a result mixing every position of the inputs gets, or None if mixed."""
     keep = changed = outside = False
     for tensor in staged:
-        keep = keep or bool((tensor._update == KEEP).any())
-        changed = changed or bool((tensor._update == CHANGED).any())
-        outside = outside or bool((tensor._update == OUTSIDE).any())
+        keep = keep or _any(tensor._update == KEEP)
+        changed = changed or _any(tensor._update == CHANGED)
+        outside = outside or _any(tensor._update == OUTSIDE)
     if keep and (changed or outside):
         return None  # (kept positions with model state: as mixed, see `_combined`)
     return KEEP if keep else CHANGED if changed else OUTSIDE if outside else CONST
@@ -685,7 +699,7 @@ def _opaque(
     prov = _provenance(staged)
     if state is None:
         _refuse(
-            f"the loader computes {func} over staged data of {_label(prov.names)} that mixes "
+            f"the loader computes {func} over staged data of {label(prov.names)} that mixes "
             "changed and unchanged positions; its result depends on values patchctx does not "
             "know. Send this tensor as a dense patch"
         )
@@ -698,7 +712,7 @@ def _opaque(
         prov.ledger.unprovable(prov.names, f"the loader computed {func} from it")
     if not isinstance(result, (torch.Tensor, list, tuple)):
         if state == KEEP:
-            _refuse(f"{func} reads staged data of {_label(prov.names)} the patch does not change")
+            _refuse(f"{func} reads staged data of {label(prov.names)} the patch does not change")
         return result
     return _wrap(
         result, lambda value: _codes(value, state), prov.derived(binary=state in (KEEP, CHANGED))
@@ -710,6 +724,7 @@ def _opaque(
 
 def _write_into_staged(
     func: torch._ops.OpOverload,
+    rule: _ops.Rule,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     targets: list[torch.Tensor],
@@ -720,30 +735,29 @@ def _write_into_staged(
     assert isinstance(target, StagedTensor)
     prov = target._prov
     if len(targets) != 1 or target is not args[0] or not prov.mask_is_view:
-        _refuse(f"the loader writes into staged data of {_label(prov.names)} with {func}")
-    packet = func.overloadpacket
-    moves = packet in _ops.MOVES and not _ops.accumulates(func, args, kwargs)
-    if moves:
-        _refuse_kept_operands(func, args, kwargs, frozenset({0, *_ops.MOVES[packet]}))
+        _refuse(f"the loader writes into staged data of {label(prov.names)} with {func}")
+    moved = rule.moves
+    moves = moved is not None and not _ops.accumulates(func, args, kwargs)
+    if moved is not None and moves:
+        _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
     if prov.root is not None:
         prov.root.tampered = True
     prov.binary = False  # the write may bring CONST positions in
     if prov.ledger is not None:
         prov.ledger.unprovable(prov.names, f"the loader modified it with {func}")
     data_args, data_kwargs = _unwrap(args, kwargs, _data)
-    if moves:
-        moved = _ops.MOVES[packet]
+    if moved is not None and moves:
         mask_args = [target._update] + [
             _moved_mask(a) if i in moved else tree_map(_data, a) for i, a in enumerate(args) if i
         ]
         func(*data_args, **data_kwargs)
         func(*mask_args, **tree_map(_data, kwargs))
         return target
-    if packet in (aten.zero_,):
+    if rule.fill:  # (zero_: fill_ moves its value)
         func(*data_args, **data_kwargs)
         target._update.fill_(CONST)
         return target
-    if torch.Tag.pointwise in func.tags:
+    if rule.kind == "pointwise":
         others = [s for s in staged if s is not target]
         combined = _combined([target, *others], target.shape, str(func)) if others else None
         mask = target._update if combined is None else combined
@@ -752,15 +766,16 @@ def _write_into_staged(
         if combined is not None:
             target._update.copy_(combined)
         return target
-    if not any(bool((s._update == KEEP).any()) for s in staged):
+    if not any(_any(s._update == KEEP) for s in staged):
         func(*data_args, **data_kwargs)  # nothing to keep: exact as it is
         target._update.fill_(CHANGED)
         return target
-    _refuse(f"the loader changes staged data of {_label(prov.names)} in place with {func}")
+    _refuse(f"the loader changes staged data of {label(prov.names)} in place with {func}")
 
 
 def _write_into_plain(
     func: torch._ops.OpOverload,
+    rule: _ops.Rule,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     targets: list[torch.Tensor],
@@ -769,43 +784,39 @@ def _write_into_plain(
     """Staged data written into plain tensors: the masked merge, or a refusal before writing."""
     prov = _provenance(staged)
     names = prov.names
-    packet = func.overloadpacket
+    dry = staged[0]._data.is_meta  # (a dry run's writes are checked and logged, not done)
     if len(targets) != 1:
-        _refuse(f"the loader writes staged data of {_label(names)} with {func}")
+        _refuse(f"the loader writes staged data of {label(names)} with {func}")
     target = targets[0]
     in_place = bool(args) and args[0] is target
-    if packet is aten.copy_ and in_place:
+    if rule.whole and in_place:
         source = args[1]
         if not isinstance(source, StagedTensor):
             _refuse(f"the loader copies into a plain tensor with staged arguments ({func})")
         _admit(prov, target, names, "copy_")
         _merge(target, source._data, source._update, source, names, prov, binary=prov.binary)
         return target
-    if packet in _ops.MOVES and in_place and not _ops.accumulates(func, args, kwargs):
-        moved = _ops.MOVES[packet]
+    moved = rule.moves
+    if moved is not None and in_place and not _ops.accumulates(func, args, kwargs):
         _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
         _admit(prov, target, names, str(func))
-        scratch = target.clone()
+        scratch = on_meta(target, []) if dry else target.clone()
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
         func(scratch, *data_args[1:], **data_kwargs)
-        update = torch.zeros(target.shape, dtype=torch.uint8, device=target.device)  # KEEP
+        update = torch.zeros(target.shape, dtype=torch.uint8, device=scratch.device)  # KEEP
         mask_args = [
-            _moved_mask(a, target.device) if i in moved else tree_map(_data, a)
+            _moved_mask(a, scratch.device) if i in moved else tree_map(_data, a)
             for i, a in enumerate(args)
         ]
         func(update, *mask_args[1:], **data_kwargs)
         _merge(target, scratch, update, None, names, prov)
         return target
-    if (
-        not in_place
-        and not reads_own_output(target, args, kwargs)
-        and torch.Tag.pointwise in func.tags
-    ):
+    if not in_place and rule.kind == "pointwise" and not _reads_own_output(target, args, kwargs):
         # The out= form of a pointwise operation: compute, then merge.
         _admit(prov, target, names, str(func))
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
-        fresh = torch.empty(0, dtype=target.dtype, device=target.device)
-        for position, name in _ops.written_arguments(func):
+        fresh = torch.empty(0, dtype=target.dtype, device="meta" if dry else target.device)
+        for position, name in rule.writes:
             if position < len(data_args):
                 data_args = (*data_args[:position], fresh, *data_args[position + 1 :])
             else:
@@ -813,7 +824,7 @@ def _write_into_plain(
         result = func(*data_args, **data_kwargs)
         if result.shape != target.shape:
             _refuse(
-                f"the loader writes {tuple(result.shape)} values of {_label(names)} with {func} "
+                f"the loader writes {tuple(result.shape)} values of {label(names)} with {func} "
                 f"into a tensor of shape {tuple(target.shape)} (it would be resized)"
             )
         mask = _combined(staged, result.shape, str(func))
@@ -821,23 +832,23 @@ def _write_into_plain(
         _refuse_mixed_with_outside(func, names, mask, outside)
         _merge(target, result, mask, None, names, prov)
         return target
-    if not any(bool((s._update == KEEP).any()) for s in staged):
+    if not any(_any(s._update == KEEP) for s in staged):
         # Nothing to keep: the staged inputs are plain data in all but name (a patch covering
         # every element), and the operation is exact as it is.
         _admit(prov, target, names, str(func))
         if prov.ledger is not None:
             prov.ledger.log_masked(target, None, None, names, dense=prov.dense)
         data_args, data_kwargs = _unwrap(args, kwargs, _data)
-        return func(*data_args, **data_kwargs)
+        return target if dry else func(*data_args, **data_kwargs)
     _refuse(
-        f"the loader writes staged data of {_label(names)} into a tensor with {func}, which "
+        f"the loader writes staged data of {label(names)} into a tensor with {func}, which "
         "reads or accumulates what the tensor held: the positions the patch does not change "
         "would not keep their values (only copy_, indexed assignment, index_copy_, "
         "masked_scatter_, scatter_, fill_ and out= pointwise writes can be masked)"
     )
 
 
-def reads_own_output(target: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+def _reads_own_output(target: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Whether an ``out=`` operation also reads its output's storage (``add(p, w, out=p)``)."""
     try:
         key = target.untyped_storage().data_ptr()
@@ -871,16 +882,22 @@ def _merge(
     if target.is_conj() or target.is_neg():
         # ``torch.where(..., out=)`` would write the stored bits, not what the view stands for.
         _refuse(
-            f"the loader copies staged data of {_label(names)} into a lazily conjugated or "
+            f"the loader copies staged data of {label(names)} into a lazily conjugated or "
             "negated view of a tensor (w.conj(), w.conj().imag); copy into the tensor itself"
         )
     try:
-        update = update.expand(target.shape)
+        if not update.is_meta:
+            update = update.expand(target.shape)
+        elif torch.broadcast_shapes(update.shape, target.shape) != target.shape:  # type: ignore[no-untyped-call]
+            raise RuntimeError  # (a dry run: by shapes alone, no op a loader's own mode sees)
     except RuntimeError:
         _refuse(
-            f"the loader copies staged data of {_label(names)} ({tuple(update.shape)}) into a "
+            f"the loader copies staged data of {label(names)} ({tuple(update.shape)}) into a "
             f"tensor of shape {tuple(target.shape)}, which it does not broadcast to"
         )
+    if update.is_meta and prov.ledger is not None:  # a dry run: logged, not written
+        prov.ledger.log_masked(target, None, source, names)
+        return
     if prov.dense:  # every position written: a plain copy_, which casts and moves itself
         if prov.ledger is not None:
             prov.ledger.log_masked(target, None, source, names, dense=True)
@@ -927,7 +944,7 @@ def stage(
     root = Root(data)
     # Fewer indices than elements: some position is kept (no pass needed). As many or more
     # (a patch naming every element, or repeats): the mask says.
-    partial = indices.numel() < numel or bool((update == KEEP).any())
+    partial = indices.numel() < numel or _any(update == KEEP)
     prov = Provenance(frozenset({name}), ledger, root, partial=partial)
     return StagedTensor(data, update.view(data.shape), prov)
 

@@ -2,18 +2,15 @@
 
 A route records where a loader's ``copy_`` of a *view* of the checkpoint tensor lands (see
 `patchctx._routes`). Recording one needs no values, only the views' sizes, strides and offsets.
-So a warm-up hands the loader, for each checkpoint name, a *dry* tensor: it has the checkpoint
-shape and dtype and claims the model's device, but what it wraps is a meta tensor (no memory).
-It follows the loader only as far as a dry run can follow it exactly:
+So a warm-up hands the loader, for each checkpoint name, the staged type of a patch load over
+meta: a `StagedTensor` whose values and mask are meta tensors (no memory), claiming the model's
+device, under the same guard. What differs is its ledger (`_DryLedger`), which both consult:
 
-- views of it (narrow, select, slices, transpose, view, ``.data``...) are taken of the meta
-  tensor, so their sizes, strides and offsets are those the loader's views would have;
-- a ``copy_`` of it into a parameter or buffer goes to the `Recorder` a patch load uses, after
-  the same admission checks (`WriteLedger`), and is not performed;
-- layout copies, casts and pointwise computations are computed on meta; as in a patch load,
-  their results can never be a route;
-- what needs values (``item()``, ``tolist()``, a data-dependent shape, raw storage) or what a
-  dry run cannot mirror exactly stops the run.
+- views and computations run on meta as in a patch load (a view's geometry is the loader's; a
+  computed result is never a route); refusals by which positions a patch changes do not apply;
+- a write into a parameter or buffer is admitted and recorded (`Recorder`), not performed; a
+  refusal, or a value read out of torch (``item()``, ``tolist()``), rules the route out; an
+  operation needing values fails on meta, which, like all a dry run cannot mirror, stops it.
 
 The loader's own plain writes into the model (a constant fill of padding, say) are checked
 and logged as a patch load logs them, then skipped (a constant fill goes into the route, which
@@ -32,17 +29,15 @@ one).
 from __future__ import annotations
 
 import gc
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 from torch.utils._pytree import tree_map
 
-from patchctx import _ops, _swap
+from patchctx import _ops
 from patchctx._arguments import name_map
-from patchctx._dispatch_mode import DispatchMode
 from patchctx._errors import (
     InvalidPatchError,
     InvalidPatchTypeError,
@@ -52,21 +47,19 @@ from patchctx._errors import (
 from patchctx._frame import Frame
 from patchctx._geometry import Route, Segment
 from patchctx._grad import without_grad
-from patchctx._guard import constant_of
+from patchctx._guard import Guard, constant_of
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors, read_names
 from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
 from patchctx._snapshot import Snapshot
-from patchctx._staged import Provenance, Root, StagedTensor, reads_own_output
+from patchctx._staged import Provenance, Root, StagedTensor, label, on_meta
 from patchctx._undo import UndoLog
-from patchctx._writes import MaskedWrite, ModelIndex, WriteLedger, span_of, storage_key
+from patchctx._writes import ModelIndex, WriteLedger, span_of, storage_key
 
 if TYPE_CHECKING:
     from patchctx._routes import RouteStore
 
 __all__ = ["WarmReport", "WarmRow", "warm"]
-
-aten = torch.ops.aten
 
 _Status = Literal["learned", "unlearnable", "deferred"]
 # A checkpoint tensor to learn: its name, full shape and dtype.
@@ -135,18 +128,18 @@ class WarmReport:
 
 
 class _Stop(BaseException):
-    """Ends a dry run that can no longer follow the loader exactly.
-
-    A `BaseException`, so that a loader's ``except Exception`` does not swallow it; one that
-    swallows it anyway changes nothing, since the reason was recorded before it was raised.
-    """
+    """Ends a dry run that cannot follow the loader (not `Exception`; its reason noted first)."""
 
 
 class _DryLedger(WriteLedger):
-    """The `WriteLedger` of a dry run: the same admission and overlap checks, no undo log.
+    """The `WriteLedger` of a dry run, which the staged type and the guard consult as a load's.
 
+    Nothing is written (`performs`: the staged data's values are on meta, the loader's own
+    writes into the model are skipped), nothing is undone; what needs values stops the run.
     It also keeps the run's verdicts: names settled without a route, and why the run stopped.
     """
+
+    performs = False
 
     def __init__(self, index: ModelIndex, names: frozenset[str]) -> None:
         super().__init__(index, UndoLog(), Recorder(), log_plain=False, loading=names)
@@ -164,473 +157,76 @@ class _DryLedger(WriteLedger):
             self.stopped = (status, reason)
 
     def stop(self, status: _Status, reason: str, names: Iterable[str] = ()) -> NoReturn:
-        """End the run (`halt`); outside one, refuse the use of its dry data instead.
-
-        A loader that kept a dry tensor (in a cache, an attribute) may use it in a later call,
-        a real load included: the run's internal stop must not escape it, so that use is
-        refused with a `LoaderContractError`, before the operation runs.
-        """
+        """End the run (`halt`); after it, refuse a use of its dry data (a loader kept it)."""
         if not self.open:
             raise LoaderContractError(
-                f"the loader used the dry tensor of {_label(frozenset(names) or self.loading)} "
-                "that a dry run of it handed it before (RouteCache.warm, or a dense patch with "
-                "routes= learning its route) after that run ended: it kept it (a cache, an "
-                f"attribute) and it holds no values ({reason}). Reset the loader's state; a "
-                "loader that keeps checkpoint tensors across calls cannot be dry-run"
+                f"the loader used the dry tensor of {label(frozenset(names) or self.loading)} "
+                "a dry run (RouteCache.warm, or routes= learning a route) handed it, after that "
+                f"run: it kept it (a cache, an attribute), and it holds no values ({reason}). "
+                "A loader that keeps checkpoint tensors across calls cannot be dry-run"
             )
         self.halt(status, reason, names)
         raise _Stop(reason)
 
-    def log_masked(
-        self,
-        destination: torch.Tensor,
-        update: torch.Tensor | None,
-        source: StagedTensor | None,
-        names: frozenset[str],
-        *,
-        dense: bool = False,
-    ) -> None:
-        """A write of dry data into a model tensor: remembered and recorded, not performed."""
-        with self._lock:
-            owner = self.index.owner(destination)
-            key = storage_key(destination)
-            if owner is None or key is None:  # admitted writes always have both
-                self.stop("deferred", "a write of it reached no model tensor", names)
-            span = span_of(destination, key)
-            self.masked.append(MaskedWrite(span, owner.name, names))
-            if threading.get_ident() != self.thread:
-                self.recorder.unprovable(names, "the loader wrote it from another thread")
-            elif source is None:
-                self.recorder.unprovable(names, "the loader wrote it with an indexed write")
-            else:
-                holders = self.index.holders(destination)
-                self.recorder.segment(
-                    source, destination, owner.name, key, owner.tensor, span, holders
-                )
+    def admit(
+        self, destination: torch.Tensor, names: frozenset[str], how: str, *, dense: bool
+    ) -> bool:
+        if not self.open:
+            self.stop("unlearnable", f"{how} of it", names)
+        return super().admit(destination, names, how, dense=dense)
 
-
-def _label(names: frozenset[str]) -> str:
-    return ", ".join(map(repr, sorted(names)))
-
-
-class DryTensor(StagedTensor):
-    """A checkpoint tensor with a shape, a dtype and a device but no values (see module doc).
-
-    It wraps a meta tensor; its provenance (`Provenance.root`) makes a ``copy_`` of a view of
-    it a route segment, exactly as for staged data.
-    """
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor, prov: Provenance, device: torch.device) -> DryTensor:
-        wrapper = torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.shape,
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=data.dtype,
-            device=device,
-            layout=data.layout,
-            requires_grad=False,
-        )
-        wrapper._data = data
-        wrapper._update = data  # a dry tensor has no mask: nothing is ever merged
-        wrapper._prov = prov
-        if prov.ledger is not None:
-            prov.ledger.born.add(wrapper)
-        return wrapper
-
-    def __init__(self, data: torch.Tensor, prov: Provenance, device: torch.device) -> None:
-        pass
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return (
-            f"DryTensor({_label(self._prov.names)}, shape={tuple(self.shape)}, "
-            f"dtype={self.dtype}, device={self.device})"
-        )
-
-    def _ledger(self) -> _DryLedger:
-        ledger = self._prov.ledger
-        assert isinstance(ledger, _DryLedger)
-        return ledger
-
-    def _refuse_read(self, what: str) -> NoReturn:
-        self._ledger().stop(
+    def values_read(self, names: frozenset[str], what: str) -> None:
+        self.stop(
             "unlearnable",
             f"the loader reads its values ({what}); a route exists only for a loader that "
             "copies views",
-            self._prov.names,
+            names,
         )
 
-    def tolist(self) -> NoReturn:
-        self._refuse_read(".tolist()")
-
-    def numpy(self, *, force: bool = False) -> NoReturn:
-        self._refuse_read(".numpy()")
-
-    def __reduce_ex__(self, protocol: Any) -> NoReturn:
-        self._refuse_read("pickling")
-
-    def _no_storage(self, *args: object, **kwargs: object) -> NoReturn:
-        self._refuse_read("raw memory access: storage, data_ptr, DLPack")
-
-    untyped_storage = _no_storage
-    storage = _no_storage
-    _typed_storage = _no_storage
-    data_ptr = _no_storage
-    __dlpack__ = _no_storage
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        was_inside = _swap.is_bypassed()
-        # Our own work on meta tensors is never a masked region's business.
-        try:
-            _swap.bypass()
-            result = _dispatch(func, args, kwargs or {})
-            _swap.end_bypass(was_inside)
-            return result
-        finally:
-            _swap.end_bypass(was_inside)  # a second reset, for an exception that cut the first
-
-
-def _twin(tensor: torch.Tensor) -> torch.Tensor:
-    """A meta tensor with `tensor`'s sizes, strides and dtype (no storage offset)."""
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-
-
-def _meta(value: Any) -> Any:
-    if isinstance(value, DryTensor):
-        return value._data
-    if isinstance(value, torch.Tensor) and not value.is_meta:
-        return _twin(value)
-    return value
-
-
-def _on_meta(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, torch.device | None]:
-    """Run `func` on the meta counterparts of its arguments; also the device it asked for."""
-    meta_args, meta_kwargs = tree_map(_meta, args), tree_map(_meta, kwargs)
-    asked = meta_kwargs.get("device")
-    if asked is not None:
-        meta_kwargs["device"] = torch.device("meta")
-    return func(*meta_args, **meta_kwargs), None if asked is None else torch.device(asked)
-
-
-def _dispatch(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    tensors = _ops.tensors_in((args, kwargs))
-    dry = [t for t in tensors if isinstance(t, DryTensor)]
-    ledger = dry[0]._ledger()
-    names = frozenset().union(*(t._prov.names for t in dry))
-    if not ledger.open:  # kept by the loader past its run: never computed on
-        ledger.stop("unlearnable", f"{func} on it", names)
-    if any(isinstance(t, StagedTensor) and not isinstance(t, DryTensor) for t in tensors) or any(
-        t._ledger() is not ledger for t in dry
-    ):
-        ledger.stop("deferred", f"the loader mixes it with data of another load ({func})", names)
-    written = _ops.written_arguments(func)
-    if written:
-        targets: list[torch.Tensor] = []
-        for position, name in written:
-            value = args[position] if position < len(args) else kwargs.get(name)
-            targets.extend(_ops.tensors_in(value))
-        if any(isinstance(t, DryTensor) for t in targets):
-            return _write_into_dry(func, args, kwargs, targets, ledger, names)
-        return _write_into_plain(func, args, kwargs, targets, ledger, names)
-    if func.overloadpacket is aten._local_scalar_dense:
-        dry[0]._refuse_read(".item()")
-    if func.is_view:
-        return _view(func, args, kwargs, dry[0], ledger, names)
-    return _compute(func, args, kwargs, dry[0], ledger, names)
-
-
-def _meta_result(
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    ledger: _DryLedger,
-    names: frozenset[str],
-) -> tuple[Any, torch.device | None]:
-    try:
-        return _on_meta(func, args, kwargs)
-    except _Stop:
-        raise
-    except Exception as error:
-        ledger.stop(
+    def cannot_follow(self, func: object, error: Exception, names: frozenset[str]) -> None:
+        self.stop(
             "deferred", f"a dry run cannot follow {func} on it ({type(error).__name__})", names
         )
 
-
-def _wrap(result: Any, wrap: Callable[[torch.Tensor], DryTensor]) -> Any:
-    if isinstance(result, torch.Tensor):
-        return wrap(result)
-    if isinstance(result, (list, tuple)):
-        return type(result)(_wrap(item, wrap) for item in result)
-    return result
-
-
-def _only_tensors(result: Any) -> bool:
-    if isinstance(result, torch.Tensor):
-        return True
-    return isinstance(result, (list, tuple)) and all(_only_tensors(item) for item in result)
-
-
-def _view(
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    source: DryTensor,
-    ledger: _DryLedger,
-    names: frozenset[str],
-) -> Any:
-    """A view: taken of the meta tensor, so its geometry is the real one; the root goes along."""
-    prov = source._prov
-    if func is aten.view.dtype:
-        dtype = args[1] if len(args) > 1 else kwargs["dtype"]
-        if dtype.itemsize != source.dtype.itemsize:
-            ledger.unprovable(names, f"the loader reinterpreted it as {dtype}")
-            prov = prov.derived()
-    result, _ = _meta_result(func, args, kwargs, ledger, names)
-    return _wrap(result, lambda data: DryTensor(data, prov, source.device))
-
-
-def _compute(
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    source: DryTensor,
-    ledger: _DryLedger,
-    names: frozenset[str],
-) -> Any:
-    """A computation on dry data: computed on meta, never a route (as in a patch load)."""
-    result, device = _meta_result(func, args, kwargs, ledger, names)
-    if not _only_tensors(result):
-        source._refuse_read(f"{func} returns {type(result).__name__}")
-    packet = func.overloadpacket
-    if (
-        packet not in _ops.LAYOUT
-        and packet not in _ops.LIKE
-        and torch.Tag.pointwise not in func.tags
-    ):
-        ledger.unprovable(names, f"the loader computed {func} from it")
-    prov = Provenance(names, ledger)
-    return _wrap(result, lambda data: DryTensor(data, prov, device or source.device))
-
-
-def _write_into_dry(
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    targets: list[torch.Tensor],
-    ledger: _DryLedger,
-    names: frozenset[str],
-) -> Any:
-    """The loader changes dry data itself: it may go on, but no route of it can be proven."""
-    for target in targets:
-        if isinstance(target, DryTensor) and target._prov.root is not None:
-            target._prov.root.tampered = True
-    ledger.unprovable(names, f"the loader modified it with {func}")
-    if any(not isinstance(t, DryTensor) for t in targets):
-        ledger.stop("unlearnable", f"the loader writes it and a plain tensor with {func}", names)
-    back = {id(t._data): t for t in targets if isinstance(t, DryTensor)}
-    result, _ = _meta_result(func, args, kwargs, ledger, names)
-    prov = Provenance(names, ledger)
-    device = targets[0].device
-
-    def wrap(data: torch.Tensor) -> torch.Tensor:
-        same = back.get(id(data))  # an in-place result is the dry tensor written into
-        return DryTensor(data, prov, device) if same is None else same
-
-    if isinstance(result, torch.Tensor):
-        return wrap(result)
-    if isinstance(result, (list, tuple)):
-        return type(result)(wrap(r) if isinstance(r, torch.Tensor) else r for r in result)
-    return result
-
-
-def _write_into_plain(
-    func: torch._ops.OpOverload,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    targets: list[torch.Tensor],
-    ledger: _DryLedger,
-    names: frozenset[str],
-) -> Any:
-    """Dry data written into a plain tensor: checked and recorded as in a patch load, skipped."""
-    packet = func.overloadpacket
-    if len(targets) != 1:
-        ledger.stop("unlearnable", f"the loader writes it with {func}", names)
-    target = targets[0]
-    in_place = bool(args) and args[0] is target
-    how = "copy_" if packet is aten.copy_ else str(func)
-    if ledger.index.owner(target) is None:
-        ledger.stop(
-            "unlearnable",
-            f"the loader writes it with {how} into a tensor that is not a parameter or buffer "
-            "of the model (a temporary): a patch load refuses that",
-            names,
-        )
-    try:
-        ledger.admit(target, names, how, dense=False)
-    except LoaderContractError as error:
-        ledger.stop("unlearnable", str(error), names)
-    if packet is aten.copy_ and in_place:
-        source = args[1]
-        if not isinstance(source, DryTensor):
-            ledger.stop("unlearnable", f"the loader copies with dry arguments ({func})", names)
-        try:
-            fits = torch.broadcast_shapes(source.shape, target.shape) == target.shape  # type: ignore[no-untyped-call]
-        except RuntimeError:
-            fits = False
-        if not fits:
-            ledger.stop(
-                "unlearnable",
-                f"the loader copies it ({tuple(source.shape)}) into a tensor of shape "
-                f"{tuple(target.shape)}, which it does not broadcast to",
-                names,
-            )
-        ledger.log_masked(target, None, source, names)
-        return target
-    if packet in _ops.MOVES and in_place and not _ops.accumulates(func, args, kwargs):
-        moved = _ops.MOVES[packet]
-        if any(isinstance(a, DryTensor) for i, a in enumerate(args) if i and i not in moved):
-            ledger.stop("unlearnable", f"the loader indexes with it ({func})", names)
-        _meta_result(func, args, kwargs, ledger, names)  # raises where the real write would
-        ledger.log_masked(target, None, None, names)
-        return target
-    if (
-        not in_place
-        and torch.Tag.pointwise in func.tags
-        and not reads_own_output(target, args, kwargs)
-    ):
-        fresh = torch.empty(0, dtype=target.dtype, device="meta")
-        fresh_args, fresh_kwargs = list(args), dict(kwargs)
-        for position, name in _ops.written_arguments(func):
-            if position < len(fresh_args):
-                fresh_args[position] = fresh
-            else:
-                fresh_kwargs[name] = fresh
-        _meta_result(func, tuple(fresh_args), fresh_kwargs, ledger, names)
-        if fresh.shape != target.shape:
-            ledger.stop(
-                "unlearnable",
-                f"the loader writes {tuple(fresh.shape)} values with {func} into a tensor of "
-                f"shape {tuple(target.shape)} (it would be resized)",
-                names,
-            )
-        ledger.log_masked(target, None, None, names)
-        return target
-    return ledger.stop(
-        "unlearnable",
-        f"the loader writes it into a tensor with {func}, which reads or accumulates what the "
-        "tensor held: a patch load refuses that (or, for a patch that changes every element, "
-        "writes it without a route)",
-        names,
-    )
-
-
-class _DryGuard(DispatchMode):
-    """The loader's plain operations in a dry run (its thread): model writes checked, skipped."""
-
-    def __init__(self, ledger: _DryLedger) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.ledger = ledger
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+    def skip(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[Any]
     ) -> Any:
-        kwargs = kwargs or {}
-        tensors = _ops.tensors_in((args, kwargs))
-        if any(isinstance(t, StagedTensor) for t in tensors):
-            return func(*args, **kwargs)  # the dry data handles it
-        ledger = self.ledger
-        for tensor in _ops.host_reads(func, args, kwargs):  # the loader may decide on it
-            ledger.host_read(tensor)
-        written = _ops.written_arguments(func)
-        targets: list[torch.Tensor] = []
-        for position, name in written:
-            targets.extend(
-                _ops.tensors_in(args[position] if position < len(args) else kwargs.get(name))
-            )
-        owned = [(t, ledger.index.owner(t)) for t in targets]
-        model_targets = [(t, owner) for t, owner in owned if owner is not None]
-        if not func.is_view:
-            # A model tensor written here is checked as a write (`plain_write` refuses what a
-            # patch load refuses), and the write is skipped: what it reads does not matter.
-            skip = (
-                targets
-                if func.overloadpacket in _ops.PURE_WRITES
-                else [t for t, _ in model_targets]
-            )
-            for tensor in tensors:
-                if all(tensor is not t for t in skip):
-                    self._read(tensor, func)
-        if len(model_targets) < len(targets):
-            for target, owner in owned:
-                if owner is None:
-                    try:
-                        ledger.index.refuse_aliased(target, f"the loader, with {func},")
-                    except LoaderContractError as error:
-                        ledger.stop("unlearnable", str(error), ledger.loading)
-        if not model_targets:
-            result = func(*args, **kwargs)
-            ledger.derive(tensors, result)
-            ledger.constancy(func.overloadpacket in _ops.LIFTS, tensors, targets, result)
-            return result
-        labels = ", ".join(repr(owner.name) for _, owner in model_targets)
-        if func.overloadpacket in _ops.RESHAPING:
-            ledger.stop(
-                "unlearnable",
-                f"the loader calls {func} on {labels}, changing its shape, strides or storage: "
-                "a patch load refuses that",
-            )
-        if torch.Tag.out in func.tags or len(targets) != 1 or written[0][0] != 0:
-            ledger.stop("deferred", f"a dry run does not skip the loader's {func} into {labels}")
+        """The loader's own write into the model: checked as a write (`plain_write`), skipped."""
+        labels = ", ".join(repr(owner.name) for t in targets if (owner := self.index.owner(t)))
+        if _ops.rule(func).out or len(targets) != 1 or args[0] is not targets[0]:
+            self.stop("deferred", f"a dry run does not skip the loader's {func} into {labels}")
         try:
-            func(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # raises where it would
+            func(*tree_map(on_meta, args), **tree_map(on_meta, kwargs))  # raises where it would
         except Exception as error:
-            ledger.stop(
+            self.stop(
                 "deferred", f"a dry run cannot follow {func} into {labels} ({type(error).__name__})"
             )
-        try:
-            ledger.plain_write(targets[0], str(func), constant=constant_of(func, args))
-        except LoaderContractError as error:
-            ledger.stop("unlearnable", str(error), ledger.loading)
-        return args[0]  # the write is skipped
+        self.plain_write(targets[0], str(func), constant=constant_of(func, args))
+        return args[0]
 
-    def _read(self, tensor: torch.Tensor, func: torch._ops.OpOverload) -> None:
+    def read(self, tensor: torch.Tensor, how: object) -> None:
         """The loader reads `tensor`: bytes a dry run did not write would read differently."""
-        ledger = self.ledger
         key = storage_key(tensor)
-        if key is None or not (ledger.masked or ledger.plain):
+        if key is None or not (self.masked or self.plain):
             return
         span = span_of(tensor, key)
-        for earlier in ledger.masked:
+        for earlier in self.masked:
             if earlier.span.overlaps(span):
-                ledger.settle(
+                self.settle(
                     earlier.names,
                     "unlearnable",
                     "the loader reads the weight back after writing it (a tied or derived copy "
                     "that replay would not update)",
                 )
-                ledger.stop(
+                self.stop(
                     "deferred",
-                    f"the loader reads {earlier.owner!r} back with {func} after writing it",
+                    f"the loader reads {earlier.owner!r} back with {how} after writing it",
                 )
-        for write in ledger.plain:
+        for write in self.plain:
             if write.span.overlaps(span):
-                ledger.stop(
+                self.stop(
                     "deferred",
-                    f"the loader reads {write.owner!r} back with {func} after its own write "
+                    f"the loader reads {write.owner!r} back with {how} after its own write "
                     f"({write.how}), which a dry run skips",
                 )
 
@@ -643,6 +239,10 @@ def _kept(ledger: _DryLedger) -> set[str]:
     return kept
 
 
+_DIFFERENT: tuple[_Status, str] = (
+    "deferred",
+    "the loader copies it differently alone than together with the other names",
+)
 _COPIED_NOTHING = (
     "the loader copied nothing of it: a dry run does not learn that a name writes nothing "
     "here (one another rank holds, or one the loader skips); its first sparse patch goes "
@@ -668,13 +268,14 @@ def _dry_run(
     snapshot = Snapshot(module)
     weights: list[tuple[str, torch.Tensor]] = []
     for name, shape, dtype in specs:
+        # The staged type over meta: values and mask with the checkpoint's geometry, no memory.
         data = torch.empty(shape, dtype=dtype, device="meta")
-        weights.append(
-            (name, DryTensor(data, Provenance(frozenset({name}), ledger, Root(data)), device))
-        )
+        mask = torch.empty(shape, dtype=torch.uint8, device="meta")
+        prov = Provenance(frozenset({name}), ledger, Root(data), device=device)
+        weights.append((name, StagedTensor(data, mask, prov)))
         ledger.recorder.expect(name)
     reported: set[str] = set()
-    frame = Frame(_DryGuard(ledger))
+    frame = Frame(Guard(ledger))
     try:
         # Not a ``with`` block: an exception raised as its exit starts would leave the guard
         # on this thread's mode stack, skipping (or refusing) every later write. Every step
@@ -689,8 +290,9 @@ def _dry_run(
             frame.leave()
     except _Stop:
         pass
-    except LoaderContractError as error:  # refused by the loader itself (a transformed weight)
-        ledger.halt("unlearnable", f"the loader refused it: {error}")
+    except LoaderContractError as error:  # ours, or the loader's own (a transformed weight)
+        if all(error is not ours for ours in ledger.refusals):
+            ledger.halt("unlearnable", f"the loader refused it: {error}")
     except Exception as error:
         ledger.halt("deferred", f"the loader raised {type(error).__name__}: {error}")
     finally:
@@ -700,6 +302,9 @@ def _dry_run(
         finally:
             frame.leave()
             ledger.open = False
+    if ledger.refusals:  # what a patch load refuses (even if the loader caught it)
+        ledger.halt("unlearnable", str(ledger.refusals[0]))
+        ledger.refusals.clear()  # (their tracebacks hold the loader's frames, dry data too)
     left_open = frame.left_open()
     if left_open is not None:
         ledger.halt("unlearnable", f"{left_open}: a patch load refuses that")
@@ -721,7 +326,7 @@ def _dry_run(
     if kept:
         ledger.halt(
             "unlearnable",
-            f"the loader kept {_label(frozenset(kept))} after returning (a cache, an "
+            f"the loader kept {label(frozenset(kept))} after returning (a cache, an "
             "attribute): a patch load refuses that",
             kept,
         )
@@ -778,12 +383,7 @@ def _alone(
     route = one.routes.get(name)
     if route is None:
         return one.verdicts.get(name, ("deferred", LOADED_WITH_OTHERS))
-    if route.segments != segments:
-        return (
-            "deferred",
-            "the loader copies it differently alone than together with the other names",
-        )
-    return route
+    return route if route.segments == segments else _DIFFERENT
 
 
 @without_grad
@@ -791,8 +391,7 @@ def learn(
     module: torch.nn.Module, index: ModelIndex, specs: list[Spec]
 ) -> dict[str, Route | tuple[_Status, str]]:
     """Every spec's route, or why it has none, by dry runs of the loader (see `_learn`)."""
-    device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
-    return _learn(module, index, specs, device)
+    return _learn(module, index, specs, _device(index))
 
 
 def learn_alone(
@@ -802,9 +401,13 @@ def learn_alone(
 
     Learnt by a dry run of the name alone (see `_alone`); `None` if it has none.
     """
-    device = next((t.device for t in index.tensors.values()), torch.device("cpu"))
-    found = _alone(module, index, spec, device, tuple(segments))
+    found = _alone(module, index, spec, _device(index), tuple(segments))
     return found if isinstance(found, Route) else None
+
+
+def _device(index: ModelIndex) -> torch.device:
+    """The device a dry tensor claims: the model's."""
+    return next((t.device for t in index.tensors.values()), torch.device("cpu"))
 
 
 def _learn(
@@ -841,14 +444,8 @@ def _learn(
             found.update({**together.verdicts, **together.routes})
             for name, segments in together.alone.items():  # the fills of its run alone
                 route = learnt[name]
-                found[name] = (
-                    route
-                    if isinstance(route, Route) and route.segments == segments
-                    else (
-                        "deferred",
-                        "the loader copies it differently alone than together with the other names",
-                    )
-                )
+                same = isinstance(route, Route) and route.segments == segments
+                found[name] = route if same else _DIFFERENT
     return found
 
 
@@ -856,31 +453,19 @@ def _checked_specs(specs: object) -> list[Spec]:
     checked: list[Spec] = []
     problems = []
     if not isinstance(specs, Iterable) or isinstance(specs, (str, bytes)):
-        raise InvalidPatchTypeError(
-            [
-                PatchProblem(
-                    None,
-                    "",
-                    f"RouteCache.warm takes (name, shape, dtype) specs; you supplied {specs!r:.80}",
-                    is_type_error=True,
-                )
-            ]
-        )
+        said = f"RouteCache.warm takes (name, shape, dtype) specs; you supplied {specs!r:.80}"
+        raise InvalidPatchTypeError([PatchProblem(None, "", said, is_type_error=True)])
     for position, spec in enumerate(specs):
         try:
             name, shape, dtype = spec
             dims = tuple(int(d) for d in shape)
         except (TypeError, ValueError):
-            problems.append(
-                PatchProblem(position, "", f"is not a (name, shape, dtype) spec: {spec!r:.80}")
-            )
+            said = f"is not a (name, shape, dtype) spec: {spec!r:.80}"
+            problems.append(PatchProblem(position, "", said))
             continue
         if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
-            problems.append(
-                PatchProblem(
-                    position, str(name), f"needs a str name and a torch.dtype: {spec!r:.80}"
-                )
-            )
+            said = f"needs a str name and a torch.dtype: {spec!r:.80}"
+            problems.append(PatchProblem(position, str(name), said))
         elif any(d < 0 for d in dims):
             problems.append(PatchProblem(position, name, f"has a negative dimension {dims}"))
         elif any(name == other for other, _, _ in checked):

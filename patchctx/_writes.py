@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -35,7 +35,7 @@ from patchctx._errors import CastKindError, LoaderContractError
 from patchctx._geometry import Fill, Geometry, Holder
 from patchctx._kinds import kind_of, same_kind
 from patchctx._recording import Recorder
-from patchctx._staged import StagedTensor
+from patchctx._staged import StagedTensor, label
 from patchctx._undo import UndoLog
 
 __all__ = ["Constant", "ModelIndex", "Span", "WriteLedger", "span_of", "storage_key"]
@@ -218,145 +218,29 @@ class MaskedWrite:
     names: frozenset[str]
 
 
-def _label(names: frozenset[str]) -> str:
-    return ", ".join(map(repr, sorted(names)))
+class Lineage:
+    """Where the loader's plain tensors come from: model tensors, dense data, constants alone.
 
+    A value read out of one computed from model tensors is theirs; constants may meet kept
+    positions.
+    """
 
-class WriteLedger:
-    """Admits, logs and checks every write of one loader call (any thread; see module doc)."""
-
-    def __init__(
-        self,
-        index: ModelIndex,
-        undo: UndoLog,
-        recorder: Recorder,
-        *,
-        log_plain: bool,
-        compact: bool = True,
-        loading: frozenset[str] = frozenset(),
-        dtypes: Mapping[str, torch.dtype] | None = None,
-        kind_casts: bool = True,
-    ) -> None:
-        self.index, self.undo, self.recorder = index, undo, recorder
-        self.loading = loading  # the checkpoint names of this call, for messages
-        # The call's accounting: each name's checkpoint dtype (a write into a weight of
-        # another kind is refused unless `kind_casts`), and the names whose data reached a
-        # model tensor (a name that reaches none was skipped by the loader).
-        self.dtypes = dict(dtypes or {})
-        self.kind_casts = kind_casts
-        self.consumed: set[str] = set()
-        # Dense data handed to the loader as plain tensors (no ``atomic``): their storages, and
-        # the tensors the loader computed from them in its thread, with their names.
+    def __init__(self, index: ModelIndex) -> None:
+        self.index = index
+        # Dense data handed to the loader as plain tensors: their storages, and the tensors the
+        # loader computed from them in its thread, with their names (on the computed tensors
+        # themselves, under this call's own token: no weak references, whose callbacks an
+        # interrupt could hit).
         self.sources: dict[int, set[str]] = {}
-        # (On the computed tensors themselves, under this call's own token: no weak
-        # references, whose callbacks an interrupt could hit.)
         self._token = object()
-        self.log_plain = log_plain  # save old values of plain writes (sparse calls, atomic)
-        # Masked writes: save the old values at the changed positions only (O(changed), what
-        # atomic=True promises to hold until the call returns), or the whole written view (one
-        # memcpy, much faster than finding the positions, for a log dropped after the call).
-        self.compact = compact
-        self.thread = threading.get_ident()
-        self.open = True
-        # Every refusal raised during the load, in any thread: a loader that catches one and
-        # carries on has acted on data it could not see, so the load fails all the same.
-        self.refusals: list[LoaderContractError] = []
-        self.plain: list[_Plain] = []
-        self.masked: list[MaskedWrite] = []
-        self.born: weakref.WeakSet[StagedTensor] = weakref.WeakSet()
-        # The storages of the caller's dense patch values, handed to the loader as they are
-        # (no copy): the loader's in-place writes into them are undone when the call ends,
-        # so the caller's patches stay what they sent (a retry, a second replica).
-        self.inputs: set[int] = set()
-        self.input_undo = UndoLog()
         # Tensors the loader computed from model tensors in its thread (a comparison, a cast,
         # ``nonzero``), with those model tensors: a value read out of one is theirs.
         self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Plain tensors the loader made during the call from nothing but constants (a
-        # factory, a literal, or an operation on such tensors alone), as the guard saw them
-        # in the loader's thread: they may meet positions a patch keeps (`is_constant`). By
-        # identity, held weakly; by storage, what a write with other inputs invalidates.
+        # factory, a literal, or an operation on such tensors alone). By identity, held
+        # weakly; by storage, what a write with other inputs invalidates.
         self._constants: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._constant_storages: dict[int, list[weakref.ref[torch.Tensor]]] = {}
-        self._lock = threading.RLock()
-
-    # -- masked writes (patchctx._staged.Ledger) -------------------------------------------
-
-    def admit(
-        self, destination: torch.Tensor, names: frozenset[str], how: str, *, dense: bool
-    ) -> bool:
-        with self._lock:
-            if not self.open:
-                raise LoaderContractError(
-                    f"staged data of {_label(names)} is written with {how} after its load "
-                    "finished (the loader kept it, or another thread wrote it late): it holds "
-                    "'keep' marks, not weights; nothing was written"
-                )
-            if not destination.numel():
-                return False  # nothing is written into an empty tensor (it owns no storage)
-            owner = self.index.owner(destination)
-            if owner is None:
-                self.index.refuse_aliased(destination, f"the loader, with {how},")
-            if owner is None and dense:
-                return False  # dense data is exact anywhere: a temporary of the loader's
-            if owner is None:
-                raise LoaderContractError(
-                    f"the loader writes staged data of {_label(names)} with {how} into a plain "
-                    f"tensor ({tuple(destination.shape)} {destination.dtype}) that is not a "
-                    "parameter or buffer of the model: the positions the patch does not change "
-                    "would hold no value there. Copy into the model's own tensors, or make the "
-                    "temporary from the staged tensor (w.clone(), torch.empty_like(w)); "
-                    "nothing was written"
-                    + (
-                        f". The model holds tensors of a subclass with a dispatch of its own "
-                        f"({', '.join(map(repr, self.index.wrapped[:3]))}...): a write into "
-                        "one lands in its inner tensors, so such a tensor takes dense patches "
-                        "only"
-                        if self.index.wrapped
-                        else ""
-                    )
-                )
-            self.index.refuse_protected(destination, f"the patch to {_label(names)}")
-            self._reached(destination, owner.name, names)
-            if dense:
-                return True
-            span = span_of(destination, storage_key(destination) or 0)
-            for earlier in self.plain:
-                if earlier.span.overlaps(span):
-                    raise LoaderContractError(
-                        f"the loader wrote into {earlier.owner!r} with {earlier.how} before "
-                        f"writing staged data of {_label(names)} over the same bytes: the "
-                        "positions the patch does not change would keep the loader's values "
-                        "instead of the model's. Send this tensor as a dense patch; nothing "
-                        "was written"
-                    )
-            return True
-
-    def _reached(self, destination: torch.Tensor, owner: str, names: frozenset[str]) -> None:
-        """Data of `names` is about to be written into the model tensor `destination`.
-
-        Kinds compare against the model tensor's own dtype and the view's: a view of it as
-        bytes or as integers of the same width (a bit-exact reinterpretation), or the real
-        part of a complex one, is not a cast.
-        """
-        if not self.kind_casts:
-            found = self.index.owner(destination)
-            weight = destination.dtype if found is None else found.tensor.dtype
-            for name in sorted(names):
-                dtype = self.dtypes.get(name)
-                if (
-                    dtype is not None
-                    and not same_kind(dtype, weight)
-                    and not same_kind(dtype, destination.dtype)  # (.imag, .real of a complex)
-                ):
-                    raise CastKindError(
-                        f"the patch to {name!r} ({str(dtype).removeprefix('torch.')}) would be "
-                        f"cast into a {kind_of(weight)} weight ({owner!r}, "
-                        f"{str(weight).removeprefix('torch.')}): a cast across kinds changes "
-                        "what the values mean. Send it in the weight's kind, or pass "
-                        "kind_casts=True; nothing was written"
-                    )
-        self.consumed |= names
 
     def dense_source(self, key: int, name: str) -> None:
         """A dense patch's plain data, in the storage with data pointer `key`."""
@@ -374,134 +258,15 @@ class WriteLedger:
                 found |= mark[1]
         return frozenset(found)
 
-    def plain_sources(
-        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], result: object
-    ) -> None:
-        """An operation of the loader's on plain tensors: follow the dense patches' data.
-
-        Into model tensors (`targets`), their names are consumed (after the kind check);
-        into anything else, the result carries them on.
-        """
-        names = self.source_names(inputs)
-        if not names:
-            return
-        if targets:
-            for target in targets:
-                owner = self.index.owner(target)
-                if owner is not None:
-                    self._reached(target, owner.name, names)
-            return
+    def carry(self, result: object, names: frozenset[str]) -> None:
+        """The plain tensors of `result` carry the dense patches `names` on."""
         for output in _ops.tensors_in(result):
             if self.index.owner(output) is None and not isinstance(output, StagedTensor):
                 setattr(output, _SOURCES, (self._token, names))
 
-    def log_masked(
-        self,
-        destination: torch.Tensor,
-        update: torch.Tensor | None,
-        source: StagedTensor | None,
-        names: frozenset[str],
-        *,
-        dense: bool = False,
-    ) -> None:
-        with self._lock:
-            owner = self.index.owner(destination)
-            if owner is None:
-                return  # dense data into a temporary of the loader's
-            key = storage_key(destination)
-            assert key is not None
-            span = span_of(destination, key)
-            if dense:
-                self.plain.append(
-                    _Plain(span, owner.name, f"the dense patch to {_label(names)}", False)
-                )
-                if self.log_plain:
-                    self.undo.save_view(destination)
-                return
-            self.masked.append(MaskedWrite(span, owner.name, names))
-            if update is None or not self.compact:  # every position, or a short-lived log
-                self.undo.save_view(destination)
-            else:
-                where = update.nonzero()
-                strides = torch.tensor(destination.stride(), device=destination.device)
-                positions = (where * strides).sum(1) + int(destination.storage_offset())
-                self.undo.save_positions(destination, positions)
-            if threading.get_ident() != self.thread:
-                self.recorder.unprovable(names, "the loader wrote it from another thread")
-            elif source is None:
-                self.recorder.unprovable(names, "the loader wrote it with an indexed write")
-            else:
-                holders = self.index.holders(destination)
-                self.recorder.segment(
-                    source, destination, owner.name, key, owner.tensor, span, holders
-                )
-
-    def unprovable(self, names: frozenset[str], reason: str) -> None:
-        with self._lock:
-            self.recorder.unprovable(names, reason)
-
-    # -- plain writes and reads (the guard, in the loader's thread) -------------------------
-
-    def plain_write(self, target: torch.Tensor, how: str, *, constant: Constant | None) -> None:
-        """Before the loader's own write into `target` (a model tensor): check and log it.
-
-        Args:
-            target: The tensor written.
-            how: The operation, for messages.
-            constant: The value of a constant fill (``fill_``, ``zero_``), `None` for any
-                other write.
-        """
-        owner = self.index.owner(target)
-        if owner is None:
-            return
-        self.index.refuse_protected(
-            target, f"the loader (loading {_label(self.loading)}, with {how})"
-        )
-        key = storage_key(target)
-        assert key is not None
-        span = span_of(target, key)
-        fill = None
-        if constant is not None and target.numel():  # (an empty view: nothing to make again)
-            fill = Fill(
-                Geometry.of(target),
-                target.dtype,
-                constant,
-                owner.name,
-                key,
-                owner.tensor.dtype,
-                Geometry.of(owner.tensor),
-                self.index.holders(target),
-            )
-        with self._lock:
-            for earlier in self.masked:
-                if earlier.span.overlaps(span):
-                    if constant is None:
-                        raise LoaderContractError(
-                            f"the loader changes {owner.name!r} with {how} after writing staged "
-                            f"data of {_label(earlier.names)} into the same bytes: the positions "
-                            "the patch does not change would be changed again. Send this tensor "
-                            "as a dense patch; nothing was written"
-                        )
-                    self.recorder.unprovable(
-                        earlier.names, f"the loader overwrites part of it with {how}"
-                    )
-            self.plain.append(_Plain(span, owner.name, how, constant is not None, fill))
-            if self.log_plain:
-                self.undo.save_view(target)
-
-    def host_read(self, tensor: torch.Tensor) -> None:
-        """The loader reads `tensor` out of torch (``.item()``): the model tensors it is of."""
-        if self.sources:  # a dense patch's values, taken by the loader (to write itself)
-            self.consumed |= self.source_names([tensor])
-        sources = self._sources([tensor])
-        if sources:
-            with self._lock:
-                for read in sources:
-                    self.recorder.host_read(read.name, read.tensor)
-
     def derive(self, inputs: list[torch.Tensor], result: object) -> None:
         """The loader computed `result` from `inputs`: note the model tensors it comes from."""
-        sources = self._sources(inputs)
+        sources = self.origins(inputs)
         if sources:
             for output in _ops.tensors_in(result):
                 if self.index.owner(output) is None:
@@ -539,7 +304,7 @@ class WriteLedger:
                 if held is not None and held in constants:
                     del constants[held]
 
-    def _sources(self, tensors: list[torch.Tensor]) -> tuple[Owner, ...]:
+    def origins(self, tensors: list[torch.Tensor]) -> tuple[Owner, ...]:
         """The model tensors `tensors` are views of or were computed from."""
         found: list[Owner] = []
         for tensor in tensors:
@@ -549,18 +314,136 @@ class WriteLedger:
             found += self.derived.get(tensor, ())  # type: ignore[no-untyped-call]
         return tuple(found)
 
-    def input_write(self, target: torch.Tensor) -> None:
-        """Before the loader writes `target` in place: save it if it is a caller's input."""
-        if self.inputs and storage_key(target) in self.inputs:
-            with self._lock:
-                self.input_undo.save_view(target)
 
-    def restore_inputs(self) -> None:
-        """Put back every caller's input the loader wrote in place (idempotent)."""
-        self.input_undo.restore()
+class WriteLog:
+    """The writes of one loader call into the model, masked and plain, and their checks.
 
-    def read(self, tensor: torch.Tensor) -> None:
-        """The loader reads `tensor`: a weight it has written from staged data feeds another."""
+    Each is logged before it happens (old values, `UndoLog`) and offered to the recorder.
+    """
+
+    performs = True  # False for a dry run's ledger: writes checked and logged, not done
+
+    loading: frozenset[str] = frozenset()  # the checkpoint names of the call, for messages
+
+    def __init__(
+        self, index: ModelIndex, undo: UndoLog, recorder: Recorder, log_plain: bool, compact: bool
+    ) -> None:
+        self.index, self.undo, self.recorder = index, undo, recorder
+        self.log_plain = log_plain  # save old values of plain writes (sparse calls, atomic)
+        # Masked writes: save the old values at the changed positions only (O(changed), what
+        # atomic=True promises to hold until the call returns), or the whole written view (one
+        # memcpy, much faster than finding the positions, for a log dropped after the call).
+        self.compact = compact
+        self.thread = threading.get_ident()
+        self.plain: list[_Plain] = []
+        self.masked: list[MaskedWrite] = []
+        self._lock = threading.RLock()
+
+    def log_masked(
+        self,
+        destination: torch.Tensor,
+        update: torch.Tensor | None,
+        source: StagedTensor | None,
+        names: frozenset[str],
+        *,
+        dense: bool = False,
+    ) -> None:
+        with self._lock:
+            owner = self.index.owner(destination)
+            if owner is None:
+                return  # dense data into a temporary of the loader's
+            key = storage_key(destination)
+            assert key is not None
+            span = span_of(destination, key)
+            if dense:
+                self.plain.append(
+                    _Plain(span, owner.name, f"the dense patch to {label(names)}", False)
+                )
+                if self.log_plain:
+                    self.undo.save_view(destination)
+                return
+            self.masked.append(MaskedWrite(span, owner.name, names))
+            if not self.performs:
+                pass  # (a dry run: nothing is written, nothing to undo)
+            elif update is None or not self.compact:  # every position, or a short-lived log
+                self.undo.save_view(destination)
+            else:
+                where = update.nonzero()
+                strides = torch.tensor(destination.stride(), device=destination.device)
+                positions = (where * strides).sum(1) + int(destination.storage_offset())
+                self.undo.save_positions(destination, positions)
+            if threading.get_ident() != self.thread:
+                self.recorder.unprovable(names, "the loader wrote it from another thread")
+            elif source is None:
+                self.recorder.unprovable(names, "the loader wrote it with an indexed write")
+            else:
+                holders = self.index.holders(destination)
+                self.recorder.segment(
+                    source, destination, owner.name, key, owner.tensor, span, holders
+                )
+
+    def unprovable(self, names: frozenset[str], reason: str) -> None:
+        with self._lock:
+            self.recorder.unprovable(names, reason)
+
+    def cannot_follow(self, func: object, error: Exception, names: frozenset[str]) -> None:
+        """An operation on staged data raised: it goes up to the loader as it is."""
+
+    def skip(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[Any]
+    ) -> Any:
+        """A dry run's own write into the model: checked and logged, not done (`performs`)."""
+        raise NotImplementedError
+
+    def plain_write(self, target: torch.Tensor, how: str, *, constant: Constant | None) -> None:
+        """Before the loader's own write into `target` (a model tensor): check and log it.
+
+        Args:
+            target: The tensor written.
+            how: The operation, for messages.
+            constant: The value of a constant fill (``fill_``, ``zero_``), `None` for any
+                other write.
+        """
+        owner = self.index.owner(target)
+        if owner is None:
+            return
+        self.index.refuse_protected(
+            target, f"the loader (loading {label(self.loading)}, with {how})"
+        )
+        key = storage_key(target)
+        assert key is not None
+        span = span_of(target, key)
+        fill = None
+        if constant is not None and target.numel():  # (an empty view: nothing to make again)
+            fill = Fill(
+                Geometry.of(target),
+                target.dtype,
+                constant,
+                owner.name,
+                key,
+                owner.tensor.dtype,
+                Geometry.of(owner.tensor),
+                self.index.holders(target),
+            )
+        with self._lock:
+            for earlier in self.masked:
+                if earlier.span.overlaps(span):
+                    if constant is None:
+                        raise LoaderContractError(
+                            f"the loader changes {owner.name!r} with {how} after writing staged "
+                            f"data of {label(earlier.names)} into the same bytes: the positions "
+                            "the patch does not change would be changed again. Send this tensor "
+                            "as a dense patch; nothing was written"
+                        )
+                    self.recorder.unprovable(
+                        earlier.names, f"the loader overwrites part of it with {how}"
+                    )
+            self.plain.append(_Plain(span, owner.name, how, constant is not None, fill))
+            if self.log_plain:
+                self.undo.save_view(target)
+
+    def read(self, tensor: torch.Tensor, how: object) -> None:
+        """The loader reads `tensor` (`how`): a weight written from staged data feeds another."""
         if not self.masked:
             return
         key = storage_key(tensor)
@@ -576,10 +459,6 @@ class WriteLedger:
                         "copy that replay would not update)",
                     )
 
-    def close(self) -> None:
-        with self._lock:
-            self.open = False
-
     def other_writes(self) -> list[_Plain]:
         """The loader's own writes that replay would skip (not constant fills)."""
         return [write for write in self.plain if not write.constant]
@@ -587,3 +466,173 @@ class WriteLedger:
     def constants(self) -> list[tuple[Span, Fill]]:
         """The loader's constant fills of at least one element, in order, with their bytes."""
         return [(write.span, write.fill) for write in self.plain if write.fill is not None]
+
+
+class WriteLedger(WriteLog):
+    """Admits, logs and checks every write of one loader call (any thread; see module doc)."""
+
+    def __init__(
+        self,
+        index: ModelIndex,
+        undo: UndoLog,
+        recorder: Recorder,
+        *,
+        log_plain: bool,
+        compact: bool = True,
+        loading: frozenset[str] = frozenset(),
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        kind_casts: bool = True,
+    ) -> None:
+        super().__init__(index, undo, recorder, log_plain, compact)
+        self.loading = loading
+        # The call's accounting: each name's checkpoint dtype (a write into a weight of
+        # another kind is refused unless `kind_casts`), and the names whose data reached a
+        # model tensor (a name that reaches none was skipped by the loader).
+        self.dtypes = dict(dtypes or {})
+        self.kind_casts = kind_casts
+        self.consumed: set[str] = set()
+        self.lineage = Lineage(index)
+        self.open = True
+        # Every refusal raised during the load, in any thread: a loader that catches one and
+        # carries on has acted on data it could not see, so the load fails all the same.
+        self.refusals: list[LoaderContractError] = []
+        self.born: weakref.WeakSet[StagedTensor] = weakref.WeakSet()
+        # The storages of the caller's dense patch values, handed to the loader as they are
+        # (no copy): the loader's in-place writes into them are undone when the call ends,
+        # so the caller's patches stay what they sent (a retry, a second replica).
+        self.inputs: set[int] = set()
+        self.input_undo = UndoLog()
+
+    # -- masked writes (patchctx._staged.Ledger) -------------------------------------------
+
+    def admit(
+        self, destination: torch.Tensor, names: frozenset[str], how: str, *, dense: bool
+    ) -> bool:
+        with self._lock:
+            if not self.open:
+                raise LoaderContractError(
+                    f"staged data of {label(names)} is written with {how} after its load "
+                    "finished (the loader kept it, or another thread wrote it late): it holds "
+                    "'keep' marks, not weights; nothing was written"
+                )
+            if not destination.numel():
+                return False  # nothing is written into an empty tensor (it owns no storage)
+            owner = self.index.owner(destination)
+            if owner is None:
+                self.index.refuse_aliased(destination, f"the loader, with {how},")
+            if owner is None and dense:
+                return False  # dense data is exact anywhere: a temporary of the loader's
+            if owner is None:
+                raise LoaderContractError(
+                    f"the loader writes staged data of {label(names)} with {how} into a plain "
+                    f"tensor ({tuple(destination.shape)} {destination.dtype}) that is not a "
+                    "parameter or buffer of the model: the positions the patch does not change "
+                    "would hold no value there. Copy into the model's own tensors, or make the "
+                    "temporary from the staged tensor (w.clone(), torch.empty_like(w)); "
+                    "nothing was written"
+                    + (
+                        f". The model holds tensors of a subclass with a dispatch of its own "
+                        f"({', '.join(map(repr, self.index.wrapped[:3]))}...): a write into "
+                        "one lands in its inner tensors, so such a tensor takes dense patches "
+                        "only"
+                        if self.index.wrapped
+                        else ""
+                    )
+                )
+            self.index.refuse_protected(destination, f"the patch to {label(names)}")
+            self._reached(destination, owner.name, names)
+            if dense:
+                return True
+            span = span_of(destination, storage_key(destination) or 0)
+            for earlier in self.plain:
+                if earlier.span.overlaps(span):
+                    raise LoaderContractError(
+                        f"the loader wrote into {earlier.owner!r} with {earlier.how} before "
+                        f"writing staged data of {label(names)} over the same bytes: the "
+                        "positions the patch does not change would keep the loader's values "
+                        "instead of the model's. Send this tensor as a dense patch; nothing "
+                        "was written"
+                    )
+            return True
+
+    def _reached(self, destination: torch.Tensor, owner: str, names: frozenset[str]) -> None:
+        """Data of `names` is about to be written into the model tensor `destination`.
+
+        Kinds compare against the model tensor's own dtype and the view's: a view of it as
+        bytes or as integers of the same width (a bit-exact reinterpretation), or the real
+        part of a complex one, is not a cast.
+        """
+        if not self.kind_casts:
+            found = self.index.owner(destination)
+            weight = destination.dtype if found is None else found.tensor.dtype
+            for name in sorted(names):
+                dtype = self.dtypes.get(name)
+                if (
+                    dtype is not None
+                    and not same_kind(dtype, weight)
+                    and not same_kind(dtype, destination.dtype)  # (.imag, .real of a complex)
+                ):
+                    raise CastKindError(
+                        f"the patch to {name!r} ({str(dtype).removeprefix('torch.')}) would be "
+                        f"cast into a {kind_of(weight)} weight ({owner!r}, "
+                        f"{str(weight).removeprefix('torch.')}): a cast across kinds changes "
+                        "what the values mean. Send it in the weight's kind, or pass "
+                        "kind_casts=True; nothing was written"
+                    )
+        self.consumed |= names
+
+    def values_read(self, names: frozenset[str], what: str) -> None:
+        """The loader takes values of `names` out of torch: no route, and they are consumed."""
+        with self._lock:
+            self.recorder.unprovable(names, f"the loader read values with {what}")
+            self.consumed |= names  # (it may write them itself)
+
+    def is_constant(self, tensor: torch.Tensor) -> bool:
+        """Whether the loader made `tensor` from constants alone, in this call (`Lineage`)."""
+        return self.lineage.is_constant(tensor)
+
+    # -- the loader's plain tensors (the guard, in the loader's thread) ---------------------
+
+    def dense_source(self, key: int, name: str) -> None:
+        """A dense patch's plain data, in the storage with data pointer `key`."""
+        self.lineage.dense_source(key, name)
+
+    def plain_sources(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], result: object
+    ) -> None:
+        """An operation of the loader's on plain tensors: follow the dense patches' data.
+
+        Into model tensors (`targets`), their names are consumed (after the kind check);
+        into anything else, the result carries them on.
+        """
+        names = self.lineage.source_names(inputs)
+        if names and not targets:
+            self.lineage.carry(result, names)
+        for target in targets if names else []:
+            owner = self.index.owner(target)
+            if owner is not None:
+                self._reached(target, owner.name, names)
+
+    def host_read(self, tensor: torch.Tensor) -> None:
+        """The loader reads `tensor` out of torch (``.item()``): the model tensors it is of."""
+        if self.lineage.sources:  # a dense patch's values, taken by the loader (to write them)
+            self.consumed |= self.lineage.source_names([tensor])
+        sources = self.lineage.origins([tensor])
+        if sources:
+            with self._lock:
+                for read in sources:
+                    self.recorder.host_read(read.name, read.tensor)
+
+    def input_write(self, target: torch.Tensor) -> None:
+        """Before the loader writes `target` in place: save it if it is a caller's input."""
+        if self.inputs and storage_key(target) in self.inputs:
+            with self._lock:
+                self.input_undo.save_view(target)
+
+    def restore_inputs(self) -> None:
+        """Put back every caller's input the loader wrote in place (idempotent)."""
+        self.input_undo.restore()
+
+    def close(self) -> None:
+        with self._lock:
+            self.open = False

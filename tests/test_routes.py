@@ -811,7 +811,7 @@ class Counted(Layer):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = list(weights)
-        if any(type(tensor).__name__ == "DryTensor" for _, tensor in weights):
+        if any("dry" in repr(tensor) for _, tensor in weights):
             self.dry += 1
         else:
             self.real += 1

@@ -27,7 +27,7 @@ from patchctx._model import SupportsLoadWeights
 from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteStats
-from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
+from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, ReservedBits
 from patchctx._warm import WarmReport, WarmRow
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the docs
@@ -56,30 +56,20 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the 
 # use: a worker that only applies patches never loads them (``import patchctx`` stays the core;
 # tools/structure.py counts it).
 _LAZY: dict[str, str] = {
-    "AuditReport": "patchctx._audit",
-    "AuditRow": "patchctx._audit",
-    "LowByteDetector": "patchctx._lowbyte",
-    "PositionEncoding": "patchctx._storage",
-    "PreparedUpdate": "patchctx._storage",
-    "PublishedVersion": "patchctx._storage",
-    "StorageFollower": "patchctx._storage",
-    "StoragePublisher": "patchctx._storage",
-    "StoredPatch": "patchctx._storage",
-    "StoredUpdateError": "patchctx._storage",
-    "TensorShard": "patchctx._shards",
-    "UpdateCost": "patchctx._cost",
-    "UpdateManifest": "patchctx._storage",
-    "WireEncoding": "patchctx._encoding",
-    "audit": "patchctx._audit",
-    "diff_state_dicts": "patchctx._diff",
-    "iter_diff_state_dicts": "patchctx._diff",
-    "load_patches": "patchctx._storage",
-    "patch_nbytes": "patchctx._diff",
-    "prepare": "patchctx._prepare",
-    "read_manifest": "patchctx._storage",
-    "save_patches": "patchctx._storage",
-    "wire_encoding": "patchctx._encoding",
-    "wire_sizes": "patchctx._encoding",
+    name: f"patchctx.{module}"
+    for module, names in {
+        "_audit": "AuditReport AuditRow audit",
+        "_cost": "UpdateCost",
+        "_diff": "diff_state_dicts iter_diff_state_dicts patch_nbytes",
+        "_encoding": "WireEncoding wire_encoding wire_sizes",
+        "_lowbyte": "LowByteDetector",
+        "_prepare": "prepare",
+        "_shards": "TensorShard",
+        "_storage": "PositionEncoding PreparedUpdate PublishedVersion StorageFollower "
+        "StoragePublisher StoredPatch StoredUpdateError UpdateManifest load_patches "
+        "read_manifest save_patches",
+    }.items()
+    for name in names.split()
 }
 
 
@@ -133,6 +123,7 @@ __all__ = [
     "PublishedVersion",
     "RegionError",
     "RegionTimeoutError",
+    "ReservedBits",
     "RouteCache",
     "RouteStats",
     "SingleCall",

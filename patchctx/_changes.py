@@ -34,7 +34,7 @@ import numpy
 import torch
 from numpy.typing import NDArray
 
-from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask
+from patchctx._strategies import CopyStrategy, ReservedBits
 from patchctx._swap import builtin_copy
 
 __all__ = [
@@ -242,27 +242,34 @@ def _nan_bits(dtype: torch.dtype) -> _NaNBits | None:
 def reserved_test(strategy: CopyStrategy, dtype: torch.dtype) -> ReservedTest | None:
     """How to find reserved values among changed ones; `None` when `strategy` reserves none.
 
-    patchctx's own strategies get a test on the bits (a few integer passes over a block);
-    any other strategy is asked through its `reserved_values`.
+    A strategy that says its reserved values as bits (``reserved_bits``, `ReservedBits`: the
+    built-ins do) gets a test on the bits, a few integer passes over a block; any other, or
+    one whose bits have no such test here (NaN of a float8 dtype), is asked through its
+    `reserved_values`.
     """
-    kind = type(strategy)
-    if kind is BoolMask:
-        return None
-    if kind is Auto:
-        assert isinstance(strategy, Auto)
-        resolved: CopyStrategy = strategy.resolve(dtype)
-        kind = type(resolved)
-    else:
-        resolved = strategy
-    if kind is NaNMask:
+    said = getattr(strategy, "reserved_bits", None)
+    bits = said(dtype) if callable(said) else None
+    if not isinstance(bits, ReservedBits):
+        return _AskStrategy(strategy, dtype)
+    if bits.nan:
         found = _nan_bits(dtype)
-        if found is not None:
-            return found
-    if kind is IntSentinel and not dtype.is_floating_point and not dtype.is_complex:
-        assert isinstance(resolved, IntSentinel)
-        if dtype != torch.bool:
-            return _EqualBits(_as_bits(resolved.sentinel(dtype), dtype.itemsize))
-    return _AskStrategy(strategy, dtype)
+        return _AskStrategy(strategy, dtype) if found is None else found
+    if bits.value is not None:
+        pattern = _value_bits(bits.value, dtype)
+        return _AskStrategy(strategy, dtype) if pattern is None else _EqualBits(pattern)
+    return None
+
+
+def _value_bits(value: int | float, dtype: torch.dtype) -> int | None:
+    """The bits of `value` in `dtype` as its integer view reads them; `None`: no one pattern."""
+    if dtype.is_complex or dtype == torch.bool or dtype.itemsize not in (1, 2, 4, 8):
+        return None
+    if not dtype.is_floating_point:
+        return _as_bits(int(value), dtype.itemsize) if isinstance(value, int) else None
+    cast = torch.tensor([float(value)], dtype=torch.float64).to(dtype)
+    if bool(torch.isnan(cast.to(torch.float64))):
+        return None  # NaN has many patterns: ``nan=True`` says it
+    return int(bits_of(cast).item())
 
 
 # ------------------------------------------------------------------------------- counting

@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, cast, runtime_checkable
+from typing import ClassVar, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -29,6 +29,7 @@ __all__ = [
     "CopyStrategy",
     "IntSentinel",
     "NaNMask",
+    "ReservedBits",
     "indexable",
     "reserved_on_host",
     "scatter_flat",
@@ -44,8 +45,9 @@ class CopyStrategy(Protocol):
     needs no base class, only the methods.
 
     Optional, asked by name: ``reserved_on_host(values, dtype) -> bool`` answers
-    `reserved_values` on the host; a class attribute ``fixed_support = True`` says
-    `unsupported_reason` depends on the dtype alone (answers kept per hashable value).
+    `reserved_values` on the host; ``reserved_bits(dtype)`` says them as `ReservedBits`; a
+    class attribute ``fixed_support = True`` says `unsupported_reason` depends on the dtype
+    alone (answers kept per hashable value). The built-ins have all three.
 
     Examples:
         >>> import torch
@@ -105,6 +107,27 @@ class CopyStrategy(Protocol):
         ...
 
 
+class ReservedBits(NamedTuple):
+    """A strategy's reserved values in one dtype, said as bits (``reserved_bits(dtype)``).
+
+    The diff tests them on raw bits; they must agree with `reserved_values` (``check_strategy``
+    compares), and validation finds NaN on the host by them.
+
+    Attributes:
+        nan: Every NaN of the dtype (any sign and payload) is reserved.
+        value: This value is, by the bits of its cast (a float ``0.0`` is not ``-0.0``).
+
+    Examples:
+        >>> import torch
+        >>> from patchctx import IntSentinel, NaNMask
+        >>> NaNMask().reserved_bits(torch.bfloat16), IntSentinel().reserved_bits(torch.int8)
+        (ReservedBits(nan=True, value=None), ReservedBits(nan=False, value=-128))
+    """
+
+    nan: bool = False
+    value: int | float | None = None
+
+
 # ----------------------------------------------------------------------------------- helpers
 
 
@@ -112,13 +135,19 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
 
 
-def _require_same_shape(strategy: object, destination: torch.Tensor, source: torch.Tensor) -> None:
+def _merge_staged(
+    strategy: object, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
+) -> torch.Tensor | None:
+    """The masked merge of staged data (its own mask), or `None` for a same-shaped plain one."""
+    if isinstance(source, StagedTensor):
+        return _swap.plain_copy(destination, source, non_blocking)
     if destination.shape != source.shape:
         raise LoaderContractError(
             f"{strategy!r}: masked copy_ from a source {_describe(source)} into a destination "
             f"{_describe(destination)}; a masked copy needs the same shape on both sides "
             "(no broadcasting), so the loader's final write must be a same-shaped copy_"
         )
+    return None
 
 
 def _move(source: torch.Tensor, destination: torch.Tensor, non_blocking: bool) -> torch.Tensor:
@@ -127,22 +156,15 @@ def _move(source: torch.Tensor, destination: torch.Tensor, non_blocking: bool) -
     return source
 
 
-def _merge_staged(
-    destination: torch.Tensor, source: torch.Tensor, non_blocking: bool
-) -> torch.Tensor | None:
-    """Data staged by patchctx carries its own mask: its ``copy_`` is the masked merge."""
-    if isinstance(source, StagedTensor):
-        return _swap.plain_copy(destination, source, non_blocking)
-    return None
-
-
-def _check_stage_structure(
+def _stage_filled(
     strategy: CopyStrategy,
     shape: Sequence[int],
     dtype: torch.dtype,
     indices: torch.Tensor,
     values: torch.Tensor,
-) -> int:
+    fill: float,
+) -> torch.Tensor:
+    """A staged tensor holding `values` at `indices` and "keep" (values `fill`) elsewhere."""
     problems: list[str] = []
     if not isinstance(dtype, torch.dtype):
         raise InvalidPatchTypeError(
@@ -163,19 +185,6 @@ def _check_stage_structure(
         problems.append(f"indices must be int32 or int64, got {indices.dtype}")
     if problems:
         raise InvalidPatchError(f"{strategy!r}.stage: " + "; ".join(problems))
-    return math.prod(int(d) for d in shape)
-
-
-def _stage_filled(
-    strategy: CopyStrategy,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    indices: torch.Tensor,
-    values: torch.Tensor,
-    fill: float,
-) -> torch.Tensor:
-    """A staged tensor holding `values` at `indices` and "keep" (values `fill`) elsewhere."""
-    _check_stage_structure(strategy, shape, dtype, indices, values)
     return stage(shape, dtype, indices, values, fill=fill)
 
 
@@ -289,19 +298,8 @@ class NaNMask:
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return f"NaN (NaNMask reserves NaN in {dtype} to mean 'keep the destination')"
 
-    def reserved_on_host(self, values: torch.Tensor, dtype: torch.dtype) -> bool:
-        """`reserved_values` on the host: `math.isnan`, torch's amax or the bits, by count."""
-        if values.dtype is dtype and dtype in _NAN_BY_AMAX:
-            count = values.numel()
-            if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
-                # A few values as Python floats (NaN stays NaN): no tensor operation at all.
-                return any(map(math.isnan, values.tolist()))
-            if count <= _AMAX_UP_TO and values.is_cpu:
-                # amax propagates NaN: one reduction, below torch's grain size (one thread).
-                return bool(torch.isnan(values.amax())) if count else False
-            if nan_bits_known(values):
-                return has_nan_bits(values)
-        return bool(self.reserved_values(values, dtype))
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits | None:
+        return ReservedBits(nan=True) if dtype.is_floating_point else None
 
     def stage(
         self,
@@ -319,10 +317,9 @@ class NaNMask:
         *,
         non_blocking: bool = False,
     ) -> torch.Tensor:
-        staged = _merge_staged(destination, source, non_blocking)
+        staged = _merge_staged(self, destination, source, non_blocking)
         if staged is not None:
             return staged
-        _require_same_shape(self, destination, source)
         if not (source.is_floating_point() and destination.is_floating_point()):
             raise LoaderContractError(
                 f"{self!r}: masked copy_ from {_describe(source)} into {_describe(destination)}; "
@@ -419,6 +416,10 @@ class IntSentinel:
                 return values.amax() == sentinel
         return (values == sentinel).any()
 
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits | None:
+        fits = self.unsupported_reason(dtype) is None
+        return ReservedBits(value=self.sentinel(dtype)) if fits else None
+
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return (
             f"{self.sentinel(dtype)} (IntSentinel reserves it in {dtype} to mean "
@@ -441,10 +442,9 @@ class IntSentinel:
         *,
         non_blocking: bool = False,
     ) -> torch.Tensor:
-        staged = _merge_staged(destination, source, non_blocking)
+        staged = _merge_staged(self, destination, source, non_blocking)
         if staged is not None:
             return staged
-        _require_same_shape(self, destination, source)
         if source.dtype != destination.dtype or self.unsupported_reason(source.dtype) is not None:
             raise LoaderContractError(
                 f"{self!r}: masked copy_ from {_describe(source)} into {_describe(destination)}; "
@@ -496,6 +496,9 @@ class BoolMask:
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return "no value (BoolMask reserves none)"
 
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits:
+        return ReservedBits()
+
     def stage(
         self,
         shape: Sequence[int],
@@ -512,9 +515,8 @@ class BoolMask:
         *,
         non_blocking: bool = False,
     ) -> torch.Tensor:
-        staged = _merge_staged(destination, source, non_blocking)
-        if staged is not None:
-            return staged
+        if isinstance(source, StagedTensor):
+            return _swap.plain_copy(destination, source, non_blocking)
         self.update_mask(source)  # raises: a plain tensor has no mask
         raise AssertionError  # pragma: no cover
 
@@ -560,12 +562,11 @@ class Auto:
     def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.resolve(dtype).reserved_values(values, dtype)
 
-    def reserved_on_host(self, values: torch.Tensor, dtype: torch.dtype) -> bool:
-        """`reserved_values` read on the host, by the strategy `dtype` resolves to."""
-        return reserved_on_host(self.resolve(dtype), values, dtype)
-
     def describe_reserved(self, dtype: torch.dtype) -> str:
         return self.resolve(dtype).describe_reserved(dtype)
+
+    def reserved_bits(self, dtype: torch.dtype) -> ReservedBits | None:
+        return self.resolve(dtype).reserved_bits(dtype)
 
     def stage(
         self,
@@ -599,15 +600,28 @@ class Auto:
 
 
 def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """`reserved_values` read on the host: by the strategy's own ``reserved_on_host`` if any."""
+    """`reserved_values` on the host: the strategy's ``reserved_on_host``, else NaN by count."""
     answer = getattr(strategy, "reserved_on_host", None)
     if callable(answer):
         return bool(answer(values, dtype))
+    said = getattr(strategy, "reserved_bits", None)
+    bits = said(dtype) if callable(said) else None
+    nan = isinstance(bits, ReservedBits) and bits.nan and values.dtype is dtype
+    if nan and dtype in _NAN_BY_AMAX:  # by count: Python floats, torch's amax, the bits
+        count = values.numel()
+        if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
+            # A few values as Python floats (NaN stays NaN): no tensor operation at all.
+            return any(map(math.isnan, values.tolist()))
+        if count <= _AMAX_UP_TO and values.is_cpu:
+            # amax propagates NaN: one reduction, below torch's grain size (one thread).
+            return bool(torch.isnan(values.amax())) if count else False
+        if nan_bits_known(values):
+            return has_nan_bits(values)
     return bool(strategy.reserved_values(values, dtype))
 
 
-# The floats whose NaN NaNMask.reserved_on_host finds itself; up to 8192 values by torch's
-# amax (numpy's speed at fp32; `has_nan_bits` reads bf16 faster from about 10K on).
+# The floats whose NaN `reserved_on_host` finds itself; up to 8192 values by torch's amax
+# (numpy's speed at fp32; `has_nan_bits` reads bf16 faster from about 10K on).
 _NAN_BY_AMAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _AMAX_UP_TO = 8192
 

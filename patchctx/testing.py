@@ -25,7 +25,7 @@ import torch
 from patchctx._errors import LoaderContractError, PatchError
 from patchctx._masked_copy import masked_copy
 from patchctx._staged import StagedTensor
-from patchctx._strategies import CopyStrategy
+from patchctx._strategies import CopyStrategy, ReservedBits
 
 __all__ = [
     "DEFAULT_DTYPES",
@@ -353,6 +353,46 @@ def _case_reserved_flag(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
     return check
 
 
+def _case_reserved_bits(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
+    """``reserved_bits`` (optional) says what `reserved_values` says, value by value."""
+
+    def check(strategy: CopyStrategy) -> None:
+        said = getattr(strategy, "reserved_bits", None)
+        bits = said(dtype) if callable(said) else None
+        if bits is None:
+            return  # no fast path: the diff asks reserved_values
+        _require(isinstance(bits, ReservedBits), "reserved_bits must return ReservedBits or None")
+        candidates = [_specials(dtype), _random((64,), dtype, torch.Generator().manual_seed(6))]
+        if dtype.is_floating_point:  # a NaN of the other sign, by its bits
+            candidates.append(torch.tensor([-math.nan], dtype=torch.float64).to(dtype))
+        marker = None
+        if bits.value is not None and not (dtype.is_complex or dtype == torch.bool):
+            if dtype.is_floating_point:  # compared by its bits: 0.0 does not cover -0.0
+                marker = torch.tensor([float(bits.value)], dtype=torch.float64).to(dtype)
+            else:
+                info, at = torch.iinfo(dtype), int(bits.value)
+                near = [v for v in (at - 1, at + 1) if info.min <= v <= info.max]
+                candidates.append(torch.tensor(near, dtype=torch.int64).to(dtype))
+                marker = torch.tensor([at], dtype=torch.int64).to(dtype)
+            candidates.append(marker)
+        elif bits.value is not None:
+            return  # complex and bool: the diff asks reserved_values, whatever the bits say
+        every = torch.cat(candidates)
+        for value in (every[k : k + 1] for k in range(every.numel())):
+            if bits.nan:
+                claimed = bool(torch.isnan(value).any())
+            else:
+                claimed = marker is not None and torch.equal(_bits(value), _bits(marker))
+            answer = bool(strategy.reserved_values(value, dtype))
+            _require(
+                claimed == answer,
+                f"reserved_bits says {bits} but reserved_values says {answer} for "
+                f"{value.item()!r}: they must agree",
+            )
+
+    return check
+
+
 def _case_unsupported(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
     def check(strategy: CopyStrategy) -> None:
         reason = strategy.unsupported_reason(dtype)
@@ -385,7 +425,7 @@ def conformance_cases(
         >>> from patchctx.testing import conformance_cases
         >>> cases = conformance_cases(NaNMask(), [torch.bfloat16, torch.int8])
         >>> len(cases), cases[0].id, cases[-1].id
-        (11, 'stage-layout[bfloat16]', 'refuses-unsupported[int8]')
+        (12, 'stage-layout[bfloat16]', 'refuses-unsupported[int8]')
 
         In a pytest suite, one test per case:
 
@@ -413,6 +453,7 @@ def conformance_cases(
             ("cast-exact-or-refused", _case_cast(dtype)),
             ("reserved-values-flag", _case_reserved_flag(dtype)),
             ("special-values-land-or-are-reserved", _case_special_values(dtype)),
+            ("reserved-bits-agree", _case_reserved_bits(dtype)),
         ]
         cases.extend(ConformanceCase(f"{label}[{name}]", dtype, fn) for label, fn in builders)
     return cases

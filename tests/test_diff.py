@@ -6,7 +6,7 @@ import copy
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import pytest
@@ -789,3 +789,40 @@ def test_the_stream_of_patches_diffs_each_tensor_when_asked_and_checks_everythin
     streamed = [(p.name, p.values.tolist()) for p in iter_diff_state_dicts(apart, together)]
     listed = [(p.name, p.values.tolist()) for p in diff_state_dicts(apart, together)]
     assert streamed == listed == [("x", [0.0, 1.0, 2.0, 3.0]), ("z", [1.0, 1.0])]
+
+
+@pytest.mark.parametrize("says_bits", [True, False])
+def test_a_strategy_of_your_own_that_says_its_reserved_bits_is_tested_as_the_built_ins(
+    says_bits: bool,
+) -> None:
+    """The diff asks no strategy which one it is: a strategy of the caller's that says its
+    reserved values as bits (``reserved_bits``) is tested on the bits, never asked through
+    `reserved_values`; without it, it is asked. Either way the patches are NaNMask's."""
+
+    class Marked:  # NaNMask's behaviour, by delegation: not a NaNMask
+        fixed_support = True
+
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "reserved_bits" and not says_bits:
+                raise AttributeError(name)
+            return getattr(NaNMask(), name)
+
+        def reserved_values(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            self.asked += 1
+            return NaNMask().reserved_values(values, dtype)
+
+    old = {"a": torch.zeros(4096), "b": torch.zeros(4096)}
+    new = {"a": torch.zeros(4096), "b": torch.zeros(4096)}
+    new["a"][[3, 700]] = 1.0
+    new["b"][[5, 900]] = torch.tensor([2.0, float("nan")])  # NaN: dense under NaNMask
+    marked = Marked()
+    ours = diff_state_dicts(old, new, strategy=cast(CopyStrategy, marked), cost=None)
+    theirs = diff_state_dicts(old, new, strategy=NaNMask(), cost=None)
+    assert [(p.name, p.indices is None) for p in ours] == [("a", False), ("b", True)]
+    assert [(p.name, p.indices is None) for p in theirs] == [("a", False), ("b", True)]
+    for mine, built_in in zip(ours, theirs, strict=True):
+        assert torch.equal(mine.values.view(torch.int32), built_in.values.view(torch.int32))
+    assert (marked.asked == 0) is says_bits, marked.asked

@@ -800,9 +800,9 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         flight is in `in_flight`, for the caller to wait on.
         """
         began = time.perf_counter()
-        diff_s = encode_s = 0.0
-        nbytes, transports = 0, set()
-        group: list[CheckpointWeightPatch] | None = next(groups)
+        encode_s, nbytes, transports = 0.0, 0, set()
+        group: list[CheckpointWeightPatch] | None = next(groups)  # a stream's first chunk
+        diff_s = time.perf_counter() - began
         position = 0
         while group is not None:
             asked = time.perf_counter()

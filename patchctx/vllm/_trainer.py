@@ -34,6 +34,7 @@ from patchctx import (
     iter_diff_state_dicts,
     patch_nbytes,
 )
+from patchctx._swap import builtin_copy
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import ALGORITHMS, FAST, SECURE, PayloadPlan, Sealed, plan_payload
 from patchctx.vllm._errors import UpdateConflictError
@@ -423,6 +424,11 @@ def _kept(
         yield patch
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    """Where `tensor`'s memory starts (its storage's address)."""
+    return int(tensor.untyped_storage().data_ptr())
+
+
 def _advance(
     sent: dict[str, torch.Tensor],
     state: Mapping[str, torch.Tensor],
@@ -435,7 +441,9 @@ def _advance(
     tensor of `state` that views another's elements) gets the patch sent under its twin. A
     dense patch's values (the diff's own copy, never a view of `state`) become the record.
     Returns whether it could; `False` (names, shapes or dtypes that differ, twins of another
-    geometry) writes nothing, and the caller copies the state whole.
+    geometry) writes nothing, and the caller copies the state whole. Dense values that are
+    `state`'s own memory (``dense_views``) are copied into the record, never adopted: the
+    trainer writes its state again at its next step.
     """
     if sent.keys() != state.keys():
         return False
@@ -466,14 +474,20 @@ def _advance(
         if patch.indices is None and patch.values.numel() != record.numel():
             return False
     uses = Counter(id(patch) for patch in by_name.values())
+    states = {key[0] for key in twins}  # the storages of `state`'s tensors
     for name, patch in by_name.items():
         record = sent[name]
-        if patch.indices is None and uses[id(patch)] == 1 and patch.values.is_contiguous():
+        if (
+            patch.indices is None
+            and uses[id(patch)] == 1
+            and patch.values.is_contiguous()
+            and patch.values.untyped_storage().data_ptr() not in states
+        ):
             # The diff's dense values are its own copy, and spent once sent: they become
             # the record (a twin's record is a copy, so no two names share one).
             sent[name] = patch.values.view(record.shape)
         elif patch.indices is None:
-            record.view(-1).copy_(patch.values.reshape(-1))
+            builtin_copy(record.view(-1), patch.values.reshape(-1))
         else:
             record.view(-1).index_put_((patch.indices.to(torch.int64),), patch.values)
     return True
@@ -601,17 +615,37 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         return engine
 
     def remember(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Take `state` as what the workers hold now (what the next diff starts from)."""
+        """Take `state` as what the workers hold now (what the next diff starts from).
+
+        The record is the engine's own copy. A tensor it already holds in the same shape,
+        dtype and device is written in place, so a trainer that calls this at every step
+        pays one copy, not a fresh allocation's page faults too.
+        """
         dtype = self.init_info.dtype
-        # `dtype` is the receiver's for floating tensors only (as `diff_state_dicts` reads it):
-        # an integer step counter or quantized weight stays exact, in its own dtype.
-        self.sent = {
-            name: tensor.detach().to(
-                dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
-                copy=True,
-            )
-            for name, tensor in state.items()
-        }
+        held, self.sent = self.sent, {}  # cut short, the record is empty: the diff refuses
+        shared = Counter(_storage(tensor) for tensor in held.values())
+        given = {_storage(tensor) for tensor in state.values()}
+        record: dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            # `dtype` is the receiver's for floating tensors only (as `diff_state_dicts` reads
+            # it): an integer step counter or quantized weight stays exact, in its own dtype.
+            want = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            old = held.get(name)
+            if (
+                old is not None
+                and old.shape == tensor.shape
+                and old.dtype == want
+                and old.device == tensor.device
+                and old.is_contiguous()
+                and old.numel() > 0
+                and shared[_storage(old)] == 1
+                and _storage(old) not in given
+            ):
+                builtin_copy(old, tensor.detach())  # (a caller's masked region never applies)
+                record[name] = old
+            else:
+                record[name] = tensor.detach().to(want, copy=True)
+        self.sent = record
 
     def send_weights(
         self,
@@ -645,7 +679,11 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         """
         started = time.perf_counter()
         info = self.init_info
-        stream = iter_diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
+        # Dense values are views of `state` (no copy): every chunk is written into the
+        # sender's buffer before this call returns, and `_advance` copies them into the record.
+        stream = iter_diff_state_dicts(
+            self.sent, state, dtype=info.dtype, cost=self._cost(), dense_views=True
+        )
         if not self.is_sender:  # checked as the sender checks it; the diff is the sender's
             self.remember(state)
             return None

@@ -397,6 +397,9 @@ def serve_rows(
         first.setdefault("total_ms", stats.total_ms)
         first.setdefault("density", 0.01)
         weights = new
+        # The reload's first save creates its file on tmpfs, page faults that no later save
+        # pays: one reload untimed, as patchctx's first update is timed apart.
+        reload_update(server.url, weights, shm, None)
         for link in args.links:
             limited = link > 0
             cost = replace(calibrated, link_bytes_per_second=link) if limited else calibrated

@@ -30,7 +30,7 @@ __all__ = ["choose_sparse", "diff_tensor", "sparse_is_smaller", "sparse_nbytes"]
 # cannot fool the draw as it could a stride: a column, a row or a block is hit as often as
 # its share. Only the time is at stake, never a value: a dense patch is right whatever
 # changed.
-SAMPLED_FROM = 1 << 20
+SAMPLED_FROM = 1 << 18
 SAMPLES = 4096
 
 

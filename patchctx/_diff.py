@@ -407,7 +407,7 @@ def diff_state_dicts(
 
     So `dense_above` is a cap that holds whatever `cost` says, and the strategy's fallbacks
     hold over both; `patch_nbytes` then counts each sparse patch in its smallest encoding.
-    A CPU tensor of at least 2**20 elements is first sampled at 4096 positions drawn
+    A CPU tensor of at least 2**18 elements is first sampled at 4096 positions drawn
     uniformly at random (seeded by its size): when the sampled density less four standard
     errors already rules sparse out by 2 and 3, it goes dense unscanned, for about 60 µs
     instead of reading both sides. The draw follows no pattern a tensor could align with (a

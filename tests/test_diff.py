@@ -289,13 +289,13 @@ def changed_where(pattern: str, rows: int, columns: int, limit: int) -> torch.Te
 def test_a_large_tensor_sampled_before_its_scan_gets_the_patch_the_whole_scan_gives(
     pattern: str, receiver: torch.dtype, cost: UpdateCost | None
 ) -> None:
-    """A tensor of over 2**20 elements is sampled at random positions first, and sent dense
+    """A tensor of over 2**18 elements is sampled at random positions first, and sent dense
     unscanned when the sample rules sparse out beyond doubt. Whatever the pattern of the
     changes (a column or a stride that a regular sample would align with, changes crowding
     the front, counts on either side of the limit), the patch is the whole scan's."""
     rows, columns = 1024, 1100
     numel = rows * columns
-    assert numel > 2**20
+    assert numel > 2**18
     limit = next(
         (n for n in range(1, numel + 1, 97) if not rule_allows(n, numel, receiver, cost, None)),
         numel,

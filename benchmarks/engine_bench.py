@@ -258,7 +258,7 @@ def patchctx_update(
     waited = 0.0 if bucket is None else bucket.waited
     began = time.perf_counter()
     if method == "patchctx dense":
-        dense = diff_state_dicts(engine.sent, new, cost=None, dense_above=1e-12, dense_views=True)
+        dense = diff_state_dicts(engine.sent, new, cost=None, dense_above=1e-12)
         diff_ms = (time.perf_counter() - began) * 1e3
         stats = engine.send_weights(dense)
         assert stats is not None

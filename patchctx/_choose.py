@@ -124,14 +124,8 @@ def diff_tensor(
     strategy: CopyStrategy,
     dense_above: float | None,
     cost: UpdateCost | None = None,
-    *,
-    views: bool = False,
 ) -> CheckpointWeightPatch | None:
-    """One tensor's patch from `old` to `new` in `dtype` (`None`: unchanged), by `choose_sparse`.
-
-    A dense patch's values are a copy of `new`, or with `views`, `new` itself (flattened)
-    wherever it already is contiguous in `dtype`.
-    """
+    """One tensor's patch from `old` to `new` in `dtype` (`None`: unchanged), by `choose_sparse`."""
     numel = new.numel()
     if numel == 0:
         return None
@@ -150,7 +144,7 @@ def diff_tensor(
         and not unsupported
         and not could_be_sparse(_least(old, new, dtype))
     ):
-        return _dense(name, new, dtype, views)
+        return _dense(name, new, dtype)
     test = None if unsupported else reserved_test(strategy, dtype)
     found = scan.find(test, index_dtype(numel), could_be_sparse)
     if found.changed == 0:
@@ -169,16 +163,16 @@ def diff_tensor(
         )
     ):
         return CheckpointWeightPatch(name, tuple(new.shape), dtype, values, positions)
-    return _dense(name, new, dtype, views)
+    return _dense(name, new, dtype)
 
 
-def _dense(name: str, new: torch.Tensor, dtype: torch.dtype, views: bool) -> CheckpointWeightPatch:
-    """`new` as a dense patch in `dtype`: its values a copy, or with `views` `new` itself."""
-    # A dense patch owns its values unless `views`: the trainer may keep updating `new` in
-    # place. (A lazy conjugate or negative view is resolved: its bit would not survive the
-    # wire.)
+def _dense(name: str, new: torch.Tensor, dtype: torch.dtype) -> CheckpointWeightPatch:
+    """`new` as a dense patch in `dtype`, its values a copy."""
+    # A dense patch owns its values: the trainer may keep updating `new` in place, and the
+    # vLLM trainer engine keeps them as its record of what it sent. (A lazy conjugate or
+    # negative view is resolved: its bit would not survive the wire.)
     flat = new.resolve_conj().resolve_neg().to(dtype=dtype).reshape(-1)
-    if not views and flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
+    if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
         flat = flat.clone()
     return CheckpointWeightPatch(name, tuple(new.shape), dtype, flat)
 

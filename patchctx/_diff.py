@@ -259,7 +259,6 @@ class _Plan:
     strategy: CopyStrategy
     dense_above: float | None
     cost: UpdateCost | None
-    dense_views: bool = False
 
 
 def _plan(
@@ -270,12 +269,9 @@ def _plan(
     dense_above: object,
     strategy: object,
     cost: object = None,
-    dense_views: object = False,
 ) -> _Plan:
     """Every check that needs no tensor data, with all problems in one report."""
     problems: list[PatchProblem] = []
-    if not isinstance(dense_views, bool):
-        problems.append(_problem(f"dense_views takes a bool, got {dense_views!r}", type_error=True))
     for side, value in (("old", old), ("new", new)):
         if not isinstance(value, Mapping):
             problems.append(
@@ -327,7 +323,7 @@ def _plan(
         problems.extend(_shared_storage_problems(old, new, [name for name, _ in tensors]))
     if problems:
         raise InvalidPatchError.from_problems(problems)
-    return _Plan(tensors, chosen_strategy, dense_above_fraction, chosen_cost, dense_views is True)
+    return _Plan(tensors, chosen_strategy, dense_above_fraction, chosen_cost)
 
 
 # ----------------------------------------------------------------------------------- diffing
@@ -357,7 +353,6 @@ def diff_state_dicts(
     dense_above: float | None = None,
     strategy: CopyStrategy | None = None,
     cost: UpdateCost | None = UpdateCost(),  # noqa: B008 (frozen: one shared instance is safe)
-    dense_views: bool = False,
 ) -> list[CheckpointWeightPatch]:
     """The smallest patch set that turns a receiver holding `old` into one holding `new`.
 
@@ -418,8 +413,7 @@ def diff_state_dicts(
     sides of a block are cast into reused buffers and compared, so the extra memory beyond
     the returned patches is a few blocks (about 5 bytes per block element), never a tensor
     (on CPU, a sparse result is held twice while its blocks are joined).
-    The returned values never alias `new` (the trainer may keep stepping in place) unless
-    `dense_views` asks dense ones to. Tensors
+    The returned values never alias `new` (the trainer may keep stepping in place). Tensors
     may live on any device; the work happens on `new`'s device (`old` is moved there a block
     at a time). On CPU one pass takes each block's positions while its mask is fresh, and
     stops once the running count rules sparse out; on an accelerator each non-empty tensor
@@ -445,11 +439,6 @@ def diff_state_dicts(
             ``UpdateCost.calibrate()`` measures yours); `None` chooses by wire size alone,
             which sends a tensor sparse up to 15/16 of it changed (bf16, as a bitmask), where
             its replay is slower than a dense copy.
-        dense_views: Let a dense patch's values be `new`'s tensor itself, flattened, where
-            it already is contiguous in the receiver's dtype, instead of a copy: no memory
-            is allocated or written for it, and the patch changes whenever that tensor does.
-            For a caller that spends the patches before `new` is next written (a send in
-            one call); by default every patch owns its values.
 
     Returns:
         One patch per changed tensor, in the order of the names diffed (`names`, or the
@@ -504,7 +493,6 @@ def diff_state_dicts(
             dense_above=dense_above,
             strategy=strategy,
             cost=cost,
-            dense_views=dense_views,
         )
     )
 
@@ -518,7 +506,6 @@ def iter_diff_state_dicts(
     dense_above: float | None = None,
     strategy: CopyStrategy | None = None,
     cost: UpdateCost | None = UpdateCost(),  # noqa: B008 (frozen: one shared instance is safe)
-    dense_views: bool = False,
 ) -> Iterator[CheckpointWeightPatch]:
     """`diff_state_dicts`, one patch at a time: each tensor is diffed when the next is asked for.
 
@@ -539,7 +526,6 @@ def iter_diff_state_dicts(
         dense_above: As for `diff_state_dicts`.
         strategy: As for `diff_state_dicts`.
         cost: As for `diff_state_dicts`.
-        dense_views: As for `diff_state_dicts`.
 
     Returns:
         An iterator over the patches.
@@ -561,9 +547,7 @@ def iter_diff_state_dicts(
         patchctx._errors.InvalidPatchError: ...
     """
     unsharded_old, unsharded_new, boxes = _unshard(old, new)
-    plan = _plan(
-        unsharded_old, unsharded_new, dtype, names, dense_above, strategy, cost, dense_views
-    )
+    plan = _plan(unsharded_old, unsharded_new, dtype, names, dense_above, strategy, cost)
     local_old = cast(Mapping[str, torch.Tensor], unsharded_old)  # mappings: _plan checked
     local_new = cast(Mapping[str, torch.Tensor], unsharded_new)
     return _patches(plan, local_old, local_new, boxes)
@@ -622,7 +606,6 @@ def _diffed(
         plan.strategy,
         plan.dense_above if box is None else None,
         plan.cost if box is None else None,
-        views=plan.dense_views,
     )
 
 

@@ -315,39 +315,6 @@ def test_a_large_tensor_sampled_before_its_scan_gets_the_patch_the_whole_scan_gi
         assert patch.indices is not None  # what a stride would have sent dense
 
 
-def test_dense_views_lets_a_dense_patch_be_the_new_tensor_itself() -> None:
-    """With ``dense_views``, a dense patch whose tensor already is contiguous in the
-    receiver's dtype carries that tensor (no copy); a cast, a non-contiguous tensor and
-    every sparse patch still bring their own values."""
-    old = {
-        "same": torch.zeros(4, 4),
-        "cast": torch.zeros(16),
-        "transposed": torch.zeros(4, 4),
-        "sparse": torch.zeros(1000),
-    }
-    new = {
-        "same": torch.ones(4, 4),
-        "cast": torch.ones(16),
-        "transposed": torch.arange(1.0, 17.0).view(4, 4).t(),
-        "sparse": torch.zeros(1000),
-    }
-    new["sparse"][3] = 1.0
-    dtypes = {"cast": torch.bfloat16}
-    shared = {
-        patch.name: patch.values.untyped_storage().data_ptr()
-        == new[patch.name].untyped_storage().data_ptr()
-        for patch in diff_state_dicts(old, new, dtype=dtypes, cost=None, dense_views=True)
-    }
-    assert shared == {"same": True, "cast": False, "transposed": False, "sparse": False}
-    patches = diff_state_dicts(old, new, dtype=dtypes, cost=None, dense_views=True)
-    validate_patches(patches)
-    assert torch.equal(patches[2].values, new["transposed"].reshape(-1))
-    assert not any(
-        patch.values.untyped_storage().data_ptr() == new[patch.name].untyped_storage().data_ptr()
-        for patch in diff_state_dicts(old, new, dtype=dtypes, cost=None)
-    )
-
-
 def round_trip(
     model: ToyModel,
     old: Mapping[str, torch.Tensor],
@@ -724,7 +691,6 @@ def test_every_problem_is_reported_together_before_any_work() -> None:
         ({"new": {"w": torch.ones(1).to_sparse()}}, "new['w'] is a torch.sparse_coo tensor"),
         # (storage-less: without this, both sides looked like one storage at address 0)
         ({"old": {"w": torch.empty(1, device="meta")}}, "old['w'] is a meta tensor"),
-        ({"dense_views": 1}, "dense_views takes a bool, got 1"),
     ],
 )
 def test_wrong_types_raise_a_type_error(kwargs: dict[str, Any], message: str) -> None:

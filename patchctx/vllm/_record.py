@@ -36,8 +36,8 @@ def advance(
     dense patch's values (the diff's own copy, never a view of `state`) become the record.
     Returns whether it could; `False` (names, shapes or dtypes that differ, twins of another
     geometry) writes nothing, and the caller copies the state whole. Dense values that are
-    `state`'s own memory (``dense_views``) are copied into the record, never adopted: the
-    trainer writes its state again at its next step.
+    `state`'s own memory (a caller's patches) are copied into the record, never adopted:
+    the trainer writes its state again at its next step.
     """
     if sent.keys() != state.keys():
         return False

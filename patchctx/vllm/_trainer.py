@@ -461,10 +461,10 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         would make of `state`; where the patches cannot say it (names or shapes that
         differ), `state` is copied whole.
 
-        Dense values are sent from `state`'s own tensors (no copy): every chunk is written
-        into the sender's buffer before this returns, and they are copied into the record.
-        In one chunk the whole diff is made before the update opens; in chunks, each goes
-        once full, and the rest is diffed while it travels and the workers check it.
+        A dense patch's values are the diff's own copy of `state`'s tensor: the bytes sent,
+        kept as the record, whatever another thread writes into `state` meanwhile. In one
+        chunk the whole diff is made before the update opens; in chunks, each goes once
+        full, and the rest is diffed while it travels and the workers check it.
         """
         started = time.perf_counter()
         info = self.init_info
@@ -473,7 +473,6 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             state,
             dtype=info.dtype,
             cost=priced(info.cost, self.sender),
-            dense_views=True,
         )
         if not self.is_sender:  # checked as the sender checks it; the diff is the sender's
             self.remember(state)

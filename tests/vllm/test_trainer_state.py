@@ -219,21 +219,32 @@ def test_in_chunks_a_chunk_goes_while_the_next_patches_are_still_being_made() ->
     assert_same_record(engine, new)
 
 
-def test_a_dense_update_sent_from_views_of_the_state_is_recorded_as_a_copy() -> None:
-    """``send_state_dict`` sends dense values straight from the trainer's tensors (no copy);
-    the record must still be a copy: the trainer's next step writes those tensors in place."""
-    client = Recording()
+def test_a_dense_update_is_recorded_as_the_bytes_sent_whatever_writes_the_state_meanwhile() -> None:
+    """The record is what the workers were sent: another thread that writes the trainer's
+    tensors while the update travels (here, while the workers take it) changes neither the
+    update nor the record, and the trainer's next step in place changes no record either."""
+    state = {"w": torch.arange(64.0), "b": torch.ones(8)}  # every element changed: dense
+    sent_values = {name: tensor.clone() for name, tensor in state.items()}
+
+    class Meanwhile(Recording):
+        def update_weights(self, update_info: Any) -> None:
+            super().update_weights(update_info)
+            for tensor in state.values():
+                tensor.add_(100.0)  # the optimizer's thread, mid-update
+
+    client = Meanwhile()
     engine = PatchctxTrainerEngine.trainer_init(
         PatchctxTrainerInitInfo(rank=0, transport="inline", inline_below=None), client=client
     )
     engine.remember({"w": torch.zeros(64), "b": torch.zeros(8)})
-    state = {"w": torch.arange(64.0), "b": torch.ones(8)}  # every element: dense
     stats = engine.send_state_dict(state)
     assert stats is not None and stats.dense_nbytes == 72 * 4
+    for name, values in sent_values.items():
+        assert torch.equal(engine.sent[name], values), name
     for tensor in state.values():
-        tensor.add_(100.0)  # the optimizer's next step, in place
-    assert torch.equal(engine.sent["w"], torch.arange(64.0))
-    assert torch.equal(engine.sent["b"], torch.ones(8))
+        tensor.add_(1.0)  # the next step, in place
+    for name, values in sent_values.items():
+        assert torch.equal(engine.sent[name], values), name
 
 
 def test_remember_writes_its_record_in_place_and_an_interrupt_leaves_none() -> None:

@@ -19,6 +19,11 @@ side in one process, methods interleaved and their order rotated:
   safetensors file on tmpfs (``/dev/shm``), then ``reload_weights(weights_path=...)`` over
   ``/collective_rpc`` (vLLM's in-place layerwise reload).
 
+One trainer engine per link makes every patchctx update, as a training loop keeps one: its
+shared-memory pool and its record of the served state stay warm between updates. Before
+each of them it is told (``remember``, untimed) the state the workers hold, which another
+method's update may have changed; its own record's advance is timed with its update.
+
 Columns: the trainer's time (diff and encode, or the save), the bytes that cross the link,
 the time they waited for it, the worker's time (the rest: the ``update_weights`` round
 trips, the finish where the workers apply and its check, or ``reload_weights``) and the
@@ -392,9 +397,16 @@ def serve_rows(
         first.setdefault("total_ms", stats.total_ms)
         first.setdefault("density", 0.01)
         weights = new
+        # The reload's first save creates its file on tmpfs, page faults that no later save
+        # pays: one reload untimed, as patchctx's first update is timed apart.
+        reload_update(server.url, weights, shm, None)
         for link in args.links:
             limited = link > 0
             cost = replace(calibrated, link_bytes_per_second=link) if limited else calibrated
+            # One trainer engine per link, as a training loop keeps one: its shared-memory
+            # pool and its record stay warm between updates. The three patchctx methods
+            # take turns on it, each with its own cost policy.
+            engine = trainer(cost, TokenBucket(link) if limited else None)
             for density in args.densities:
                 samples: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
                 for repeat in range(args.repeats):
@@ -406,8 +418,14 @@ def serve_rows(
                         if method == "vllm reload":
                             got = reload_update(server.url, new, shm, bucket)
                         else:
+                            if bucket is not None:
+                                engine.client.bucket = bucket  # (the bench's LimitedClient)
+                            # The workers hold `weights` (another method's update may have
+                            # put them there): the record, written in place, says so.
+                            engine.remember(weights)
                             chosen = None if method != "patchctx" else cost
-                            got = patchctx_update(trainer(chosen, bucket), new, method, bucket)
+                            engine.init_info = replace(engine.init_info, cost=chosen)
+                            got = patchctx_update(engine, new, method, bucket)
                         samples[method].append(got)
                         weights = new
                 for method in METHODS:

@@ -40,6 +40,7 @@ from patchctx._swap import builtin_copy
 __all__ = [
     "DEFAULT_BLOCK",
     "SINGLE_PASS_DEVICES",
+    "BlockBits",
     "ChangeCount",
     "ChangeScan",
     "Changes",
@@ -404,6 +405,67 @@ class Changes:
     values: torch.Tensor | None = None
 
 
+class BlockBits:
+    """One block of a scan at a time, in the receiver's dtype: its bits, XOR and change mask.
+
+    Owns the block-sized buffers `ChangeScan` describes (reused by every block): the casts
+    of `old` and `new` where a block cannot be read in place, the XOR where neither cast
+    holds it, and the boolean mask.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, block: int) -> None:
+        self.dtype, self.device, self.block = dtype, device, block
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None:
+            buffer = torch.empty(self.block, dtype=dtype, device=self.device)
+            self._buffers[name] = buffer
+        return buffer
+
+    def bits(self, piece: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+        """`piece` in the receiver's dtype, as flat bits; whether that is a buffer of ours.
+
+        A conjugate or negative view (``x.conj()``) is read through the buffer too: its
+        memory holds the values before the lazy conjugation or negation.
+        """
+        if (
+            piece.dtype == self.dtype
+            and piece.device == self.device
+            and piece.is_contiguous()
+            and not piece.is_conj()
+            and not piece.is_neg()
+        ):
+            return bits_of(piece.reshape(-1)), False
+        if piece.is_neg() or piece.is_conj():
+            # Resolved first: torch's cast copy of a contiguous negative view to another dtype
+            # drops the sign (torch 2.13, float32 to float16). A rare, block-sized copy.
+            piece = piece.resolve_neg().resolve_conj()
+        buffer = self._buffer(name, self.dtype)[: piece.numel()]
+        builtin_copy(buffer.view(piece.shape), piece)
+        return bits_of(buffer), True
+
+    def xor(
+        self, old_piece: torch.Tensor, new_piece: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bits of the new piece, old XOR new: per element, nonzero exactly where it changed)."""
+        old_bits, owned = self.bits(old_piece, "old")
+        new_bits, _ = self.bits(new_piece, "new")
+        xor = old_bits if owned else bits_of(self._buffer("xor", self.dtype)[: new_piece.numel()])
+        torch.bitwise_xor(old_bits, new_bits, out=xor)
+        return new_bits, xor
+
+    def mask(self, xor: torch.Tensor) -> torch.Tensor:
+        """The change mask of a block's XOR (a buffer of ours: spent by the next block)."""
+        mask = self._buffer("mask", torch.bool)[: xor.shape[0]]
+        if xor.ndim == 2:  # complex128: changed when either half changed
+            torch.any(xor, dim=1, out=mask)
+        else:
+            builtin_copy(mask, xor)  # the cast to bool is `!= 0`, much cheaper than torch.ne
+        return mask
+
+
 class ChangeScan:
     """The elements of `new` whose bits differ from `old`'s, both seen in `dtype`.
 
@@ -450,56 +512,7 @@ class ChangeScan:
         if single_pass is None:
             single_pass = self.device.type in SINGLE_PASS_DEVICES
         self.single_pass = single_pass
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    # -- blocks
-
-    def _buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        buffer = self._buffers.get(name)
-        if buffer is None:
-            buffer = torch.empty(self.block, dtype=dtype, device=self.device)
-            self._buffers[name] = buffer
-        return buffer
-
-    def _bits(self, piece: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
-        """`piece` in the receiver's dtype, as flat bits; whether that is a buffer of ours.
-
-        A conjugate or negative view (``x.conj()``) is read through the buffer too: its
-        memory holds the values before the lazy conjugation or negation.
-        """
-        if (
-            piece.dtype == self.dtype
-            and piece.device == self.device
-            and piece.is_contiguous()
-            and not piece.is_conj()
-            and not piece.is_neg()
-        ):
-            return bits_of(piece.reshape(-1)), False
-        if piece.is_neg() or piece.is_conj():
-            # Resolved first: torch's cast copy of a contiguous negative view to another dtype
-            # drops the sign (torch 2.13, float32 to float16). A rare, block-sized copy.
-            piece = piece.resolve_neg().resolve_conj()
-        buffer = self._buffer(name, self.dtype)[: piece.numel()]
-        builtin_copy(buffer.view(piece.shape), piece)
-        return bits_of(buffer), True
-
-    def _xor(
-        self, old_piece: torch.Tensor, new_piece: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bits of the new piece, old XOR new: per element, nonzero exactly where it changed)."""
-        old_bits, owned = self._bits(old_piece, "old")
-        new_bits, _ = self._bits(new_piece, "new")
-        xor = old_bits if owned else bits_of(self._buffer("xor", self.dtype)[: new_piece.numel()])
-        torch.bitwise_xor(old_bits, new_bits, out=xor)
-        return new_bits, xor
-
-    def _mask(self, xor: torch.Tensor) -> torch.Tensor:
-        mask = self._buffer("mask", torch.bool)[: xor.shape[0]]
-        if xor.ndim == 2:  # complex128: changed when either half changed
-            torch.any(xor, dim=1, out=mask)
-        else:
-            builtin_copy(mask, xor)  # the cast to bool is `!= 0`, much cheaper than torch.ne
-        return mask
+        self.blocks = BlockBits(dtype, self.device, self.block)
 
     # -- the scan
 
@@ -548,8 +561,8 @@ class ChangeScan:
         changed = scanned = 0
         likely = True  # whether the tensor looks likely to go sparse
         for piece in _pieces(self.old, self.new, self.block):
-            new_bits, xor = self._xor(piece[1], piece[2])
-            mask = self._mask(xor).numpy()
+            new_bits, xor = self.blocks.xor(piece[1], piece[2])
+            mask = self.blocks.mask(xor).numpy()
             scanned += mask.shape[0]
             if likely:  # positions unless this block's density, were it the rest's, rules out
                 fits = functools.partial(
@@ -577,8 +590,8 @@ class ChangeScan:
         if changed == 0:
             return Changes(0)
         for number, (start, old_piece, new_piece) in counted_only.items():
-            new_bits, xor = self._xor(old_piece, new_piece)
-            local = set_positions(self._mask(xor).numpy())
+            new_bits, xor = self.blocks.xor(old_piece, new_piece)
+            local = set_positions(self.blocks.mask(xor).numpy())
             parts[number] = _taken(start, new_bits, local, index_dtype)
         done = [part for part in parts if part is not None]
         found_values = _joined([bits for _, bits in done])
@@ -595,8 +608,8 @@ class ChangeScan:
         """
         counts, flags = [], []
         for _, old_piece, new_piece in _pieces(self.old, self.new, self.block):
-            new_bits, xor = self._xor(old_piece, new_piece)
-            mask = self._mask(xor)
+            new_bits, xor = self.blocks.xor(old_piece, new_piece)
+            mask = self.blocks.mask(xor)
             counts.append(count_set(mask))
             if reserved is not None:
                 flags.append(reserved(new_bits, mask, xor))  # the XOR is spent
@@ -624,8 +637,8 @@ class ChangeScan:
         for (start, old_piece, new_piece), count in zip(pieces, counted.per_block, strict=True):
             if count == 0:
                 continue
-            new_bits, xor = self._xor(old_piece, new_piece)
-            local = torch.nonzero_static(self._mask(xor), size=count).view(-1)
+            new_bits, xor = self.blocks.xor(old_piece, new_piece)
+            local = torch.nonzero_static(self.blocks.mask(xor), size=count).view(-1)
             end = offset + count
             torch.add(local, start, out=positions[offset:end])
             torch.index_select(new_bits, 0, local, out=values[offset:end])

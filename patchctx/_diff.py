@@ -401,7 +401,14 @@ def diff_state_dicts(
        Otherwise dense.
 
     So `dense_above` is a cap that holds whatever `cost` says, and the strategy's fallbacks
-    hold over both. `patch_nbytes` then counts each sparse patch in its smallest encoding.
+    hold over both; `patch_nbytes` then counts each sparse patch in its smallest encoding.
+    A CPU tensor of at least 2**18 elements is first sampled at 4096 positions drawn
+    uniformly at random (seeded by its size): when the sampled density less four standard
+    errors already rules sparse out by 2 and 3, it goes dense unscanned, for about 60 µs
+    instead of reading both sides. The draw follows no pattern a tensor could align with (a
+    column, a row, a block is hit as often as its share), so a tensor the rule would send
+    sparse goes dense by it with a chance of about 3 in 100,000, and then only its time is at
+    stake: a dense patch carries every value.
     The diff streams each tensor in blocks (1M elements on CPU, 16M on accelerators): both
     sides of a block are cast into reused buffers and compared, so the extra memory beyond
     the returned patches is a few blocks (about 5 bytes per block element), never a tensor

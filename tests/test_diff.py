@@ -255,6 +255,66 @@ def test_stopping_early_sends_what_the_whole_scan_would(
     assert same_bits(patch.values, values)
 
 
+def changed_where(pattern: str, rows: int, columns: int, limit: int) -> torch.Tensor:
+    """The flat positions a training step changed, by a named pattern of a (rows, columns)
+    tensor; `limit` is the fewest changes that rule sparse out."""
+    generator = torch.Generator().manual_seed(rows * columns)
+    numel = rows * columns
+    grid = torch.arange(numel).view(rows, columns)
+    if pattern == "uniform-half":
+        return torch.randperm(numel, generator=generator)[: numel // 2]
+    if pattern == "one-column":  # a sample strided by a divisor of the row hits only it
+        return grid[:, 0].reshape(-1)
+    if pattern == "every-kth":  # every k-th element, k what a 4096-strided sample would take
+        return torch.arange(0, numel, numel // 4096)
+    if pattern == "first-rows":  # crowded at the front: the first block looks dense
+        return grid[:8].reshape(-1)
+    fraction = {"just-below-limit": 0.97, "just-above-limit": 1.03}[pattern]
+    return torch.randperm(numel, generator=generator)[: min(numel, int(fraction * limit))]
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "uniform-half",
+        "one-column",
+        "every-kth",
+        "first-rows",
+        "just-below-limit",
+        "just-above-limit",
+    ],
+)
+@pytest.mark.parametrize("receiver", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cost", [UpdateCost(), None], ids=["cost", "by-size"])
+def test_a_large_tensor_sampled_before_its_scan_gets_the_patch_the_whole_scan_gives(
+    pattern: str, receiver: torch.dtype, cost: UpdateCost | None
+) -> None:
+    """A tensor of over 2**18 elements is sampled at random positions first, and sent dense
+    unscanned when the sample rules sparse out beyond doubt. Whatever the pattern of the
+    changes (a column or a stride that a regular sample would align with, changes crowding
+    the front, counts on either side of the limit), the patch is the whole scan's."""
+    rows, columns = 1024, 1100
+    numel = rows * columns
+    assert numel > 2**18
+    limit = next(
+        (n for n in range(1, numel + 1, 97) if not rule_allows(n, numel, receiver, cost, None)),
+        numel,
+    )
+    old = torch.randn(rows, columns, generator=torch.Generator().manual_seed(3))
+    new = old.clone()
+    new.view(-1)[changed_where(pattern, rows, columns, limit)] *= 1.0625  # bf16 sees it too
+    [patch] = diff_state_dicts({"w": old}, {"w": new}, dtype=receiver, cost=cost)
+    expected = whole_scan_patch(old, new, receiver, Auto(), None, cost)
+    assert expected is not None
+    positions, values = expected
+    assert (patch.indices is None) == (positions is None), (pattern, patch.indices)
+    if positions is not None:
+        assert patch.indices is not None and torch.equal(patch.indices.long(), positions)
+    assert same_bits(patch.values, values)
+    if pattern in ("one-column", "every-kth"):
+        assert patch.indices is not None  # what a stride would have sent dense
+
+
 def round_trip(
     model: ToyModel,
     old: Mapping[str, torch.Tensor],

@@ -444,6 +444,34 @@ def save_patches(
     base = _version(base_version, "base_version")
     target = _version(target_version, "target_version")
     forced = None if positions is None else _encoding_arg(positions)
+    extra = _save_options(zstd, max_file_bytes, metadata)
+    checked = validate_patches(list(patches), strategy=BoolMask())
+    update_id = uuid.uuid4().hex[:16]
+    files, entries = _laid_out(checked, update_id, forced, zstd, max_file_bytes)
+    from safetensors.torch import save
+
+    written: dict[str, tuple[int, str]] = {}
+    file_metadata = {"format": FORMAT, "update_id": update_id}
+    for name, tensors in files.items():
+        data = save(_own(tensors), metadata=file_metadata)
+        store.write(name, data)
+        written[name] = (len(data), hashlib.sha256(data).hexdigest())
+    manifest = UpdateManifest(base, target, written, tuple(entries), extra, update_id)
+    store.write(MANIFEST, manifest.to_json().encode())
+    for leftover in store.listdir(""):
+        if (
+            leftover.endswith(".safetensors")
+            and leftover.startswith("patches-")
+            and leftover not in written
+        ):
+            store.remove(leftover)
+    return manifest
+
+
+def _save_options(
+    zstd: object, max_file_bytes: object, metadata: Mapping[str, str] | None
+) -> dict[str, str]:
+    """`save_patches`' options checked (before anything is read or written); the metadata."""
     if zstd not in (None, True, False):
         raise _problem(None, "", f"zstd must be True, False or None, got {zstd!r}", type_error=True)
     if (
@@ -455,8 +483,17 @@ def save_patches(
     extra = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
         raise _problem(None, "", "metadata must map str to str", type_error=True)
-    checked = validate_patches(list(patches), strategy=BoolMask())
-    update_id = uuid.uuid4().hex[:16]
+    return extra
+
+
+def _laid_out(
+    checked: Sequence[CheckpointWeightPatch],
+    update_id: str,
+    forced: PositionEncoding | None,
+    zstd: bool | None,
+    max_file_bytes: int,
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[StoredPatch]]:
+    """The tensors of each data file, by file name, and each patch's manifest entry."""
     files: dict[str, dict[str, torch.Tensor]] = {}
     entries: list[StoredPatch] = []
     current: dict[str, torch.Tensor] = {}
@@ -500,24 +537,7 @@ def save_patches(
         )
     if current or not files:
         files[file_name(len(files))] = current
-    from safetensors.torch import save
-
-    written: dict[str, tuple[int, str]] = {}
-    file_metadata = {"format": FORMAT, "update_id": update_id}
-    for name, tensors in files.items():
-        data = save(_own(tensors), metadata=file_metadata)
-        store.write(name, data)
-        written[name] = (len(data), hashlib.sha256(data).hexdigest())
-    manifest = UpdateManifest(base, target, written, tuple(entries), extra, update_id)
-    store.write(MANIFEST, manifest.to_json().encode())
-    for leftover in store.listdir(""):
-        if (
-            leftover.endswith(".safetensors")
-            and leftover.startswith("patches-")
-            and leftover not in written
-        ):
-            store.remove(leftover)
-    return manifest
+    return files, entries
 
 
 def _encoding_arg(value: object) -> PositionEncoding:

@@ -7,18 +7,15 @@ inference side through any ``VLLMWeightSyncClient`` (vLLM's HTTP or Ray clients,
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -32,17 +29,22 @@ from patchctx import (
     PatchError,
     UpdateCost,
     iter_diff_state_dicts,
-    patch_nbytes,
 )
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
-from patchctx.vllm._codec import ALGORITHMS, FAST, SECURE, PayloadPlan, Sealed, plan_payload
+from patchctx.vllm._codec import ALGORITHMS
 from patchctx.vllm._errors import UpdateConflictError
-from patchctx.vllm._transport import (
-    InlineTransport,
-    NCCLTransport,
-    Sender,
-    SharedMemoryTransport,
+from patchctx.vllm._record import advance, remembered
+from patchctx.vllm._sending import (
+    BytesSender,
+    UpdateWriter,
+    chunks,
+    connect,
+    kept,
+    priced,
+    run_update,
+    served_version,
 )
+from patchctx.vllm._transport import InlineTransport, Sender
 
 __all__ = [
     "HTTPWeightSyncClient",
@@ -327,156 +329,15 @@ def next_version(version: str | None) -> str:
     return f"{version}.1"
 
 
-@runtime_checkable
-class BytesSender(Protocol):
-    """A sender that takes ready-made payload bytes (`Sender` without ``write``).
-
-    Examples:
-        >>> from patchctx.vllm._trainer import BytesSender
-        >>> from patchctx.vllm._transport import InlineTransport
-        >>> isinstance(InlineTransport(), BytesSender)
-        True
-    """
-
-    name: str
-    concurrent: bool
-
-    def describe(self, payload: bytes) -> dict[str, Any]:
-        """The descriptor's transport fields for `payload`."""
-        ...
-
-    def transmit(self, payload: bytes) -> None:
-        """Move the bytes."""
-        ...
-
-    def release(self) -> None:
-        """Free what the update held."""
-        ...
-
-    def close(self) -> None:
-        """Release the sender's resources."""
-        ...
-
-
-class _FromBytes:
-    """A `Sender` over a `BytesSender`: the payload is written into bytes, then handed over."""
-
-    def __init__(self, inner: BytesSender) -> None:
-        self.inner = inner
-        self.name, self.concurrent = inner.name, inner.concurrent
-        self._payload: bytes | None = None
-
-    def write(
-        self, plan: PayloadPlan, *, algorithm: str, pooled: bool = False
-    ) -> tuple[dict[str, Any], Sealed]:
-        buffer = bytearray(plan.nbytes)
-        sealed = plan.write_into(buffer, algorithm=algorithm)
-        self._payload = bytes(buffer)
-        return self.inner.describe(self._payload), sealed
-
-    def describe(self, payload: bytes) -> dict[str, Any]:
-        self._payload = payload
-        return self.inner.describe(payload)
-
-    def transmit(self, payload: bytes | None = None) -> None:
-        data = payload if payload is not None else self._payload
-        assert data is not None, "write first"
-        self.inner.transmit(data)
-
-    def release(self, *, reuse: bool = False) -> None:
-        self._payload = None
-        self.inner.release()
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def _chunks(
-    patches: Iterable[CheckpointWeightPatch], chunk_bytes: int | None
-) -> Iterator[list[CheckpointWeightPatch]]:
-    """`patches` in runs of about `chunk_bytes` of values and indices (one run: `None`).
-
-    A run is yielded once it is full, before the next patch is asked for: from a stream
-    of patches (`iter_diff_state_dicts`), the rest is diffed while it travels.
-    """
-    if chunk_bytes is None:
-        yield list(patches)
-        return
-    group: list[CheckpointWeightPatch] = []
-    size = 0
-    for patch in patches:
-        nbytes = patch_nbytes([patch])
-        if group and size + nbytes > chunk_bytes:
-            yield group
-            group, size = [], 0
-        group.append(patch)
-        size += nbytes
-    yield group
-
-
-def _kept(
-    patches: Iterable[CheckpointWeightPatch], taken: list[CheckpointWeightPatch]
-) -> Iterator[CheckpointWeightPatch]:
-    """`patches`, each appended to `taken` as it is handed on."""
-    for patch in patches:
-        taken.append(patch)
-        yield patch
-
-
-def _advance(
-    sent: dict[str, torch.Tensor],
-    state: Mapping[str, torch.Tensor],
-    patches: list[CheckpointWeightPatch],
-) -> bool:
-    """Write `patches`, the diff from `sent` to `state`, into `sent`: O(changed), not a copy.
-
-    `sent` then holds, bit for bit, what ``remember(state)`` would build: the diff's positions
-    are where the bits of the cast differ, and its values are those bits. A tied name (a
-    tensor of `state` that views another's elements) gets the patch sent under its twin. A
-    dense patch's values (the diff's own copy, never a view of `state`) become the record.
-    Returns whether it could; `False` (names, shapes or dtypes that differ, twins of another
-    geometry) writes nothing, and the caller copies the state whole.
-    """
-    if sent.keys() != state.keys():
-        return False
-    by_name = {patch.name: patch for patch in patches}
-    if len(by_name) != len(patches):
-        return False
-    twins: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], list[str]] = {}
-    for name, tensor in state.items():
-        held = sent[name]
-        if held.shape != tensor.shape or held.device != tensor.device:
-            return False
-        if tensor.numel() == 0:
-            continue
-        where = tensor.untyped_storage().data_ptr()
-        offset = int(tensor.storage_offset())
-        key = (where, offset, tuple(tensor.shape), tensor.stride(), tensor.dtype)
-        twins.setdefault(key, []).append(name)
-    if len({key[0] for key in twins}) != len(twins):
-        return False  # tensors that overlap in other ways: the diff's own rules, a whole copy
-    for names in twins.values():
-        patched = [by_name[name] for name in names if name in by_name]
-        if len(patched) == 1:  # sent once, under whichever twin the diff took first
-            by_name.update(dict.fromkeys(names, patched[0]))
-    for name, patch in by_name.items():
-        record = sent.get(name)
-        if record is None or patch.values.dtype != record.dtype or not record.is_contiguous():
-            return False
-        if patch.indices is None and patch.values.numel() != record.numel():
-            return False
-    uses = Counter(id(patch) for patch in by_name.values())
-    for name, patch in by_name.items():
-        record = sent[name]
-        if patch.indices is None and uses[id(patch)] == 1 and patch.values.is_contiguous():
-            # The diff's dense values are its own copy, and spent once sent: they become
-            # the record (a twin's record is a copy, so no two names share one).
-            sent[name] = patch.values.view(record.shape)
-        elif patch.indices is None:
-            record.view(-1).copy_(patch.values.reshape(-1))
-        else:
-            record.view(-1).index_put_((patch.indices.to(torch.int64),), patch.values)
-    return True
+def _check_served(client: Any, update_id: str, target: str) -> None:
+    """Refuse, after the finish, a server that names another version than `target`."""
+    served = served_version(client)
+    if served is not None and served != target:
+        raise UpdateConflictError(
+            f"update {update_id!r} was applied as version {target!r}, but the server now "
+            f"reports {served!r}: another trainer named a version in between "
+            "(vLLM's finish carries no update id); check which weights are served"
+        )
 
 
 class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
@@ -532,9 +393,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         self.inline = InlineTransport(limit=self.init_info.inline_below)  # None: the default
         self.version: str | None = None
         self.sent: dict[str, torch.Tensor] = {}
-        self._ended_by_workers = False  # the current update's update_weights raised
         self.trainer_id = self.init_info.trainer_id or uuid.uuid4().hex[:16]
-        self._adapter: tuple[object, Sender] | None = None  # for a sender without `write`
         # The update a caller-owned session (`send_weight_chunk`) is sending, and its next chunk.
         self._session: tuple[str, int] | None = None
 
@@ -560,58 +419,18 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             engine.remember(dict(source))
         if not engine.is_sender:
             return engine
-        version = init_info.base_version
-        if version is None:  # the trainer cannot know: it starts from what the server serves
-            get_version = getattr(client, "get_weight_version", None)
-            served = get_version() if callable(get_version) else None
-            version = VLLM_START_VERSION if served is None else str(served)
-        engine.version = version
-        worker_info: dict[str, Any] = {
-            "transport": init_info.transport,
-            "weight_version": engine.version,
-            "adopt_version": init_info.adopt_version,
-            "trainer_id": engine.trainer_id,
-            "takeover": init_info.takeover,
-            "shm_dir": init_info.shm_dir,
-            "integrity": init_info.integrity,
-        }
-        if init_info.transport == "nccl":
-            worker_info.update(
-                master_address=init_info.master_address,
-                master_port=init_info.master_port,
-                world_size=init_info.world_size,
-            )
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                pending = pool.submit(client.init_weight_transfer_engine, worker_info)
-                assert init_info.master_address is not None and init_info.master_port is not None
-                assert init_info.world_size is not None
-                engine.sender = NCCLTransport.for_trainer(
-                    master_address=init_info.master_address,
-                    master_port=init_info.master_port,
-                    world_size=init_info.world_size,
-                )
-                pending.result()
-        else:
-            client.init_weight_transfer_engine(worker_info)
-            engine.sender = (
-                SharedMemoryTransport(init_info.shm_dir, owner=engine.trainer_id)
-                if init_info.transport == "shm"
-                else InlineTransport()  # the workers' limit, whatever inline_below says
-            )
+        engine.version, engine.sender = connect(init_info, client, trainer_id=engine.trainer_id)
         return engine
 
     def remember(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Take `state` as what the workers hold now (what the next diff starts from)."""
-        dtype = self.init_info.dtype
-        # `dtype` is the receiver's for floating tensors only (as `diff_state_dicts` reads it):
-        # an integer step counter or quantized weight stays exact, in its own dtype.
-        self.sent = {
-            name: tensor.detach().to(
-                dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
-                copy=True,
-            )
-            for name, tensor in state.items()
-        }
+        """Take `state` as what the workers hold now (what the next diff starts from).
+
+        The record is the engine's own copy. A tensor it already holds in the same shape,
+        dtype and device is written in place, so a trainer that calls this at every step
+        pays one copy, not a fresh allocation's page faults too.
+        """
+        held, self.sent = self.sent, {}  # cut short, the record is empty: the diff refuses
+        self.sent = remembered(held, state, self.init_info.dtype)
 
     def send_weights(
         self,
@@ -622,15 +441,14 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         """Send `patches` as one update (or, without them, the source's difference).
 
         With ``chunk_bytes``, `patches` may be a generator that makes them as they are
-        asked for: each chunk goes once it is full, while the next ones are made.
+        asked for (a stream is taken as it comes): each chunk goes once it is full, while
+        the next ones are made.
         """
         if patches is None:
             if self.source is None:
                 raise ValueError("send_weights() without patches needs a WeightSource at init")
             return self.send_state_dict(dict(self.source), target_version=target_version)
-        # In chunks, a stream of patches is taken as it comes: each chunk goes once full.
-        chunked = self.init_info.chunk_bytes is not None
-        given = patches if chunked else list(patches)
+        given = patches if self.init_info.chunk_bytes is not None else list(patches)
         return self._send(given, 0.0, time.perf_counter(), target_version)
 
     def send_state_dict(
@@ -642,15 +460,23 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         sent (O(changed elements), not a copy of `state`), bit for bit what `remember`
         would make of `state`; where the patches cannot say it (names or shapes that
         differ), `state` is copied whole.
+
+        A dense patch's values are the diff's own copy of `state`'s tensor: the bytes sent,
+        kept as the record, whatever another thread writes into `state` meanwhile. In one
+        chunk the whole diff is made before the update opens; in chunks, each goes once
+        full, and the rest is diffed while it travels and the workers check it.
         """
         started = time.perf_counter()
         info = self.init_info
-        stream = iter_diff_state_dicts(self.sent, state, dtype=info.dtype, cost=self._cost())
+        stream = iter_diff_state_dicts(
+            self.sent,
+            state,
+            dtype=info.dtype,
+            cost=priced(info.cost, self.sender),
+        )
         if not self.is_sender:  # checked as the sender checks it; the diff is the sender's
             self.remember(state)
             return None
-        # One chunk: the whole diff before the update opens. In chunks: each goes once full,
-        # and the rest is diffed while it travels and the workers check it.
         patches = list(stream) if info.chunk_bytes is None else stream
         diff_ms = (time.perf_counter() - started) * 1000.0
         taken: list[CheckpointWeightPatch] = []
@@ -658,7 +484,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if stats is None:  # only a rank that is not the sender gets none
             return None
         try:
-            advanced = _advance(self.sent, state, taken)
+            advanced = advance(self.sent, state, taken)
         except BaseException:
             self.sent = {}  # half advanced: the next diff refuses until the state is whole
             self.remember(state)
@@ -677,162 +503,26 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         The caller owns the finish, so each chunk's buffer is a fresh one, never written again.
         """
         update_id, position = self._session or (uuid.uuid4().hex[:16], 0)
-        plan, sender = self._plan(list(patches), self.version, next_version(self.version))
+        target = next_version(self.version)
         self._session = None if last else (update_id, position + 1)
-        try:
-            info = self._write(
-                plan, sender, pooled=False, last=last, update_id=update_id, chunk=position
-            )
-            self._deliver(info, sender)
-        finally:
-            sender.release()
-        if last:
-            self.version = next_version(self.version)
-        return plan.nbytes
-
-    def _cost(self) -> UpdateCost | None:
-        """The init info's cost model, told how this trainer's positions travel.
-
-        Over shared memory they go flat (int32 indices, see `_plan`): a sparse patch is
-        priced at that size, which from half its elements changed (fp32) is the dense one's.
-        """
-        cost = self.init_info.cost
-        if cost is None or self.sender is None:
-            return cost
-        flat = 4.0 if self._writing(self.sender).name == "shm" else 0.0
-        return cost if cost.position_bytes == flat else replace(cost, position_bytes=flat)
-
-    def _writing(self, sender: Sender | BytesSender) -> Sender:
-        """`sender` itself if it writes plans, else an adapter (one per sender)."""
-        if isinstance(sender, Sender):
-            return sender
-        if self._adapter is None or self._adapter[0] is not sender:
-            self._adapter = (sender, _FromBytes(sender))
-        return self._adapter[1]
-
-    def _algorithm(self, sender: Sender) -> str:
-        chosen = self.init_info.integrity
-        if chosen is not None:
-            return chosen
-        return SECURE if sender.name == "inline" else FAST
-
-    def _plan(
-        self,
-        patches: list[CheckpointWeightPatch],
-        base: str | None,
-        target: str | None,
-    ) -> tuple[PayloadPlan, Sender]:
-        """The chunk's layout and the sender it goes by (inline when small enough).
-
-        Over shared memory, positions travel flat: a copy of them costs less than encoding
-        them smaller and decoding them again. Elsewhere (and inline) the smallest encoding.
-        """
-        assert self.sender is not None, "trainer_init() first"
-        main = self._writing(self.sender)
-        flat = main.name == "shm"
-        plan = plan_payload(
-            patches,
-            base_version=base,
-            target_version=target,
-            positions="flat" if flat else "smallest",
+        writer = self._writer()
+        nbytes = writer.send_one(
+            list(patches), self.version, target, update_id, position, last=last
         )
-        if 0 < plan.nbytes <= self.inline.limit:
-            if flat:
-                plan = plan_payload(patches, base_version=base, target_version=target)
-            return plan, self.inline
-        return plan, main
+        if last:
+            self.version = target
+        return nbytes
 
-    def _write(
-        self,
-        plan: PayloadPlan,
-        sender: Sender,
-        *,
-        pooled: bool,
-        last: bool,
-        update_id: str,
-        chunk: int,
-    ) -> dict[str, Any]:
-        """Write the chunk into the sender's buffer; its update info."""
-        fields, sealed = sender.write(plan, algorithm=self._algorithm(sender), pooled=pooled)
-        return {
-            **fields,
-            "nbytes": plan.nbytes,
-            "checksum": sealed.checksum,
-            "last": last,
-            "update_id": update_id,
-            "trainer_id": self.trainer_id,
-            "chunk": chunk,
-            "intent": sealed.intent,
-        }
-
-    def _deliver(self, info: dict[str, Any], sender: Sender) -> str:
-        """Send a written chunk (its buffer is not released here)."""
-        if sender.concurrent:
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                pending = pool.submit(self._update_weights, info)
-                sender.transmit()
-                pending.result()
-        else:
-            self._update_weights(info)
-        return sender.name
-
-    def _update_weights(self, info: dict[str, Any]) -> None:
-        try:
-            self.client.update_weights(info)
-        except BaseException:
-            self._ended_by_workers = True  # vLLM ends an update whose update_weights raised
-            raise
-
-    def _send_chunks(
-        self,
-        groups: Iterator[list[CheckpointWeightPatch]],
-        target: str,
-        update_id: str,
-        pool: ThreadPoolExecutor,
-        in_flight: list[Future[str]],
-    ) -> tuple[float, float, float, int, set[str]]:
-        """Write and deliver every chunk: diff, encode and update seconds, bytes, transports.
-
-        Chunk k+1 is written while the workers receive and check chunk k (one delivery at a
-        time, in order, from `pool`; a collective sender delivers each chunk as it is
-        written), and from a stream of patches, chunk k+2 is diffed meanwhile: a chunk goes
-        once the next one is known, which tells whether it is the last. The delivery in
-        flight is in `in_flight`, for the caller to wait on.
-        """
-        began = time.perf_counter()
-        encode_s, nbytes, transports = 0.0, 0, set()
-        group: list[CheckpointWeightPatch] | None = next(groups)  # a stream's first chunk
-        diff_s = time.perf_counter() - began
-        position = 0
-        while group is not None:
-            asked = time.perf_counter()
-            following = next(groups, None)  # a stream's next patches are diffed here
-            begin = time.perf_counter()
-            diff_s += begin - asked
-            plan, sender = self._plan(group, self.version, target)
-            info = self._write(
-                plan,
-                sender,
-                pooled=True,
-                last=following is None,
-                update_id=update_id,
-                chunk=position,
-            )
-            encode_s += time.perf_counter() - begin
-            nbytes += plan.nbytes
-            while in_flight:
-                transports.add(in_flight[0].result())
-                in_flight.pop()
-            if sender.concurrent:
-                transports.add(self._deliver(info, sender))
-            else:
-                in_flight.append(pool.submit(self._deliver, info, sender))
-            group, position = following, position + 1
-        while in_flight:
-            transports.add(in_flight[0].result())
-            in_flight.pop()
-        update_s = time.perf_counter() - began - encode_s - diff_s
-        return diff_s, encode_s, update_s, nbytes, transports
+    def _writer(self) -> UpdateWriter:
+        """The writer of one update (or one caller-owned chunk) by this engine's senders."""
+        assert self.sender is not None, "trainer_init() first"
+        return UpdateWriter(
+            client=self.client,
+            sender=self.sender,
+            inline=self.inline,
+            trainer_id=self.trainer_id,
+            integrity=self.init_info.integrity,
+        )
 
     def _send(
         self,
@@ -851,51 +541,11 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             return None
         target = target_version or next_version(self.version)
         taken = [] if taken is None else taken
-        groups = _chunks(_kept(patches, taken), self.init_info.chunk_bytes)
-        self._ended_by_workers = False
-        update_id = uuid.uuid4().hex[:16]
-        self.client.start_weight_update()
-        finished = False
-        pool = ThreadPoolExecutor(max_workers=1)
-        in_flight: list[Future[str]] = []
-        try:
-            diff_s, encode_s, update_s, nbytes, transports = self._send_chunks(
-                groups, target, update_id, pool, in_flight
-            )
-        except BaseException:
-            for pending in in_flight:  # a chunk still in flight: let it end before the abort
-                with contextlib.suppress(BaseException):
-                    pending.result()
-            # When update_weights fails, vLLM has ended the update on every worker already
-            # (ending it again is an error there). A failure of the trainer's own (a patch
-            # that cannot be encoded, a payload a transport refuses) must end it too, or every
-            # later update is refused as "already active". Ended without a version: the
-            # workers drop the chunks they hold, and vLLM's version stays where it is.
-            if not self._ended_by_workers:
-                with contextlib.suppress(Exception):
-                    self.client.finish_weight_update()
-            raise
-        else:
-            # The workers apply the update here, whole, or refuse (vLLM then records no
-            # version). Either way, once this returns no worker holds a view of its buffers.
-            self.client.finish_weight_update(target)
-            finished = True
-        finally:
-            # Pooled buffers are written again only after a finish that returned; after any
-            # failure (a timeout: a worker may still be reading) they are deleted instead.
-            if self.sender is not None:
-                self._writing(self.sender).release(reuse=finished)
-            self.inline.release(reuse=finished)
-            pool.shutdown()
+        groups = chunks(kept(patches, taken), self.init_info.chunk_bytes)
+        update_id, figures = run_update(self.client, self._writer(), groups, self.version, target)
         self.version = target
-        get_version = getattr(self.client, "get_weight_version", None)
-        served = get_version() if callable(get_version) else None
-        if served is not None and str(served) != target:
-            raise UpdateConflictError(
-                f"update {update_id!r} was applied as version {target!r}, but the server now "
-                f"reports {served!r}: another trainer named a version in between "
-                "(vLLM's finish carries no update id); check which weights are served"
-            )
+        _check_served(self.client, update_id, target)
+        diff_s, encode_s, update_s, nbytes, transports = figures
         return SendStats(
             patches=len(taken),
             nbytes=nbytes,

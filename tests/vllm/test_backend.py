@@ -403,17 +403,17 @@ def test_the_trainer_chooses_sparse_or_dense_by_its_cost_model(
     # A 4x4 weight with one change: by wire bytes it goes sparse, by the default cost model
     # (one more dense patch costs less than one more sparse one) dense; the worker ends with
     # the same weights either way, and the stats say which form it sent.
-    from patchctx.vllm import _trainer
+    from patchctx.vllm import _sending
 
     encoded: list[Any] = []
 
-    plan = _trainer.plan_payload  # type: ignore[attr-defined]  # (the name the trainer calls)
+    plan = _sending.plan_payload  # type: ignore[attr-defined]  # (the name the trainer calls)
 
     def spy(patches: Any, **kwargs: Any) -> Any:
         encoded.append(list(patches))
         return plan(patches, **kwargs)
 
-    monkeypatch.setattr(_trainer, "plan_payload", spy)
+    monkeypatch.setattr(_sending, "plan_payload", spy)
     state = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
     for cost, sparse in ((None, True), (UpdateCost(), False)):
         worker = worker_engine()

@@ -51,6 +51,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def assert_same_record(engine: PatchctxTrainerEngine, state: dict[str, torch.Tensor]) -> None:
     advanced = engine.sent
+    engine.sent = {}  # (else `remember` writes the reference into the record's own tensors)
     engine.remember(state)  # the whole copy, the reference
     assert advanced.keys() == engine.sent.keys()
     for name, tensor in engine.sent.items():
@@ -216,3 +217,67 @@ def test_in_chunks_a_chunk_goes_while_the_next_patches_are_still_being_made() ->
     engine.send_state_dict(new)
     assert len(client.updates) - before == 6
     assert_same_record(engine, new)
+
+
+def test_a_dense_update_is_recorded_as_the_bytes_sent_whatever_writes_the_state_meanwhile() -> None:
+    """The record is what the workers were sent: another thread that writes the trainer's
+    tensors while the update travels (here, while the workers take it) changes neither the
+    update nor the record, and the trainer's next step in place changes no record either."""
+    state = {"w": torch.arange(64.0), "b": torch.ones(8)}  # every element changed: dense
+    sent_values = {name: tensor.clone() for name, tensor in state.items()}
+
+    class Meanwhile(Recording):
+        def update_weights(self, update_info: Any) -> None:
+            super().update_weights(update_info)
+            for tensor in state.values():
+                tensor.add_(100.0)  # the optimizer's thread, mid-update
+
+    client = Meanwhile()
+    engine = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(rank=0, transport="inline", inline_below=None), client=client
+    )
+    engine.remember({"w": torch.zeros(64), "b": torch.zeros(8)})
+    stats = engine.send_state_dict(state)
+    assert stats is not None and stats.dense_nbytes == 72 * 4
+    for name, values in sent_values.items():
+        assert torch.equal(engine.sent[name], values), name
+    for tensor in state.values():
+        tensor.add_(1.0)  # the next step, in place
+    for name, values in sent_values.items():
+        assert torch.equal(engine.sent[name], values), name
+
+
+def test_remember_writes_its_record_in_place_and_an_interrupt_leaves_none() -> None:
+    client = Recording()
+    engine = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(rank=0, transport="inline", dtype=torch.bfloat16),
+        client=client,
+    )
+    first = {"w": torch.randn(32, 4), "steps": torch.arange(3)}
+    engine.remember(first)
+    where = {name: tensor.data_ptr() for name, tensor in engine.sent.items()}
+    second = {"w": torch.randn(32, 4), "steps": torch.arange(3) + 7}
+    engine.remember(second)
+    assert {name: tensor.data_ptr() for name, tensor in engine.sent.items()} == where
+    assert torch.equal(engine.sent["w"], second["w"].to(torch.bfloat16))
+    assert engine.sent["steps"].dtype == torch.int64  # integers keep their own dtype
+    assert torch.equal(engine.sent["steps"], second["steps"])
+    # Given its own record, it copies rather than writing a tensor over itself.
+    engine.remember(engine.sent)
+    assert torch.equal(engine.sent["w"], second["w"].to(torch.bfloat16))
+    assert engine.sent["w"].data_ptr() != where["w"]
+
+    class Interrupted(dict[str, torch.Tensor]):
+        def items(self) -> Any:
+            yield "w", self["w"]
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.remember(Interrupted(first))
+    assert engine.sent == {}  # half written would claim what the workers do not hold
+    with pytest.raises(InvalidPatchError):
+        engine.send_state_dict(first)
+    assert client.version == "0"
+    engine.remember(first)
+    engine.send_state_dict(second)
+    assert_same_record(engine, second)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from patchctx import _cpu_passes
+from patchctx import _cpu_passes, _tuning
 
 __all__ = ["bit_view", "indexable", "own_dispatch", "scatter_flat", "write_at"]
 
@@ -72,10 +72,6 @@ def indexable(tensor: torch.Tensor) -> torch.Tensor:
 # Integers of each element width: moving bits through them is exact for every dtype.
 _WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-# Up to this many positions, ``put_`` on the destination as it is (no flat view to make) is the
-# cheapest write on CPU: 1.2-1.7 µs for 16-256 positions against 2.6-3.1 µs for a flat view and
-# ``index_copy_``; from a few thousand up, ``scatter_`` through an integer view is faster.
-_FEW = 1024
 
 # Per dtype: the integer view `write_at` writes through with ``scatter_`` on CPU (None: a
 # 16-byte element, ``index_copy_`` only), and the view ``index_copy_`` needs (None: itself).
@@ -113,7 +109,7 @@ def write_at(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     bits, indexed = _WRITE_VIEWS.get(dtype) or _write_views(dtype)
     deterministic = torch.are_deterministic_algorithms_enabled()
     on_host = target.is_cpu and _cpu_passes.HOST
-    if not deterministic and on_host and positions.shape[0] <= _FEW:
+    if not deterministic and on_host and positions.shape[0] <= _tuning.FEW:
         if indexed is None:
             target.put_(positions, values)
         else:

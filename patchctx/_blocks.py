@@ -1,6 +1,7 @@
 """Blocked passes over long index and value tensors, with scratch buffers reused per thread.
 
-Validation and route replay walk a patch's indices in blocks of `BLOCK` positions. A block is
+Validation and route replay walk a patch's indices in blocks of `_tuning.BLOCK` positions. A
+block is
 large enough that the per-operation cost (a few microseconds in eager PyTorch, more under CPU
 contention) is negligible, and small enough that its temporaries stay a few MiB instead of
 O(nnz): the int64 positions and the order check write into one buffer per thread, device and
@@ -15,30 +16,27 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BLOCK", "UNDO_SPAN", "block_size", "blocks", "scratch", "undo_block"]
+from patchctx import _tuning
 
-# Positions per block: 1M (8 MiB of int64 scratch), so a 100M-element update is ~100 writes.
-BLOCK = 1 << 20
-# A write that saves the old values first (atomic) goes, on CPU, in blocks whose positions span
-# about `UNDO_SPAN` elements: the cache lines the save reads are still in cache for the write.
-# 1.4x faster than 1M positions at a time at 1 % density, 1.1x at 10 % (`undo_block`).
-UNDO_SPAN = 1 << 21
+__all__ = ["block_size", "blocks", "scratch", "undo_block"]
+
 
 _local = threading.local()
 
 
 def block_size() -> int:
-    """`BLOCK`, read at call time."""
-    return BLOCK
+    """`_tuning.BLOCK`, read at call time."""
+    return _tuning.BLOCK
 
 
 def undo_block(count: int, span: int) -> int:
     """Positions per block for `count` positions over `span` elements, saved then written.
 
-    As many as fall in `UNDO_SPAN` elements at that density, between 16K (or `BLOCK`, if less)
-    and `BLOCK`.
+    As many as fall in `_tuning.UNDO_SPAN` elements at that density, between 16K (or
+    `_tuning.BLOCK`, if less) and `_tuning.BLOCK`.
     """
-    return max(min(BLOCK, 1 << 14), min(BLOCK, count * UNDO_SPAN // max(span, 1)))
+    block, span_of = _tuning.BLOCK, _tuning.UNDO_SPAN
+    return max(min(block, 1 << 14), min(block, count * span_of // max(span, 1)))
 
 
 def scratch(device: torch.device, dtype: torch.dtype, size: int) -> torch.Tensor:
@@ -63,7 +61,7 @@ def scratch(device: torch.device, dtype: torch.dtype, size: int) -> torch.Tensor
 
 
 def blocks(start: int, stop: int) -> Iterator[tuple[int, int]]:
-    """``(begin, end)`` of consecutive blocks of `BLOCK` positions covering ``[start, stop)``."""
-    size = BLOCK  # read at each call, so that tests can make blocks small
+    """``(begin, end)`` of the consecutive blocks of `_tuning.BLOCK` over ``[start, stop)``."""
+    size = _tuning.BLOCK  # read at each call, so that tests can make blocks small
     for begin in range(start, stop, size):
         yield begin, min(stop, begin + size)

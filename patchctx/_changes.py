@@ -34,11 +34,11 @@ import numpy
 import torch
 from numpy.typing import NDArray
 
+from patchctx import _tuning
 from patchctx._strategies import CopyStrategy, ReservedBits
 from patchctx._swap import builtin_copy
 
 __all__ = [
-    "DEFAULT_BLOCK",
     "SINGLE_PASS_DEVICES",
     "BlockBits",
     "ChangeCount",
@@ -53,12 +53,6 @@ __all__ = [
     "set_positions",
 ]
 
-# Elements per block. Each block costs ~20 dispatches (100-150 us on CPU), so on CPU a block of
-# 1M elements (5 MB of buffers for a bf16 receiver) keeps that under 0.15 ns per element. On
-# an accelerator the same dispatches cost as much host time while a block streams at TB/s:
-# 16M elements (80 MB of buffers) keeps the launches from dominating as far as one can.
-DEFAULT_BLOCK = {"cpu": 1 << 20}
-_DEVICE_BLOCK = 1 << 24
 
 # Devices whose scan takes one pass, reading each block's mask on the host (`ChangeScan.find`).
 SINGLE_PASS_DEVICES = frozenset({"cpu"})
@@ -68,8 +62,8 @@ _BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def block_size(device: torch.device) -> int:
-    """The default number of elements per block on `device`."""
-    return DEFAULT_BLOCK.get(device.type, _DEVICE_BLOCK)
+    """The default number of elements per block on `device` (`_tuning.DIFF_BLOCK`)."""
+    return _tuning.DIFF_BLOCK.get(device.type, _tuning.DIFF_BLOCK["other"])
 
 
 def bits_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from patchctx import _tuning
 from patchctx._changes import ChangeScan, bits_of, reserved_test
 from patchctx._encoding import PositionsSummary, WireEncoding, count_escapes, index_dtype
 from patchctx._patch import CheckpointWeightPatch
@@ -23,15 +24,6 @@ if TYPE_CHECKING:
     from patchctx._strategies import CopyStrategy
 
 __all__ = ["choose_sparse", "diff_tensor", "sparse_is_smaller", "sparse_nbytes"]
-
-# A CPU tensor of at least `SAMPLED_FROM` elements is first sampled at `SAMPLES` positions
-# drawn uniformly (a fixed seed per size): when even the low end of the density they show
-# (four standard errors below it) rules sparse out, it goes dense with no scan. A pattern
-# cannot fool the draw as it could a stride: a column, a row or a block is hit as often as
-# its share. Only the time is at stake, never a value: a dense patch is right whatever
-# changed.
-SAMPLED_FROM = 1 << 18
-SAMPLES = 4096
 
 
 def sparse_nbytes(nnz: int, numel: int, element_size: int, escapes: int) -> int:
@@ -139,7 +131,7 @@ def diff_tensor(
         )
 
     if (
-        numel >= SAMPLED_FROM
+        numel >= _tuning.SAMPLED_FROM
         and new.device.type == "cpu"  # (elsewhere the sample's host read would be a sync)
         and not unsupported
         and not could_be_sparse(_least(old, new, dtype))
@@ -178,14 +170,14 @@ def _dense(name: str, new: torch.Tensor, dtype: torch.dtype) -> CheckpointWeight
 
 
 def _least(old: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> int:
-    """Fewest changed elements `new` has, as far as `SAMPLES` positions drawn at random show.
+    """Fewest changed elements `new` has, as far as `_tuning.SAMPLES` random positions show.
 
-    The sampled density less four standard errors (at least one part in `SAMPLES` of its
-    variance), times the size; 0 when the sample shows no change.
+    The sampled density less four standard errors (at least one part in `_tuning.SAMPLES` of
+    its variance), times the size; 0 when the sample shows no change.
     """
     numel = new.numel()
     seed = torch.Generator().manual_seed(numel)
-    at = torch.randint(numel, (SAMPLES,), generator=seed).to(new.device)
+    at = torch.randint(numel, (_tuning.SAMPLES,), generator=seed).to(new.device)
     before = torch.take(old.detach(), at.to(old.device)).to(new.device, dtype)
     after = torch.take(new.detach(), at).to(dtype)
     differ = bits_of(before.resolve_conj().resolve_neg()) != bits_of(
@@ -193,8 +185,8 @@ def _least(old: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> int:
     )
     if differ.dim() > 1:  # complex128: two halves per element
         differ = differ.any(dim=-1)
-    seen = int(differ.sum()) / SAMPLES  # (one host read)
+    seen = int(differ.sum()) / _tuning.SAMPLES  # (one host read)
     if seen == 0.0:
         return 0
-    error = math.sqrt(max(seen * (1.0 - seen), 1.0 / SAMPLES) / SAMPLES)
+    error = math.sqrt(max(seen * (1.0 - seen), 1.0 / _tuning.SAMPLES) / _tuning.SAMPLES)
     return max(0, math.floor((seen - 4.0 * error) * numel))

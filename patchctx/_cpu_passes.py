@@ -24,10 +24,10 @@ import threading
 import numpy as np
 import torch
 
+from patchctx import _tuning
+
 __all__ = [
     "HOST",
-    "HOST_FROM",
-    "LISTED_UP_TO",
     "each_increasing_below",
     "has_nan_bits",
     "has_value",
@@ -45,23 +45,9 @@ __all__ = [
 # that code where no accelerator is (read as `_cpu_passes.HOST`).
 HOST = True
 
-# From this many elements a torch elementwise operation or reduction on CPU runs on every
-# intra-op thread (torch's grain size) and waits for a busy core: callers pass longer tensors
-# here (read as `_cpu_passes.HOST_FROM`, so tests can lower it).
-HOST_FROM = 1 << 15
 
 _UNSIGNED: dict[int, type[np.unsignedinteger]] = {4: np.uint32, 8: np.uint64}
 
-# A patch of at most this many indices (and values) is checked on the host as Python lists (one
-# ``tolist`` each, against a microsecond or more for each numpy or torch operation), and replay
-# keeps the list of indices (`listed_positions`). A call of one such patch (bf16, int32
-# indices, a whole-tensor route, one thread) took 23-34 µs this way against 36-37 through
-# numpy for 40 to 130 indices, and a third less right after a sweep of memory (numpy's first
-# calls cost 20-30 µs each); from about 160 the Python loops cost more in a loop of calls.
-LISTED_UP_TO = 128
-
-# Up to this many indices, the order test writes a fresh temporary (a few KiB).
-_SMALL = 1 << 12
 
 _local = threading.local()
 
@@ -98,7 +84,7 @@ def increasing_below(window: torch.Tensor, bound: int) -> bool:
         return False
     if count == 1:
         return True
-    if count <= _SMALL:  # a fresh temporary costs less than finding the thread's buffer
+    if count <= _tuning.SMALL_ORDER_TEST:  # a fresh temporary beats finding the thread's buffer
         return bool(np.greater(unsigned[1:], unsigned[:-1]).all())
     steps = host_scratch(np.bool_, count - 1)
     return bool(np.greater(unsigned[1:], unsigned[:-1], out=steps).all())

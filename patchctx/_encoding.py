@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from patchctx import _tuning
 from patchctx._patch import PatchLike
 
 __all__ = [
@@ -62,8 +63,6 @@ _INT32_LIMIT = 2**31
 # Up to this many elements an escaped gap (at most numel - 1) fits uint32.
 _UINT32_GAPS_LIMIT = 2**32
 ESCAPE = 0xFFFF
-# Bytes of the bitmask decoded at a time (2**20 positions).
-BITMASK_BLOCK_BYTES = 2**17
 # Streams on CPU are decoded by numpy (tests turn it off to run torch's way there too).
 _NUMPY_ON_CPU = True
 
@@ -522,14 +521,14 @@ def _decode_gaps_on_host(raw: np.ndarray, numel: int, count: int) -> np.ndarray:
 def _decode_bitmask_on_host(raw: np.ndarray, numel: int, count: int) -> np.ndarray:
     """`_decode_bitmask` for a mask on CPU (its length and spare bits checked), by numpy.
 
-    Per block of `BITMASK_BLOCK_BYTES`: the bits unpacked to bools (8 bytes per byte of mask),
-    numpy's ``nonzero`` of them, shifted into the output. A block without a set bit is
+    Per block of `_tuning.BITMASK_BLOCK_BYTES`: the bits unpacked to bools (8 bytes per byte
+    of mask), numpy's ``nonzero`` of them, shifted into the output. A block without a set bit is
     skipped after one scan. At 10 % density, about a third of torch's time.
     """
     out = np.empty(count, dtype=_host_dtype(numel))
     filled = 0
-    for start in range(0, raw.size, BITMASK_BLOCK_BYTES):
-        block = raw[start : start + BITMASK_BLOCK_BYTES]
+    for start in range(0, raw.size, _tuning.BITMASK_BLOCK_BYTES):
+        block = raw[start : start + _tuning.BITMASK_BLOCK_BYTES]
         if not block.any():
             continue
         (found,) = np.unpackbits(block, bitorder="little").view(np.bool_).nonzero()
@@ -565,8 +564,8 @@ def _decode_bitmask(data: torch.Tensor, numel: int, count: int) -> torch.Tensor:
     # Sparse masks (by the announced count) unpack only their non-zero bytes.
     sparse = 32 * count < numel
     filled = 0
-    for start in range(0, nbytes, BITMASK_BLOCK_BYTES):
-        block = data[start : start + BITMASK_BLOCK_BYTES]
+    for start in range(0, nbytes, _tuning.BITMASK_BLOCK_BYTES):
+        block = data[start : start + _tuning.BITMASK_BLOCK_BYTES]
         if sparse:
             occupied = block.nonzero().view(-1)
             if occupied.numel() == 0:

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
+from patchctx import _tuning
 from patchctx._diff import receiver_dtype, sparse_is_smaller
 from patchctx._encoding import count_escapes, index_dtype
 from patchctx._errors import InvalidPatchError, PatchProblem
@@ -34,14 +35,12 @@ from patchctx._strategies import Auto, CopyStrategy
 
 __all__ = ["LowByteDetector"]
 
-_BLOCK = 1 << 20
-
 
 def _low_bytes(tensor: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
     """Write the low byte of each element's bits in `dtype` into `out` (uint8, flat)."""
     flat = tensor.detach().reshape(-1)
-    for start in range(0, flat.numel(), _BLOCK):
-        block = flat[start : start + _BLOCK].to(dtype)
+    for start in range(0, flat.numel(), _tuning.LOW_BYTE_BLOCK):
+        block = flat[start : start + _tuning.LOW_BYTE_BLOCK].to(dtype)
         if block.dtype == torch.bool:
             block = block.to(torch.uint8)
         raw = block.contiguous().view(torch.uint8).view(block.numel(), -1)

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
-from patchctx import _cpu_passes
+from patchctx import _cpu_passes, _tuning
 from patchctx._bits import own_dispatch
 from patchctx._blocks import block_size, blocks, scratch
 from patchctx._cpu_passes import each_increasing_below, increasing_below, positions_into
@@ -604,20 +604,6 @@ def _numeric_problems(
     return _exact_numeric_problems(checked, strategy, validate_unique_indices)
 
 
-# Sparse patches of at most this many indices are checked together, in one concatenation
-# (int64, kept as their replay positions); longer ones block by block.
-_BATCHED_UP_TO = 1 << 16
-# On CPU, from a few thousand indices up, a patch is checked on its own by numpy (two passes,
-# nothing concatenated, no int64 copy made: replay converts its indices with the segment's
-# shift in one pass). The concatenation of `_batch_flags` pays for tiny patches only.
-_CPU_BATCHED_UP_TO = 1 << 12
-
-# On CPU, the short patches of a call are checked together from this many up; fewer are checked
-# one by one like the long ones, by numpy: two passes each, no concatenation, no int64 copy
-# (replay converts the indices where it needs positions). Joining them costs a concatenation,
-# its int64 copy and its split, which pay off over many patches only.
-_CPU_JOINED_FROM = 8
-
 # Above this, a patch's numel could overflow int64 arithmetic on indices: exact checks only.
 _FAST_NUMEL_LIMIT = 1 << 62
 
@@ -631,13 +617,13 @@ def _all_valid(
     when some patch has an index out of range, indices that are not strictly increasing, or a
     reserved value (the exact checks then find which). One host read per device.
 
-    Small patches (up to `_CPU_BATCHED_UP_TO` indices on CPU, `_BATCHED_UP_TO` elsewhere) with
-    indices of one dtype are checked together (`_batch_flags`), a lone one on its device by
-    itself (`_small_flags`). On CPU, fewer than `_CPU_JOINED_FROM` small ones, and every
-    large one, are decided on the host patch by patch (`_host_valid`). Large patches on an
-    accelerator: per block of `BLOCK` indices, the extremes, the smallest step (into a reused
-    buffer) and the strategy's reserved-value reduction (`_blocked_flags`). No temporary
-    exceeds a block.
+    Small patches (up to `_tuning.CPU_BATCHED_UP_TO` indices on CPU, `_tuning.BATCHED_UP_TO`
+    elsewhere) with indices of one dtype are checked together (`_batch_flags`), a lone one on
+    its device by itself (`_small_flags`). On CPU, fewer than `_tuning.CPU_JOINED_FROM` small
+    ones, and every large one, are decided on the host patch by patch (`_host_valid`). Large
+    patches on an accelerator: per block of `_tuning.BLOCK` indices, the extremes, the
+    smallest step (into a reused buffer) and the strategy's reserved-value reduction
+    (`_blocked_flags`). No temporary exceeds a block.
     """
     if len(checked) == 1:  # a call of one patch: no grouping to do
         item = checked[0]
@@ -650,7 +636,7 @@ def _all_valid(
         if (
             indices is not None
             and not on_host
-            and indices.shape[0] <= _BATCHED_UP_TO
+            and indices.shape[0] <= _tuning.BATCHED_UP_TO
             and item._numel < _FAST_NUMEL_LIMIT
         ):
             flags: list[torch.Tensor | int] = []
@@ -669,9 +655,9 @@ def _all_valid(
             return None
         values = patch.values
         if values.is_cpu and _cpu_passes.HOST:  # (one device object for all: none to hash)
-            device, most = _CPU, _CPU_BATCHED_UP_TO
+            device, most = _CPU, _tuning.CPU_BATCHED_UP_TO
         else:
-            device, most = values.device, _BATCHED_UP_TO
+            device, most = values.device, _tuning.BATCHED_UP_TO
         if indices.shape[0] > most:
             large.setdefault(device, []).append(k)
             continue
@@ -698,8 +684,8 @@ def _device_valid(
     checks: list[tuple[str, int]] = []  # how to judge each flag on the host
     small = [k for ks in groups.values() for k in ks]
     on_host = _on_host(device)
-    if on_host and len(small) < _CPU_JOINED_FROM:
-        for k in small:  # one by one (`_CPU_JOINED_FROM`)
+    if on_host and len(small) < _tuning.CPU_JOINED_FROM:
+        for k in small:  # one by one (`_tuning.CPU_JOINED_FROM`)
             indices = checked[k]._patch.indices
             assert indices is not None
             if not _host_valid(checked[k], indices, strategy):
@@ -740,7 +726,7 @@ def _device_valid(
 def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrategy) -> bool:
     """`_all_valid` for one sparse patch on CPU, decided on the host: no flags to read.
 
-    Per block of `BLOCK` indices, two host passes: the order and range of the block and the
+    Per block of `_tuning.BLOCK` indices, two host passes: the order and range of the block and the
     step into it (`increasing_below`), then its values (`reserved_on_host`). No temporary
     exceeds a block; the first block that fails ends the check (the exact checks say why).
     """
@@ -749,7 +735,7 @@ def _host_valid(item: CheckedPatch, indices: torch.Tensor, strategy: CopyStrateg
     patch = item._patch
     values, dtype, numel = patch.values, patch.dtype, item._numel
     count = indices.shape[0]
-    if count <= _cpu_passes.LISTED_UP_TO:
+    if count <= _tuning.LISTED_UP_TO:
         # A few indices: checked as a Python list, kept for replay (`CheckedPatch._listed`).
         listed: list[int] = indices.tolist()
         if count and (
@@ -819,7 +805,7 @@ def _small_flags(
 
 def _int64(indices: torch.Tensor) -> torch.Tensor:
     """`indices` as a new int64 tensor; long ones on CPU by numpy (see `patchctx._cpu_passes`)."""
-    if not _on_host(indices.device) or indices.shape[0] <= _cpu_passes.HOST_FROM:
+    if not _on_host(indices.device) or indices.shape[0] <= _tuning.HOST_FROM:
         return indices.long()
     positions = torch.empty(indices.shape, dtype=torch.long)
     positions_into(indices, 0, positions)
@@ -1004,15 +990,10 @@ def _reserved_in(
     # Cast one by one, as staging does: a joint cast after `torch.cat` promotes the values to
     # a common dtype first (int64 and float32 to float32), which can round them differently.
     values = [item._patch.values.to(device=device, dtype=dtype) for item in items]
-    if len(values) == 1 or sum(v.numel() for v in values) > _BATCHED_BELOW * len(values):
+    if len(values) == 1 or sum(v.numel() for v in values) > _tuning.BATCHED_BELOW * len(values):
         flags = [strategy.reserved_values(v, dtype).to(device) for v in values]
         return torch.stack(flags).any().reshape(1)
     return strategy.reserved_values(torch.cat(values), dtype).to(device).reshape(1)
-
-
-# Below this many indices per patch on average, the patches of a device are checked together
-# (a fixed number of operations for any number of patches); above it, patch by patch.
-_BATCHED_BELOW = 4096
 
 
 def _index_flags(
@@ -1028,7 +1009,7 @@ def _index_flags(
     if not sum(lengths):
         none = torch.zeros(count, dtype=torch.bool, device=device)
         return none, ~none
-    if count == 1 or sum(lengths) > _BATCHED_BELOW * count:
+    if count == 1 or sum(lengths) > _tuning.BATCHED_BELOW * count:
         # Large patches: a few reductions each, in the index dtype (no int64 copy, no owner
         # map: for millions of indices those extra passes cost more than the calls they save).
         ranges: list[torch.Tensor] = []

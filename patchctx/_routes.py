@@ -22,7 +22,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import torch
 
-from patchctx import _cpu_passes
+from patchctx import _cpu_passes, _tuning
 from patchctx._arguments import flag, positive_int
 from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, scratch, undo_block
@@ -393,7 +393,7 @@ def replay(
     The loader path casts values to the checkpoint dtype when staging, and ``copy_`` casts them
     to the destination dtype: replay applies the same two casts, to the covered values only.
     `positions` are the indices as int64 on the values' device when validation made them
-    (small patches); long ones are converted block by block (`BLOCK` positions, into one
+    (small patches); long ones are converted block by block (`_tuning.BLOCK` positions, into one
     reused buffer per thread), so memory stays O(block) and the work is a few operations
     per million positions. `bounds`: per segment, the covered slice of the sorted indices if
     the caller found it already (`replay_bounds`, one host read for many replays).
@@ -421,7 +421,7 @@ def replay(
         elif (
             positions is None
             and indices.device == target.device
-            and indices.shape[0] <= _cpu_passes.HOST_FROM
+            and indices.shape[0] <= _tuning.HOST_FROM
         ):
             positions = indices if indices.dtype == torch.long else indices.long()
         if positions is not None and replay_whole(route, target, positions, values):

@@ -15,7 +15,7 @@ from typing import ClassVar, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
-from patchctx import _cpu_passes, _swap
+from patchctx import _cpu_passes, _swap, _tuning
 from patchctx._arguments import instance_of, optional_int
 from patchctx._bits import indexable, scatter_flat
 from patchctx._cpu_passes import has_nan_bits, has_value, nan_bits_known
@@ -223,9 +223,6 @@ def _int_capable(dtype: torch.dtype) -> bool:
 # The bits of +infinity in the 16-bit floats; a NaN's bits (sign cleared) are above them.
 _HALF_NAN = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
-# From this many values the bit test above beats the float amax (2.5x at 1M, 3x slower at 4K).
-_INTEGER_NAN_FROM = 1 << 15
-
 
 @functools.cache
 def _reduces(dtype: torch.dtype, reduction: str) -> bool:
@@ -280,11 +277,11 @@ class NaNMask:
         values = values.to(dtype=dtype)
         if not values.numel():
             return torch.zeros((), dtype=torch.bool, device=values.device)
-        if values.numel() > _cpu_passes.HOST_FROM and nan_bits_known(values):
+        if values.numel() > _tuning.HOST_FROM and nan_bits_known(values):
             # On CPU, two numpy maxima of the bits (see `patchctx._cpu_passes`).
             return torch.tensor(has_nan_bits(values))
         half = _HALF_NAN.get(dtype)
-        if half is not None and values.numel() > _INTEGER_NAN_FROM:
+        if half is not None and values.numel() > _tuning.INTEGER_NAN_FROM:
             # bf16 / fp16: a NaN's bits without the sign exceed those of infinity. Two integer
             # passes cost a third of the float amax (which converts every element); for a few
             # elements, wrapping the mask into a tensor costs more than the float amax.
@@ -400,7 +397,7 @@ class IntSentinel:
         values = values.to(dtype=dtype)
         sentinel = self.sentinel(dtype)
         if (
-            values.numel() > _cpu_passes.HOST_FROM
+            values.numel() > _tuning.HOST_FROM
             and values.device.type == "cpu"
             and _cpu_passes.HOST
             and not values.is_neg()
@@ -609,10 +606,10 @@ def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.
     nan = isinstance(bits, ReservedBits) and bits.nan and values.dtype is dtype
     if nan and dtype in _NAN_BY_AMAX:  # by count: Python floats, torch's amax, the bits
         count = values.numel()
-        if count <= _cpu_passes.LISTED_UP_TO and values.is_cpu:
+        if count <= _tuning.LISTED_UP_TO and values.is_cpu:
             # A few values as Python floats (NaN stays NaN): no tensor operation at all.
             return any(map(math.isnan, values.tolist()))
-        if count <= _AMAX_UP_TO and values.is_cpu:
+        if count <= _tuning.AMAX_UP_TO and values.is_cpu:
             # amax propagates NaN: one reduction, below torch's grain size (one thread).
             return bool(torch.isnan(values.amax())) if count else False
         if nan_bits_known(values):
@@ -620,10 +617,9 @@ def reserved_on_host(strategy: CopyStrategy, values: torch.Tensor, dtype: torch.
     return bool(strategy.reserved_values(values, dtype))
 
 
-# The floats whose NaN `reserved_on_host` finds itself; up to 8192 values by torch's amax
-# (numpy's speed at fp32; `has_nan_bits` reads bf16 faster from about 10K on).
+# The floats whose NaN `reserved_on_host` finds itself (by torch's amax, up to
+# `_tuning.AMAX_UP_TO` values).
 _NAN_BY_AMAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-_AMAX_UP_TO = 8192
 
 
 def as_strategy(strategy: object, default: CopyStrategy, where: str) -> CopyStrategy:

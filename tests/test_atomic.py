@@ -20,9 +20,9 @@ from patchctx import (
     PerTensor,
     RouteCache,
     SingleCall,
-    _blocks,
     _load,
     _routes,
+    _tuning,
     load_checkpoint_weight_patches,
 )
 from patchctx._bits import write_at
@@ -297,7 +297,7 @@ def test_a_failure_after_a_large_replay_restores_every_old_value(
 ) -> None:
     """More positions than one replay block: the undo log must own its positions (the block
     buffer is reused by the next block)."""
-    monkeypatch.setattr(_blocks, "BLOCK", 1 << 15)
+    monkeypatch.setattr(_tuning, "BLOCK", 1 << 15)
 
     class Big(nn.Module):
         def __init__(self) -> None:

@@ -34,11 +34,11 @@ from patchctx import (
     NaNMask,
     RouteCache,
     _bits,
-    _blocks,
     _cpu_passes,
     _geometry,
     _patch,
     _routes,
+    _tuning,
     load_checkpoint_weight_patches,
     validate_patches,
 )
@@ -70,14 +70,14 @@ def small_blocks(
     runs on a GPU, run here."""
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setattr(_cpu_passes, "HOST", host)
-        patcher.setattr(_cpu_passes, "LISTED_UP_TO", listed)
-        patcher.setattr(_blocks, "BLOCK", block)
-        patcher.setattr(_patch, "_BATCHED_UP_TO", batched)
-        patcher.setattr(_patch, "_CPU_BATCHED_UP_TO", batched)
-        patcher.setattr(_patch, "_CPU_JOINED_FROM", joined)
-        patcher.setattr(_bits, "_FEW", few)
+        patcher.setattr(_tuning, "LISTED_UP_TO", listed)
+        patcher.setattr(_tuning, "BLOCK", block)
+        patcher.setattr(_tuning, "BATCHED_UP_TO", batched)
+        patcher.setattr(_tuning, "CPU_BATCHED_UP_TO", batched)
+        patcher.setattr(_tuning, "CPU_JOINED_FROM", joined)
+        patcher.setattr(_tuning, "FEW", few)
         # The CPU passes numpy makes from torch's grain size up, on small tensors too.
-        patcher.setattr(_cpu_passes, "HOST_FROM", block // 2)
+        patcher.setattr(_tuning, "HOST_FROM", block // 2)
         yield
 
 
@@ -109,10 +109,10 @@ def fast(
             assert torch.equal(item._positions, item.patch.indices.long())
         indices = item.patch.indices
         if item._listed is not None:  # a short patch checked as a list keeps it for replay
-            assert indices is not None and indices.shape[0] <= _cpu_passes.LISTED_UP_TO
+            assert indices is not None and indices.shape[0] <= _tuning.LISTED_UP_TO
             assert item._listed == indices.tolist()
         elif one_by_one and common and indices is not None:
-            assert indices.shape[0] > _cpu_passes.LISTED_UP_TO, "a short patch kept no list"
+            assert indices.shape[0] > _tuning.LISTED_UP_TO, "a short patch kept no list"
     return [c.sorted_unique for c in checked], ""
 
 
@@ -176,7 +176,7 @@ def test_the_common_case_accepts_exactly_what_the_exact_checks_accept_as_sorted(
     with small_blocks(host=False):  # the accelerators' way: batched flags, blocked reductions
         assert fast(patches, strategy) == expected
     # And with the real sizes (up to 6 patches: on CPU, one by one, in one block each; those
-    # of up to `_cpu_passes.LISTED_UP_TO` indices as Python lists: all of them here, while
+    # of up to `_tuning.LISTED_UP_TO` indices as Python lists: all of them here, while
     # the small blocks above take the others through numpy).
     assert fast(patches, strategy, one_by_one=True) == expected
 
@@ -333,7 +333,7 @@ WIDTHS = [
 
 
 @pytest.mark.parametrize("dtype", WIDTHS, ids=str)
-@pytest.mark.parametrize("count", [3, _bits._FEW, _bits._FEW + 1, 5000])
+@pytest.mark.parametrize("count", [3, _tuning.FEW, _tuning.FEW + 1, 5000])
 @pytest.mark.parametrize("shape", ["flat", "2-D", "2-D at an offset"])
 @pytest.mark.parametrize("host", [True, False], ids=["host", "accelerators' way"])
 def test_write_at_moves_exact_bits_for_every_dtype(
@@ -460,8 +460,8 @@ def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
     edges += [infinity - (1 << (width - 1)), infinity + 1 - (1 << (width - 1))]  # -inf, -NaN
     bits = data.draw(st.one_of(st.sampled_from(edges), st.integers(info.min, info.max)))
     # Around each way `reserved_on_host` reads: Python floats up to `LISTED_UP_TO`, torch's amax
-    # up to `_AMAX_UP_TO`, then the bits.
-    listed = _cpu_passes.LISTED_UP_TO
+    # up to `_tuning.AMAX_UP_TO`, then the bits.
+    listed = _tuning.LISTED_UP_TO
     count = data.draw(
         st.sampled_from([1, listed - 1, listed, listed + 1, 8191, 8192, 8193, 40_001])
     )
@@ -479,7 +479,9 @@ def test_the_host_nan_check_finds_one_nan_of_any_payload_among_many_values(
     assert reserved_on_host(BoolMask(), values, dtype) is False  # BoolMask reserves nothing
     with small_blocks(host=False):  # the accelerators' reductions (bf16/fp16: of the bits)
         assert bool(NaNMask().reserved_values(values, dtype)) is expected
-        many = values.repeat(40_001 // count + 1)  # beyond `_INTEGER_NAN_FROM`, whatever count
+        many = values.repeat(
+            40_001 // count + 1
+        )  # beyond `_tuning.INTEGER_NAN_FROM`, whatever count
         assert bool(NaNMask().reserved_values(many, dtype)) is expected
 
 

@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import patchctx._changes as changes
+import patchctx._tuning as _tuning
 from patchctx import (
     Auto,
     BoolMask,
@@ -446,7 +447,7 @@ def test_diff_state_dicts_is_the_same_whatever_the_block(
     expected = diff_state_dicts(old, new, dtype=dtypes, strategy=strategy)
     passes = frozenset({"cpu"}) if data.draw(st.booleans(), label="one pass") else frozenset()
     with (
-        mock.patch.dict(changes.DEFAULT_BLOCK, {"cpu": data.draw(st.integers(1, 7))}),
+        mock.patch.dict(_tuning.DIFF_BLOCK, {"cpu": data.draw(st.integers(1, 7))}),
         mock.patch.object(changes, "SINGLE_PASS_DEVICES", passes),
     ):
         blocked = diff_state_dicts(old, new, dtype=dtypes, strategy=strategy)

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import patchctx._changes as changes
+import patchctx._tuning as _tuning
 from patchctx import (
     Auto,
     BoolMask,
@@ -232,7 +233,7 @@ def test_stopping_early_sends_what_the_whole_scan_would(
     new.view(-1)[chosen] *= 1.0625  # a change bf16 sees too
     if nan and bool(chosen.any()):
         new.view(-1)[int(chosen.nonzero()[0])] = math.nan
-    with mock.patch.dict(changes.DEFAULT_BLOCK, {"cpu": block}):
+    with mock.patch.dict(_tuning.DIFF_BLOCK, {"cpu": block}):
         patches = diff_state_dicts(
             {"w": old},
             {"w": new},

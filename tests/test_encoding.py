@@ -20,13 +20,13 @@ from patchctx import (
     wire_sizes,
 )
 from patchctx._encoding import (
-    BITMASK_BLOCK_BYTES,
     MalformedPositions,
     decode_positions,
     encode_positions,
     index_dtype,
     positions_summary,
 )
+from patchctx._tuning import BITMASK_BLOCK_BYTES
 from tests.support.memory import AllocationTracker
 
 

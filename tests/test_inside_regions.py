@@ -25,7 +25,7 @@ from patchctx import (
     MaskedCopy,
     NaNMask,
     RouteCache,
-    _patch,
+    _tuning,
     diff_state_dicts,
     load_checkpoint_weight_patches,
     masked_copy,
@@ -82,8 +82,8 @@ def test_a_sparse_replay_writes_indices_equal_to_an_int_sentinel(
     sentinel: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Long patches convert their int32 indices to int64 positions during replay, by a copy.
-    monkeypatch.setattr(_patch, "_BATCHED_UP_TO", 1)
-    monkeypatch.setattr(_patch, "_CPU_BATCHED_UP_TO", 1)
+    monkeypatch.setattr(_tuning, "BATCHED_UP_TO", 1)
+    monkeypatch.setattr(_tuning, "CPU_BATCHED_UP_TO", 1)
     indices = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
     patch = CheckpointWeightPatch("w", (8,), torch.float32, torch.full((4,), -1.0), indices)
     outside, inside = both_ways(patch, masked_copy(strategy=IntSentinel(value=sentinel)))

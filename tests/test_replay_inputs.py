@@ -17,8 +17,8 @@ from patchctx import (
     CheckpointWeightPatch,
     PerTensor,
     RouteCache,
-    _cpu_passes,
     _routes,
+    _tuning,
     load_checkpoint_weight_patches,
     validate_patches,
 )
@@ -229,7 +229,7 @@ def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
 # ----------------------------------------------------------------- across patches of one call
 
 
-N = _cpu_passes.LISTED_UP_TO + 8  # more indices than validation keeps as a list
+N = _tuning.LISTED_UP_TO + 8  # more indices than validation keeps as a list
 M = 2 * N  # the weights' size
 
 

@@ -48,6 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "values",
         (
             "_errors",
+            "_tuning",
             "_arguments",
             "_report",
             "_grad",

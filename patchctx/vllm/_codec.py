@@ -50,6 +50,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from patchctx import _tuning
 from patchctx._encoding import (
     MalformedPositions,
     WireEncoding,
@@ -347,9 +348,6 @@ class _LazyRows:
         return source.view(torch.uint8).reshape(-1)
 
 
-_CHUNK = 1 << 20  # bytes copied, then hashed while they are still in the cache
-
-
 def _copy_writer(
     source: torch.Tensor | _LazyRows, dtype: torch.dtype
 ) -> Callable[[torch.Tensor, memoryview, Any], None]:
@@ -359,13 +357,17 @@ def _copy_writer(
         flat = source.tensor() if isinstance(source, _LazyRows) else source
         typed = target.view(dtype)
         count, size = typed.numel(), dtype.itemsize
-        if flat.device.type != "cpu" or sys.byteorder == "big" or count * size <= _CHUNK:
+        if (
+            flat.device.type != "cpu"
+            or sys.byteorder == "big"
+            or count * size <= _tuning.HASHED_CHUNK
+        ):
             builtin_copy(typed, flat)  # a device's tensor: one transfer
             if sys.byteorder == "big":
                 builtin_copy(target, swap_bytes(target.clone(), size))
             digest.update(raw)
             return
-        step = _CHUNK // size
+        step = _tuning.HASHED_CHUNK // size
         for begin in range(0, count, step):
             end = min(count, begin + step)
             builtin_copy(typed[begin:end], flat[begin:end])

@@ -21,7 +21,7 @@ from torch import nn
 
 pytest.importorskip("vllm")
 
-from patchctx import StoragePublisher
+from patchctx import StoragePublisher, _tuning
 from patchctx.vllm import StorageWorkerExtension
 from tests.support.models import (
     ToyLayer,
@@ -167,11 +167,10 @@ def test_a_weight_changed_after_the_prepare_is_never_written_through_the_plan(
 def test_an_interrupt_at_any_line_of_the_pause_leaves_all_or_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int | None
 ) -> None:
-    from patchctx import _blocks
     from patchctx.vllm._planned import apply_planned, plan_update
 
     if block is not None:  # many blocks per write: each saved, then written
-        monkeypatch.setattr(_blocks, "BLOCK", block)
+        monkeypatch.setattr(_tuning, "BLOCK", block)
 
     model, checkpoint, store, publisher, worker = following(tmp_path, seed=13)
     patcher = worker._patchctx_worker()

@@ -237,7 +237,7 @@ def _patch_names(loaded_weight: object) -> str | None:
     """The checkpoint name(s) whose staged data `loaded_weight` carries, in a patch load."""
     if not isinstance(loaded_weight, StagedTensor):
         return None
-    return ", ".join(sorted(loaded_weight._prov.names))
+    return ", ".join(sorted(loaded_weight.checkpoint_names()))
 
 
 def _refusal(name: str, reason: str) -> Any:

@@ -43,7 +43,7 @@ def main() -> None:
     parallel = SimpleNamespace(rank=0, pipeline_parallel_size=1)
     config = SimpleNamespace(parallel_config=parallel, model_config=None)
     engine = PatchctxWeightTransferEngine(None, config, torch.device("cpu"), Model())
-    engine.inline.limit = 64 << 20
+    engine.receiver.inline.limit = 64 << 20
     generator = torch.Generator().manual_seed(0)
     numel = ROWS * COLS
     version, steps = ["default"], [0]

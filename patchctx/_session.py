@@ -175,7 +175,7 @@ class _Call:
         """Names whose staged data the loader kept after returning (a cache, an attribute)."""
         names: set[str] = set()
         for staged in list(self.ledger.born):
-            names |= staged._prov.names
+            names |= staged.checkpoint_names()
         return sorted(names)
 
 

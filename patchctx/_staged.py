@@ -258,6 +258,10 @@ class StagedTensor(torch.Tensor):
     def __init__(self, data: torch.Tensor, update: torch.Tensor, prov: Provenance) -> None:
         pass
 
+    def checkpoint_names(self) -> frozenset[str]:
+        """The checkpoint names whose patches this data carries (for messages)."""
+        return self._prov.names
+
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         meta = self._update.is_meta  # a dry run's: values and mask on meta
         changed = "dry" if meta else f"changed={int((self._update == CHANGED).sum())}"

@@ -235,7 +235,7 @@ def _kept(ledger: _DryLedger) -> set[str]:
     """The names of the dry tensors still alive (the loader kept them)."""
     kept: set[str] = set()
     for tensor in list(ledger.born):
-        kept |= tensor._prov.names
+        kept |= tensor.checkpoint_names()
     return kept
 
 

@@ -9,15 +9,12 @@ chunks) -> ``finish_weight_update``, from ``vllm serve``'s HTTP endpoints, ``LLM
 from __future__ import annotations
 
 import itertools
-import logging
-import math
 import os
 import re
-import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -35,23 +32,16 @@ from patchctx import (
     LoaderError,
     PatchError,
 )
-from patchctx._errors import PatchProblem
 from patchctx._model import read_names
-from patchctx.vllm._aliases import tied_aliases
+from patchctx.vllm._admission import admit, check_init
 from patchctx.vllm._apply import WorkerPatcher
-from patchctx.vllm._codec import ALGORITHMS, FAST, SECURE, PatchPayload, decode_payload
+from patchctx.vllm._codec import ALGORITHMS, PatchPayload
 from patchctx.vllm._errors import UpdateConflictError, WeightVersionError
-from patchctx.vllm._transport import (
-    OWNER,
-    InlineTransport,
-    NCCLTransport,
-    SharedMemoryTransport,
-    Transport,
-    check_received,
-    check_size,
-    payload_limit,
-)
-from patchctx.vllm._warmup import checkpoint_specs, warm_at_start
+from patchctx.vllm._ledger import OpenUpdate, UpdateLedger
+from patchctx.vllm._receiving import ChunkReceiver
+from patchctx.vllm._transport import OWNER, Transport
+from patchctx.vllm._update_session import UpdateSession, calling_worker
+from patchctx.vllm._warmup import warm_at_start
 
 __all__ = [
     "VLLM_START_VERSION",
@@ -61,15 +51,12 @@ __all__ = [
     "worker_error",
 ]
 
-logger = logging.getLogger("patchctx.vllm")
+_T = TypeVar("_T")
 
 VLLM_START_VERSION = "default"
 """The weight version a vLLM 0.32 engine reports (``/weight_info``) before any update."""
 
 TRANSPORTS = ("shm", "nccl", "inline")
-# The checksum each transport needs by default: a fast one where the link is trusted (this
-# host's shared memory, the NCCL group), SHA-256 where it is not (bytes inside HTTP requests).
-DEFAULT_INTEGRITY = {"shm": FAST, "nccl": FAST, "inline": SECURE}
 APPLIERS = ("patchctx", "vllm", "load_weights", "layerwise")
 # The classes a worker's error may come back as, by name.
 _CLASSES: dict[str, type[PatchError]] = {
@@ -259,6 +246,16 @@ class PatchctxUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc,unused-
         ):
             raise ValueError("intent must be a list of hex digests")
 
+    @classmethod
+    def parsed(cls, update_dict: object) -> PatchctxUpdateInfo:
+        """The update info of a request's object; `InvalidPatchError` if malformed."""
+        if not isinstance(update_dict, Mapping):
+            raise InvalidPatchError(f"update_info must be an object, got {update_dict!r:.80}")
+        try:
+            return cls(**update_dict)
+        except (TypeError, ValueError) as error:
+            raise InvalidPatchError(f"invalid update_info: {error}") from None
+
     def descriptor(self) -> dict[str, Any]:
         """The fields a transport reads."""
         return {
@@ -344,6 +341,24 @@ class Outcome:
     workers: int
     """How many workers took part."""
 
+    def split_apply(self) -> bool:
+        """Whether some workers applied an update and others did not; if so, `error` says it.
+
+        Their weights differ then: the message says how to bring them back to one version.
+        """
+        if not (
+            0 < self.failed < self.workers
+            and isinstance(self.error, PatchError)
+            and not isinstance(self.error, UpdateConflictError)
+        ):
+            return False
+        self.error.args = (
+            f"{self.error}; {self.workers - self.failed} of {self.workers} workers applied "
+            "the update, the others did not: their weights differ now; reload the weights, "
+            "then declare the version (init_weight_transfer_engine, adopt_version=True)",
+        )
+        return True
+
 
 def agree(error: PatchError | None) -> Outcome:
     """Share each worker's outcome with every worker of the engine.
@@ -372,6 +387,16 @@ def agree(error: PatchError | None) -> Outcome:
     return Outcome(first, last, len(failed), world.world_size)
 
 
+def agreed(step: Callable[[], object], rank: int) -> Outcome:
+    """Run one step of an update on this worker, and `agree` on its outcome with every worker."""
+    error = None
+    try:
+        step()
+    except Exception as caught:
+        error = worker_error(caught, rank)
+    return agree(error)
+
+
 def compare_apply(
     how: str, model: torch.nn.Module, patches: list[CheckpointWeightPatch], vllm_config: Any
 ) -> dict[str, Any]:
@@ -380,7 +405,10 @@ def compare_apply(
     from patchctx.vllm._aliases import tied_aliases
 
     aliases = tied_aliases(model)
-    renamed = [p._replace(name=aliases.get(p.name, p.name)) for p in patches]
+    renamed = [
+        CheckpointWeightPatch(aliases.get(p.name, p.name), p.shape, p.dtype, p.values, p.indices)
+        for p in patches
+    ]
     if how == "vllm":
         from vllm.model_executor.model_loader import checkpoint_weight_patch as vllm_patch
 
@@ -413,19 +441,23 @@ def compare_apply(
     return {"milliseconds": (time.perf_counter() - started) * 1000.0, "patches": len(patches)}
 
 
-def _calling_worker() -> Any:
-    """The vLLM worker creating this engine (from the caller's frames), or `None`."""
-    frame = sys._getframe(1)
-    for _ in range(8):
-        frame_self = frame.f_locals.get("self")
-        if hasattr(frame_self, "_weight_update_active") and hasattr(
-            frame_self, "weight_transfer_engine"
-        ):
-            return frame_self
-        if frame.f_back is None:
-            return None
-        frame = frame.f_back
-    return None
+class Alias(Generic[_T]):
+    """An attribute of the engine that is one of its collaborators' (read and set there)."""
+
+    def __init__(self, collaborator: str, name: str, doc: str) -> None:
+        self.collaborator, self.name, self.__doc__ = collaborator, name, doc
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> Alias[_T]: ...
+    @overload
+    def __get__(self, engine: object, owner: type | None = None) -> _T: ...
+    def __get__(self, engine: object, owner: type | None = None) -> Alias[_T] | _T:
+        if engine is None:
+            return self
+        return cast("_T", getattr(getattr(engine, self.collaborator), self.name))
+
+    def __set__(self, engine: object, value: _T) -> None:
+        setattr(getattr(engine, self.collaborator), self.name, value)
 
 
 class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, PatchctxUpdateInfo]):  # type: ignore[misc,unused-ignore]  # vLLM: Any without it
@@ -494,59 +526,35 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             version=VLLM_START_VERSION,
             check_consumed=int(getattr(parallel, "pipeline_parallel_size", 1) or 1) == 1,
         )
-        self.inline = InlineTransport()
-        self.transport: Transport | None = None
-        # The update being received (chunks held, nothing applied), or None.
-        self.update: OpenUpdate | None = None
-        # The connected trainer (the last init_weight_transfer_engine); None: anonymous.
-        self.trainer_id: str | None = None
-        # Every version this worker's weights have been at, in order: versions never repeat.
-        self.served: list[str | int | None] = [VLLM_START_VERSION]
-        # Every update applied: (update id, trainer id, target version), in order.
-        self.commits: list[tuple[str, str | None, str | int | None]] = []
-        self._started = False  # a session is open (vLLM's own flag, when there is no worker)
+        # Fetching and checking chunks (transports, integrity, bounds); the updates' book.
+        self.receiver = ChunkReceiver(model, vllm_config)
+        self.ledger = UpdateLedger(self.rank, VLLM_START_VERSION)
         # Read back what each update wrote before committing it (`WorkerPatcher.read_back`);
         # PATCHCTX_VLLM_VERIFY_LANDING=0 turns it off.
         self.verify_landing = os.environ.get("PATCHCTX_VLLM_VERIFY_LANDING", "1") != "0"
         self.last_stats: dict[str, Any] | None = None
         self.applier = "patchctx"
-        self.integrity: str | None = None  # None: by transport (DEFAULT_INTEGRITY)
-        tensor_parallel = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-        self.tensor_parallel = tensor_parallel
-        self.model_bytes = sum(
-            t.numel() * t.element_size()
-            for t in [*model.parameters(), *model.buffers()]
-            if t.device.type != "meta"
-        )
-        self.max_payload = payload_limit(self.model_bytes, tensor_parallel)
-        # The checkpoint's tensors (names, shapes, dtypes), read from its files: what a
-        # payload may declare. Empty when unknown (bounded by the model's size then).
-        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            name: (shape, dtype) for name, shape, dtype in _specs(vllm_config)
-        }
         # Every checkpoint name's route, learnt now by a dry run of the loaders (nothing is
         # written), so the first update already replays in O(nnz); `None` if not warmed.
         self.warm_report = warm_at_start(self.patcher, model, vllm_config, self.rank)
-        # vLLM's worker, to keep its "update in progress" flag the same on every worker when
-        # only the last one raises (see `agree`), and to end a session a finish refused.
-        # `None` when not created by a vLLM worker.
-        self.worker = _calling_worker()
+        # vLLM's worker's session flag, kept the same on every worker (see `agree`).
+        self.session = UpdateSession(calling_worker())
+
+    # What callers read of the collaborators, by the engine's own names.
+    update = Alias[OpenUpdate | None]("ledger", "update", "The update being received, or `None`.")
+    commits = Alias[list[tuple[str, str | None, str | int | None]]](
+        "ledger", "commits", "Every update applied: (update id, trainer id, target version)."
+    )
+    transport = Alias[Transport | None]("receiver", "transport", "The transport chosen at init.")
+    integrity = Alias[str | None](
+        "receiver", "integrity", "The checksum required (`None`: by transport)."
+    )
+    worker = Alias[Any]("session", "worker", "vLLM's worker (`None`: not created by one).")
 
     @property
     def pending(self) -> list[PatchPayload]:
         """The chunks of the open update held so far (nothing of them applied)."""
         return [] if self.update is None else list(self.update.chunks)
-
-    def _end_vllm_update(self) -> None:
-        """Mark the update ended on vLLM's worker, as vLLM does on the worker that raises."""
-        self._started = False
-        if self.worker is not None and getattr(self.worker, "_weight_update_active", False):
-            self.worker._weight_update_active = False
-
-    def _session_open(self) -> bool:
-        if self.worker is not None:
-            return bool(getattr(self.worker, "_weight_update_active", False))
-        return self._started
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -557,91 +565,22 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         ``takeover``) and when the trainer's declared base (``weight_version``) is not the
         version the worker's weights are at (unless ``adopt_version``).
         """
-        error = None
-        try:
-            self._check_init(init_info)
-            self._connect(init_info)
-        except Exception as caught:
-            error = worker_error(caught, self.rank)
-        outcome = agree(error)
+        outcome = agreed(lambda: self._connect(init_info), self.rank)
         if outcome.raise_here:
             assert outcome.error is not None
             raise outcome.error
 
-    def _owner(self) -> str | None:
-        return self.update.trainer if self.update is not None else self.trainer_id
-
-    def _check_init(self, info: PatchctxInitInfo) -> None:
-        """Every refusal of an init, before anything changes."""
-        busy = self.update is not None or self._session_open()
-        owner = self._owner()
-        mine = info.trainer_id is not None and info.trainer_id == owner
-        if busy and not mine and not info.takeover:
-            what = (
-                f"update {self.update.update_id!r} ({len(self.update.chunks)} chunk(s) held, "
-                f"{'complete' if self.update.complete else 'not complete'})"
-                if self.update is not None
-                else "a weight-update session (started, no chunk yet)"
-            )
-            raise UpdateConflictError(
-                f"{what} of trainer {owner!r} is open: trainer {info.trainer_id!r} cannot "
-                "connect while it is. Wait for it to finish, or pass takeover=True to roll "
-                "it back whole (none of it is applied) and connect; nothing changed"
-            )
-        declared = info.weight_version
-        if declared is not None and not info.adopt_version and declared != self.patcher.version:
-            raise WeightVersionError(
-                f"the trainer declares its state at weight version {declared!r}; this worker's "
-                f"weights are at {self.patcher.version!r}. Its differences would be applied "
-                "to other weights than they were computed from (a trainer resumed from an "
-                "older checkpoint?): send a full update from the served weights, or declare "
-                "adopt_version=True only if the weights really are at that version; nothing "
-                "changed",
-                expected=declared,
-                found=self.patcher.version,
-            )
-
     def _connect(self, info: PatchctxInitInfo) -> None:
-        if self.update is not None or self._session_open():
-            dropped = self.update
-            self.update = None
-            self._end_vllm_update()
-            logger.warning(
-                "patchctx: rank %d rolled back %s of trainer %r for trainer %r (%s); none of "
-                "it was applied",
-                self.rank,
-                f"update {dropped.update_id!r}" if dropped is not None else "an empty session",
-                dropped.trainer if dropped is not None else self.trainer_id,
-                info.trainer_id,
-                "takeover" if info.takeover else "its own init again",
-            )
-        previous = self.trainer_id
-        if self.transport is not None:
-            if isinstance(self.transport, SharedMemoryTransport) and previous != info.trainer_id:
-                self.transport.sweep(previous)  # files a trainer died before sending
-            self.transport.close()
-            self.transport = None
+        check_init(self.ledger, info, self.session.is_open(), self.patcher.version)
+        if self.ledger.update is not None or self.session.is_open():
+            self.ledger.roll_back(info)
+            self.session.end()
+        self.receiver.disconnect(self.ledger.trainer_id, info.trainer_id)
         if info.adopt_version:  # declared by whoever reloaded the weights: a new line
             self.patcher.version = info.weight_version
-            self.served = [info.weight_version]
-        self.trainer_id = info.trainer_id
+        self.ledger.connect(info)
         self.applier = info.apply
-        self.integrity = info.integrity
-        if info.transport == "shm":
-            self.transport = SharedMemoryTransport(
-                info.shm_dir, limit=self.max_payload, copy=info.integrity == SECURE
-            )
-            self.transport.sweep(info.trainer_id)  # its own, from an earlier life
-        elif info.transport == "nccl":
-            assert info.master_address is not None
-            assert info.master_port is not None and info.world_size is not None
-            self.transport = NCCLTransport.for_worker(
-                master_address=info.master_address,
-                master_port=info.master_port,
-                world_size=info.world_size,
-                parallel_config=self.parallel_config,
-                limit=self.max_payload,
-            )
+        self.receiver.connect(info, self.parallel_config)
 
     def start_weight_update(self) -> None:
         """Start a session. An update left open by an ended session stays open for its trainer.
@@ -650,16 +589,11 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         keeps the open update, so that another trainer's chunk cannot end it: its own trainer
         sends the rest (or starts over), or a takeover init rolls it back.
         """
-        self._started = True
+        self.session.started = True
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> PatchctxUpdateInfo:
         """Build the typed update info; `InvalidPatchError` (a `ValueError`) if malformed."""
-        if not isinstance(update_dict, Mapping):
-            raise InvalidPatchError(f"update_info must be an object, got {update_dict!r:.80}")
-        try:
-            return PatchctxUpdateInfo(**update_dict)
-        except (TypeError, ValueError) as error:
-            raise InvalidPatchError(f"invalid update_info: {error}") from None
+        return PatchctxUpdateInfo.parsed(update_dict)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive and check one chunk, and hold it. Errors name class and rank.
@@ -675,27 +609,24 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         try:
             info = self.parse_update_info(update_info)
             descriptor = info.descriptor()
-            keep_open = self._foreign(info)
+            keep_open = self.ledger.foreign(info)
             self._receive(info)
         except Exception as caught:
             error = worker_error(caught, self.rank)
         checked = agree(error)  # every worker has read the payload now
-        if descriptor and isinstance(self.transport, SharedMemoryTransport):
-            self.transport.consume(descriptor)  # nothing stays in /dev/shm once read
-            if checked.error is not None:
-                self.transport.forget(descriptor)  # a refused file is mapped afresh next time
+        self.receiver.consumed(descriptor, refused=checked.error is not None)
         if checked.error is not None:
             if not keep_open:
-                self.update = None
+                self.ledger.drop()
             self._fail(checked)
 
     def _fail(self, outcome: Outcome) -> None:
         """End the session on this worker; raise the agreed error on the last worker only."""
         if outcome.raise_here:
             assert outcome.error is not None
-            self._started = False  # vLLM ends its own flag on the worker that raises
+            self.session.started = False  # vLLM ends its own flag on the worker that raises
             raise outcome.error
-        self._end_vllm_update()  # vLLM does this on the worker that raises
+        self.session.end()  # vLLM does this on the worker that raises
 
     def receive_weights(self, update_info: PatchctxUpdateInfo) -> None:
         """Receive and check one chunk on this worker alone; the last one applies the update.
@@ -706,195 +637,29 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         if update_info.last:
             self._commit()
 
-    def _foreign(self, info: PatchctxUpdateInfo) -> bool:
-        """Whether the chunk belongs to another update than the open one, or another trainer."""
-        open_update = self.update
-        if open_update is None or open_update.update_id == info.update_id:
-            return False
-        return info.trainer_id is None or info.trainer_id != open_update.trainer
-
     def _receive(self, info: PatchctxUpdateInfo) -> None:
         """Fetch, check and hold one chunk; on the last, check the whole update."""
-        if (
-            self.trainer_id is not None
-            and info.trainer_id != self.trainer_id
-            and (self.update is None or self._foreign(info))
-        ):
-            raise UpdateConflictError(
-                f"a chunk of trainer {info.trainer_id!r}, but trainer {self.trainer_id!r} is "
-                "the one connected (the last init_weight_transfer_engine): connect first; "
-                "nothing changed"
-            )
-        open_update = self.update
-        if open_update is not None and open_update.update_id != info.update_id:
-            if self._foreign(info):
-                raise UpdateConflictError(
-                    f"update {open_update.update_id!r} of trainer {open_update.trainer!r} is "
-                    f"open ({len(open_update.chunks)} chunk(s) held): a chunk of update "
-                    f"{info.update_id!r} cannot join or replace it. It stays open for its "
-                    "trainer; a takeover init rolls it back; nothing changed"
-                )
-            logger.warning(
-                "patchctx: rank %d: trainer %r started update %r over its own open update %r "
-                "(%d chunk(s) dropped, none applied)",
-                self.rank,
-                info.trainer_id,
-                info.update_id,
-                open_update.update_id,
-                len(open_update.chunks),
-            )
-            self.update = open_update = None
-        if open_update is not None and open_update.complete:
-            raise UpdateConflictError(
-                f"update {info.update_id!r} is complete (its last chunk arrived): a further "
-                "chunk is refused; finish it, or start another update"
-            )
-        expected = 0 if open_update is None else len(open_update.chunks)
-        if info.chunk is not None and info.chunk != expected:
-            raise UpdateConflictError(
-                f"chunk {info.chunk} of update {info.update_id!r} arrived where chunk "
-                f"{expected} was due (a chunk lost or sent twice); the update is dropped, "
-                "nothing of it was applied"
-            )
-        check_size(info.nbytes, self.max_payload)
-        descriptor = info.descriptor()
-        transport: Transport
-        if info.inline is not None:
-            transport = self.inline
-        elif self.transport is None:
-            raise InvalidPatchError(
-                "no transport: call init_weight_transfer_engine first, or send the payload inline"
-            )
-        else:
-            transport = self.transport
-        self._check_integrity(info, transport.name)
-        data = transport.receive(descriptor)
-        if info.sha256 is not None:
-            check_received(data, descriptor)
-        elif len(data) != info.nbytes:
-            raise InvalidPatchError(
-                f"the payload is truncated or corrupt: {len(data)} bytes received, "
-                f"{info.nbytes} announced; nothing was written"
-            )
-        # Views of `data` (a private mapping of the trainer's file): held until commit/abort.
-        payload = decode_payload(data, checksum=info.checksum, intent=info.intent)
-        del data
-        self._bound(payload.patches)
-        if open_update is None:
-            self.patcher.check_base(payload.base_version)
-            self._check_target(payload.base_version, payload.target_version)
-            open_update = OpenUpdate(
-                info.update_id or "",
-                info.trainer_id,
-                payload.base_version,
-                payload.target_version,
-            )
-        elif (payload.base_version, payload.target_version) != (
-            open_update.base,
-            open_update.target,
-        ):
-            raise InvalidPatchError(
-                "the chunks of one update name different versions: "
-                f"{open_update.base!r} -> {open_update.target!r} and "
-                f"{payload.base_version!r} -> {payload.target_version!r}"
-            )
+        open_update = admit(self.ledger, info)
+        payload = self.receiver.fetch(info)
+        open_update = self.ledger.joined(open_update, info, payload, self.patcher)
         chunks = [*open_update.chunks, payload]
-        if info.last:
-            patches = [p for chunk in chunks for p in chunk.patches]
-            if self.applier == "patchctx":
-                self.patcher.check(self.model, patches)  # before any write, on every worker
+        if info.last and self.applier == "patchctx":  # before any write, on every worker
+            self.patcher.check(self.model, [p for chunk in chunks for p in chunk.patches])
         open_update.chunks = chunks
         open_update.complete = info.last
-        self.update = open_update
-
-    def _check_integrity(self, info: PatchctxUpdateInfo, transport: str) -> None:
-        """The chunk carries a checksum of the strength this transport needs (before a read)."""
-        need = self.integrity or DEFAULT_INTEGRITY.get(transport, SECURE)
-        if info.sha256 is not None:
-            return  # the payload's own SHA-256: strong enough anywhere
-        if info.checksum is None:
-            raise InvalidPatchError(
-                "the chunk carries no checksum (checksum or sha256); nothing was read or written"
-            )
-        algorithm = info.checksum.partition(":")[0]
-        if need == SECURE and algorithm != SECURE:
-            raise InvalidPatchError(
-                f"this worker requires a {SECURE} checksum on the {transport} transport (its "
-                f"integrity setting); the chunk carries {algorithm!r}; nothing was read or "
-                "written"
-            )
-
-    def _bound(self, patches: Sequence[CheckpointWeightPatch]) -> None:
-        """Every declared name, shape and dtype is one the worker knows, before any staging.
-
-        With the checkpoint's specs (read from its files): the name (tied aliases resolved)
-        must be one of its tensors, with its shape. Without them: no patch may declare more
-        bytes than the model holds (times the tensor-parallel size). Either way, nothing
-        checkpoint-sized is allocated for a name or shape the payload only declares.
-        """
-        problems = []
-        aliases = tied_aliases(self.model) if self.specs else {}
-        limit = self.model_bytes * self.tensor_parallel
-        for i, patch in enumerate(patches):
-            shape = tuple(int(d) for d in patch.shape)
-            if self.specs:
-                name = aliases.get(patch.name, patch.name)
-                known = self.specs.get(name) or self.specs.get(patch.name)
-                if known is None:
-                    problems.append(
-                        PatchProblem(
-                            i,
-                            patch.name,
-                            "is not a tensor of the checkpoint this engine loaded; nothing "
-                            "was written",
-                        )
-                    )
-                elif known[0] != shape:
-                    problems.append(
-                        PatchProblem(
-                            i,
-                            patch.name,
-                            f"declares shape {list(shape)}; the checkpoint's tensor is "
-                            f"{list(known[0])}; nothing was written",
-                        )
-                    )
-                continue
-            nbytes = math.prod(shape) * patch.dtype.itemsize
-            if nbytes > limit:
-                problems.append(
-                    PatchProblem(
-                        i,
-                        patch.name,
-                        f"declares {list(shape)} {patch.dtype} ({nbytes} bytes), more than the "
-                        f"whole model holds ({limit} bytes); nothing was written",
-                    )
-                )
-        if problems:
-            raise InvalidPatchError(problems)
-
-    def _check_target(self, base: str | int | None, target: str | int | None) -> None:
-        """Versions never repeat: the target is none the weights have been at."""
-        if target is not None and target in self.served:
-            raise WeightVersionError(
-                f"the update's target version {target!r} is one these weights were at before "
-                f"(versions served: {self.served[-8:]!r}): a version names one set of weights "
-                "only; nothing was written",
-                expected=base,
-                found=self.patcher.version,
-            )
+        self.ledger.update = open_update
 
     def _commit(self) -> None:
         """Apply the open, complete update in one atomic call; its target is the new version."""
-        open_update = self.update
-        assert open_update is not None and open_update.complete
-        self.update = None
-        chunks = open_update.chunks
-        patches: list[CheckpointWeightPatch] = [p for chunk in chunks for p in chunk.patches]
+        open_update = self.ledger.take_complete()
+        patches: list[CheckpointWeightPatch] = [
+            p for chunk in open_update.chunks for p in chunk.patches
+        ]
         if self.applier != "patchctx":
-            self.last_stats = compare_apply(self.applier, self.model, patches, self.vllm_config)
-            self.last_stats["rank"] = self.rank
+            stats = compare_apply(self.applier, self.model, patches, self.vllm_config)
+            self.last_stats = {**stats, "rank": self.rank}
             self.patcher.version = open_update.target
-            self.served.append(open_update.target)
+            self.ledger.committed(open_update, None)
             return
         stats = self.patcher.apply(
             self.model,
@@ -904,20 +669,8 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
             atomic=True,
             verify_landing=self.verify_landing,
         )
-        self.served.append(open_update.target)
-        self.commits.append((open_update.update_id, open_update.trainer, open_update.target))
-        self.last_stats = {"rank": self.rank, "chunks": len(chunks), **stats}
-        logger.info(
-            "patchctx: rank %d applied update %r (%d patches, %d replayed, %d loader calls) "
-            "in %.1f ms; weights now at version %r",
-            self.rank,
-            open_update.update_id,
-            len(patches),
-            stats["replayed"],
-            stats["loader_calls"],
-            stats["milliseconds"],
-            stats["version"],
-        )
+        self.last_stats = {"rank": self.rank, "chunks": len(open_update.chunks), **stats}
+        self.ledger.committed(open_update, stats)
 
     def finish_weight_update(self) -> None:
         """Apply the open update whole, or refuse: vLLM then records no version.
@@ -928,73 +681,19 @@ class PatchctxWeightTransferEngine(WeightTransferEngine[PatchctxInitInfo, Patchc
         an incomplete update stays open for its trainer. If applying fails, every weight is
         as before (atomic) and the update is dropped.
         """
-        error = None
-        try:
-            if self.update is None or not self.update.complete:
-                raise UpdateConflictError(
-                    "no complete update to finish: "
-                    + (
-                        "no chunk arrived in this session"
-                        if self.update is None
-                        else f"update {self.update.update_id!r} has {len(self.update.chunks)} "
-                        "chunk(s), not its last one yet (it stays open for its trainer)"
-                    )
-                    + "; nothing was applied, and no version is recorded"
-                )
-            self._commit()
-        except Exception as caught:
-            error = worker_error(caught, self.rank)
-        applied = agree(error)
+        applied = agreed(self._commit, self.rank)
         if applied.error is not None:
-            if (
-                0 < applied.failed < applied.workers
-                and isinstance(applied.error, PatchError)
-                and not isinstance(applied.error, UpdateConflictError)
-            ):
+            if applied.split_apply():
                 self.patcher.version = None  # some workers applied the update, others not
-                applied.error.args = (
-                    f"{applied.error}; {applied.workers - applied.failed} of "
-                    f"{applied.workers} workers applied the update, the others did not: "
-                    "their weights differ now; reload the weights, then declare the "
-                    "version (init_weight_transfer_engine, adopt_version=True)",
-                )
-            self._end_vllm_update()  # vLLM keeps its session open when finish raises
+            self.session.end()  # vLLM keeps its session open when finish raises
             if applied.raise_here:
                 raise applied.error
             return
-        self._started = False
+        self.session.started = False
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
     def shutdown(self) -> None:
         """Close the transport (an open update is dropped: none of it was applied)."""
-        if self.update is not None:
-            logger.warning(
-                "patchctx: rank %d dropped update %r at shutdown; nothing of it was written",
-                self.rank,
-                self.update.update_id,
-            )
-            self.update = None
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-
-
-@dataclass
-class OpenUpdate:
-    """An update being received: its owner, versions and the chunks held (none applied)."""
-
-    update_id: str
-    trainer: str | None
-    base: str | int | None
-    target: str | int | None
-    chunks: list[PatchPayload] = field(default_factory=list)
-    complete: bool = False
-
-
-def _specs(vllm_config: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The checkpoint's tensors, or none (a config without a local checkpoint)."""
-    try:
-        return checkpoint_specs(vllm_config)
-    except Exception:  # unreadable files: bounded by the model's size instead
-        return []
+        self.ledger.drop(at_shutdown=True)
+        self.receiver.close()

@@ -474,79 +474,83 @@ def plan_payload(
     target = _check_version(target_version, "target_version")
     entries: list[dict[str, Any]] = []
     planned: list[_Entry] = []
-    tensors: list[_Block] = []
     for position, patch in enumerate(patches):
-        name = getattr(patch, "name", None)
-
-        def problem(reason: str, *, name: object = name, position: int = position) -> NoReturn:
-            raise InvalidPatchError([PatchProblem(position, str(name), reason)])
-
-        if not isinstance(name, str) or not name:
-            problem(f"name must be a non-empty str, got {name!r}")
-        shape = getattr(patch, "shape", None)
-        if not isinstance(shape, Sequence | torch.Size) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            problem(f"shape must be a sequence of non-negative ints, got {shape!r}")
-        dtype_name = _dtype_name(
-            getattr(patch, "dtype", None), f"patches[{position}] {name!r} dtype"
-        )
-        dtype = DTYPES[dtype_name]
-        values, indices = getattr(patch, "values", None), getattr(patch, "indices", None)
-        if not isinstance(values, torch.Tensor) or values.ndim != 1:
-            problem(f"values must be a 1-D tensor, got {values!r:.80}")
-        _dtype_name(values.dtype, f"patches[{position}] {name!r} values")
-        numel = math.prod(shape)
-        if indices is None:
-            if values.numel() != numel:
-                problem(
-                    f"a dense patch needs {numel} values for shape {tuple(shape)}, "
-                    f"got {values.numel()}"
-                )
-        elif (
-            not isinstance(indices, torch.Tensor)
-            or indices.ndim != 1
-            or indices.dtype not in (torch.int32, torch.int64)
-        ):
-            problem("indices must be a 1-D int32 or int64 tensor or None")
-        elif indices.numel() != values.numel():
-            problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
-        key = f"{position}.values"
-        values_block, carried, as_bytes = _values_block(
-            key, values, dtype, shape if indices is None else (values.numel(),)
-        )
-        entry: dict[str, Any] = {
-            "name": name,
-            "shape": list(shape),
-            "dtype": dtype_name,
-            "values": key,
-            "positions": None,
-        }
-        if as_bytes:
-            entry["values_stored_as"] = "uint8"
-        if carried is not dtype:
-            entry["values_dtype"] = _NAMES[carried]
-        blocks = [values_block]
-        if indices is not None:
-            more, entry["positions"] = _position_blocks(
-                position, indices, numel, positions == "smallest"
-            )
-            blocks += more
+        entry, blocks = _plan_entry(position, patch, smallest=positions == "smallest")
         entries.append(entry)
         planned.append(_Entry(_canonical(entry), blocks))
-        tensors += blocks
+    manifest = {"base_version": base, "target_version": target, "patches": entries}
+    prefix, data_bytes = _lay_out(manifest, [b for entry in planned for b in entry.blocks])
+    return PayloadPlan(prefix, planned, len(prefix) + data_bytes)
+
+
+def _plan_entry(
+    position: int, patch: CheckpointWeightPatch, *, smallest: bool
+) -> tuple[dict[str, Any], list[_Block]]:
+    """One patch's manifest entry and its tensors, its fields checked first."""
+    name = getattr(patch, "name", None)
+
+    def problem(reason: str) -> NoReturn:
+        raise InvalidPatchError([PatchProblem(position, str(name), reason)])
+
+    if not isinstance(name, str) or not name:
+        problem(f"name must be a non-empty str, got {name!r}")
+    shape = getattr(patch, "shape", None)
+    if not isinstance(shape, Sequence | torch.Size) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        problem(f"shape must be a sequence of non-negative ints, got {shape!r}")
+    dtype_name = _dtype_name(getattr(patch, "dtype", None), f"patches[{position}] {name!r} dtype")
+    dtype = DTYPES[dtype_name]
+    values, indices = getattr(patch, "values", None), getattr(patch, "indices", None)
+    if not isinstance(values, torch.Tensor) or values.ndim != 1:
+        problem(f"values must be a 1-D tensor, got {values!r:.80}")
+    _dtype_name(values.dtype, f"patches[{position}] {name!r} values")
+    numel = math.prod(shape)
+    if indices is None:
+        if values.numel() != numel:
+            problem(
+                f"a dense patch needs {numel} values for shape {tuple(shape)}, got {values.numel()}"
+            )
+    elif (
+        not isinstance(indices, torch.Tensor)
+        or indices.ndim != 1
+        or indices.dtype not in (torch.int32, torch.int64)
+    ):
+        problem("indices must be a 1-D int32 or int64 tensor or None")
+    elif indices.numel() != values.numel():
+        problem(f"{indices.numel()} indices for {values.numel()} values (must match)")
+    key = f"{position}.values"
+    values_block, carried, as_bytes = _values_block(
+        key, values, dtype, shape if indices is None else (values.numel(),)
+    )
+    entry: dict[str, Any] = {
+        "name": name,
+        "shape": list(shape),
+        "dtype": dtype_name,
+        "values": key,
+        "positions": None,
+    }
+    if as_bytes:
+        entry["values_stored_as"] = "uint8"
+    if carried is not dtype:
+        entry["values_dtype"] = _NAMES[carried]
+    blocks = [values_block]
+    if indices is not None:
+        more, entry["positions"] = _position_blocks(position, indices, numel, smallest)
+        blocks += more
+    return entry, blocks
+
+
+def _lay_out(manifest: dict[str, Any], tensors: list[_Block]) -> tuple[bytes, int]:
+    """Place every tensor (setting its offset); the header's bytes and the data's size."""
     # Largest elements first: each tensor then starts at a multiple of its element size.
     offset = 0
     for block in sorted(tensors, key=lambda b: -b.itemsize):
         block.offset = offset
         offset += block.nbytes
-    manifest = json.dumps(
-        {"base_version": base, "target_version": target, "patches": entries},
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
+    text = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False)
     header: dict[str, Any] = {
-        "__metadata__": {"format": FORMAT, "payload_version": PAYLOAD_VERSION, "manifest": manifest}
+        "__metadata__": {"format": FORMAT, "payload_version": PAYLOAD_VERSION, "manifest": text}
     }
     for block in tensors:
         header[block.key] = {
@@ -554,10 +558,9 @@ def plan_payload(
             "shape": list(block.shape),
             "data_offsets": [block.offset, block.offset + block.nbytes],
         }
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-(_LENGTH.size + len(text)) % _ALIGN)
-    prefix = _LENGTH.pack(len(text)) + text
-    return PayloadPlan(prefix, planned, len(prefix) + offset)
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    encoded += b" " * (-(_LENGTH.size + len(encoded)) % _ALIGN)
+    return _LENGTH.pack(len(encoded)) + encoded, offset
 
 
 def encode_patches(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -115,18 +116,7 @@ def transformed_weights(model: torch.nn.Module) -> dict[str, str]:
 
 def transformed_in(walk: ModelWalk) -> dict[str, str]:
     """`transformed_weights` of the model `walk` lists (read from it now, not cached)."""
-    linear_classes = tuple(
-        c
-        for c in (
-            _class("vllm.model_executor.layers.linear", "LinearBase"),
-            _class("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
-        )
-        if c is not None
-    )
-    cpu_experts = _class(
-        "vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts"
-    )
-    records = _layerwise_records()
+    kernels = _Kernels.found()
     reasons: dict[str, str] = {}
     kernel_copies: dict[int, str] = {}  # storage -> module computing from its own copy
     for prefix, module in walk.unique_modules():
@@ -134,75 +124,120 @@ def transformed_in(walk: ModelWalk) -> dict[str, str]:
         def qualified(local: str, prefix: str = prefix) -> str:
             return f"{prefix}.{local}" if prefix else local
 
-        kernel = getattr(
-            getattr(attribute(module, "quant_method"), "moe_kernel", None),
-            "fused_experts",
-            None,
-        )
-        if (
-            cpu_experts is not None
-            and isinstance(kernel, cpu_experts)
-            and not getattr(kernel, "_use_zentorch", False)
-        ):
-            isa = getattr(kernel, "isa", "?")
-            for local in ("w13_weight", "w2_weight"):
-                if isinstance(attribute(module, local), torch.Tensor):
-                    reasons[qualified(local)] = (
-                        f"repacked by the CPU MoE kernel into its own layout (isa {isa!r}) after "
-                        "loading"
-                    )
-        cpu_linear = attribute(module, "cpu_linear")
-        weight = attribute(module, "weight")
-        if (
-            not callable(attribute(module, REPACK_MARK))  # kept weight: repacked after patches
-            and cpu_linear is not None
-            and cpu_linear is not torch.nn.functional.linear
-            and isinstance(module, linear_classes)
-            and isinstance(weight, torch.Tensor)
-        ):
-            if weight.numel() == 0:
-                reasons.setdefault(
-                    qualified("weight"),
-                    "prepacked by the CPU GEMM kernel after loading and replaced by an empty "
-                    f"tensor ({_KEEP})",
-                )
-            elif (key := _storage(weight)) is not None:
-                kernel_copies[key] = prefix
-        info = records.get(module) if records is not None else None
-        recorded: Mapping[str, object] = (
-            getattr(info, "restore_metadata", ({}, {}))[0] if info is not None else {}
-        )
-        for local, param in module.named_parameters(recurse=False) if recorded else ():
-            meta = recorded.get(local)
-            found = _differences(param, meta) if isinstance(meta, torch.Tensor) else []
-            if found:
-                reasons.setdefault(
-                    qualified(local), "replaced after loading (" + "; ".join(found) + ")"
-                )
+        for local, reason in _moe_repacked(module, kernels.cpu_experts):
+            reasons[qualified(local)] = reason
+        prepacked = _prepacked(module, kernels.linear)
+        if isinstance(prepacked, str):
+            reasons.setdefault(qualified("weight"), prepacked)
+        elif prepacked is not None:
+            kernel_copies[prepacked] = prefix
+        for local, reason in _replaced(module, kernels.records):
+            reasons.setdefault(qualified(local), reason)
     for name, tensor in walk.params.items() if kernel_copies else ():
         owner = kernel_copies.get(_storage(tensor) or -1)
-        if owner is None or name in reasons:
-            continue
-        head = f"{owner}.weight" if owner else "weight"
-        if name == head:
-            reasons[name] = (
-                f"the CPU kernel ({owner}.cpu_linear) computes from its own copy, prepacked "
-                f"after loading: a patch would not reach the logits ({_KEEP})"
-            )
-        else:
-            reasons[name] = (
-                f"tied to {head!r}, whose CPU kernel computes from its own copy, prepacked "
-                "after loading: a patch would change the embedding lookup but not the logits "
-                f"({_KEEP})"
-            )
+        if owner is not None and name not in reasons:
+            reasons[name] = _computed_from_copy(name, owner)
     return reasons
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """What the three signals recognise in this vLLM (`None` or empty where it lacks one)."""
+
+    linear: tuple[type, ...]  # modules that may compute with ``cpu_linear``
+    cpu_experts: type | None  # vLLM's CPU MoE kernel
+    records: Any  # vLLM's load-time record of every parameter (``LAYERWISE_INFO``)
+
+    @classmethod
+    def found(cls) -> _Kernels:
+        linear = (
+            _class("vllm.model_executor.layers.linear", "LinearBase"),
+            _class("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+        )
+        return cls(
+            tuple(c for c in linear if c is not None),
+            _class("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts"),
+            _layerwise_records(),
+        )
+
+
+def _moe_repacked(module: torch.nn.Module, cpu_experts: type | None) -> Iterator[tuple[str, str]]:
+    """Signal 1, MoE: the experts `module` runs on vLLM's CPU MoE kernel, in its layout."""
+    kernel = getattr(
+        getattr(attribute(module, "quant_method"), "moe_kernel", None), "fused_experts", None
+    )
+    if (
+        cpu_experts is None
+        or not isinstance(kernel, cpu_experts)
+        or getattr(kernel, "_use_zentorch", False)
+    ):
+        return
+    isa = getattr(kernel, "isa", "?")
+    for local in ("w13_weight", "w2_weight"):
+        if isinstance(attribute(module, local), torch.Tensor):
+            yield (
+                local,
+                (f"repacked by the CPU MoE kernel into its own layout (isa {isa!r}) after loading"),
+            )
+
+
+def _prepacked(module: torch.nn.Module, linear: tuple[type, ...]) -> str | int | None:
+    """Signals 1 and 3, linear: `module` computes from its own prepacked copy of its weight.
+
+    Returns the reason when its weight was replaced by an empty tensor, the weight's storage
+    when the weight stays (every name bound to it is then refused), `None` when neither.
+    """
+    cpu_linear = attribute(module, "cpu_linear")
+    weight = attribute(module, "weight")
+    if (
+        callable(attribute(module, REPACK_MARK))  # kept weight: repacked after patches
+        or cpu_linear is None
+        or cpu_linear is torch.nn.functional.linear
+        or not isinstance(module, linear)
+        or not isinstance(weight, torch.Tensor)
+    ):
+        return None
+    if weight.numel() == 0:
+        return (
+            "prepacked by the CPU GEMM kernel after loading and replaced by an empty tensor "
+            f"({_KEEP})"
+        )
+    return _storage(weight)
+
+
+def _replaced(module: torch.nn.Module, records: Any) -> Iterator[tuple[str, str]]:
+    """Signal 2: `module`'s parameters that differ from vLLM's load-time record of them."""
+    info = records.get(module) if records is not None else None
+    recorded: Mapping[str, object] = (
+        getattr(info, "restore_metadata", ({}, {}))[0] if info is not None else {}
+    )
+    for local, param in module.named_parameters(recurse=False) if recorded else ():
+        meta = recorded.get(local)
+        found = _differences(param, meta) if isinstance(meta, torch.Tensor) else []
+        if found:
+            yield local, "replaced after loading (" + "; ".join(found) + ")"
+
+
+def _computed_from_copy(name: str, owner: str) -> str:
+    """Why `name`, bound to the weight `owner`'s CPU kernel copied, is refused."""
+    head = f"{owner}.weight" if owner else "weight"
+    if name == head:
+        return (
+            f"the CPU kernel ({owner}.cpu_linear) computes from its own copy, prepacked "
+            f"after loading: a patch would not reach the logits ({_KEEP})"
+        )
+    return (
+        f"tied to {head!r}, whose CPU kernel computes from its own copy, prepacked "
+        "after loading: a patch would change the embedding lookup but not the logits "
+        f"({_KEEP})"
+    )
 
 
 def _patch_names(loaded_weight: object) -> str | None:
     """The checkpoint name(s) whose staged data `loaded_weight` carries, in a patch load."""
     if not isinstance(loaded_weight, StagedTensor):
         return None
-    return ", ".join(sorted(loaded_weight._prov.names))
+    return ", ".join(sorted(loaded_weight.checkpoint_names()))
 
 
 def _refusal(name: str, reason: str) -> Any:

@@ -230,11 +230,11 @@ def test_a_declared_shape_of_2_62_elements_is_refused_before_any_allocation() ->
         assert max_rss() - peak < 64 << 20, shape
     # With the checkpoint's specs known, a name or shape it does not have is refused too.
     worker = worker_engine()
-    worker.specs = {"w": ((4, 4), torch.float32), "b": ((4,), torch.float32)}
+    worker.receiver.specs = {"w": ((4, 4), torch.float32), "b": ((4,), torch.float32)}
     unknown = CheckpointWeightPatch("w_typo", (4, 4), torch.float32, torch.ones(16))
     reshaped = CheckpointWeightPatch("w", (8, 2), torch.float32, torch.ones(16))
     with pytest.raises(InvalidPatchError) as raised:
-        worker._bound([unknown, reshaped])
+        worker.receiver.bound([unknown, reshaped])
     assert "patches[0] 'w_typo': is not a tensor of the checkpoint" in str(raised.value)
     assert "patches[1] 'w': declares shape [8, 2]" in str(raised.value)
 

@@ -13,7 +13,8 @@ Nothing of patchctx is imported or run: every figure comes from parsing the file
 - *sizes*: the longest classes and functions, docstrings aside (a class counts its methods).
 - *private names across files*: ``from patchctx._a import _b`` and ``module._b`` where
   ``module`` is an imported patchctx module; and attributes ``x._y`` read off anything but
-  ``self``/``cls`` (reaching into another object's private state).
+  ``self``/``cls`` (reaching into another object's private state), but a named tuple's
+  public methods (``_replace``, ``_asdict``: `NAMEDTUPLE_API`).
 - *circles*: groups of modules that import each other (strongly connected components).
 - *upward imports*: imports from a module to one on a higher floor of ``LAYERS``.
 - *words of the user docs*: the words of every page under ``docs/`` but the API reference and
@@ -111,7 +112,7 @@ CEILINGS: dict[str, int] = {
     "classes over 150 lines": 0,
     "functions over 80 lines": 0,
     "private names imported across files": 0,
-    "private attributes read off other objects": 186,
+    "private attributes read off other objects": 172,
     "modules in import circles": 0,
     "upward imports": 0,
     "words of the user docs": 20_000,
@@ -150,6 +151,12 @@ class Module:
     lazy: set[str] = field(default_factory=set)  # modules imported inside functions
     private_imports: list[str] = field(default_factory=list)
     private_reads: list[str] = field(default_factory=list)
+
+
+# The methods `typing.NamedTuple` documents as its public API, underscored only so that they
+# cannot clash with a field. (``_make`` is one too, but here it is also `CheckedPatch`'s private
+# factory, so it stays counted.)
+NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_field_defaults"})
 
 
 def _is_private(name: str) -> bool:
@@ -273,6 +280,8 @@ def _read_imports(module: Module, modules: dict[str, Module]) -> None:
                 module.private_imports.append(f"{module.name} <- {owner.id}.{node.attr}")
             elif isinstance(root, ast.Name) and root.id in external:
                 continue  # torch's own internals: another project's business
+            elif node.attr in NAMEDTUPLE_API:
+                continue  # a named tuple's public methods (`CheckpointWeightPatch._replace`)
             elif not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
                 module.private_reads.append(f"{module.name}:{node.lineno} .{node.attr}")
     module.lazy -= module.eager

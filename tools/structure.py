@@ -309,9 +309,7 @@ def _owned_attributes(tree: ast.Module) -> set[str]:
                     if isinstance(target, ast.Name) and target.id == "__slots__":
                         value = node.value
                         if isinstance(value, (ast.Tuple, ast.List)):
-                            owned.update(
-                                e.value for e in value.elts if isinstance(e, ast.Constant)
-                            )
+                            owned.update(e.value for e in value.elts if isinstance(e, ast.Constant))
                     elif isinstance(target, ast.Name) and _is_private(target.id):
                         owned.add(target.id)
                     elif (

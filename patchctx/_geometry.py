@@ -139,21 +139,21 @@ class Segment:
     layout: Geometry
     holders: tuple[Holder, ...] = ()
     _plan: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
-    _direct: bool = field(init=False, repr=False, compare=False)
-    _span: tuple[int, int] = field(init=False, repr=False, compare=False)
-    _shift: int | None = field(init=False, repr=False, compare=False)
-    _high: int = field(init=False, repr=False, compare=False)  # highest target offset
+    direct: bool = field(init=False, repr=False, compare=False)
+    span: tuple[int, int] = field(init=False, repr=False, compare=False)
+    shift: int | None = field(init=False, repr=False, compare=False)
+    high: int = field(init=False, repr=False, compare=False)  # highest target offset
     # Direct segments within their tensor's own elements, the tensor contiguous: checkpoint
     # index i is element ``i - _inside`` of the live tensor's ``view(-1)`` (None otherwise).
     # Replay writes through the tensor itself then, without a flat view of its storage.
-    _inside: int | None = field(init=False, repr=False, compare=False)
+    inside: int | None = field(init=False, repr=False, compare=False)
     # Checkpoint index i is element i of the live tensor's ``view(-1)``: the staged tensor's
     # run from 0 onto the whole of a contiguous destination tensor (most weights).
-    _whole: bool = field(init=False, repr=False, compare=False)
+    whole: bool = field(init=False, repr=False, compare=False)
     # Live-check constants: the data pointer of the tensor's first element, and the storage
     # bytes the segment needs.
     _data_ptr: int = field(init=False, repr=False, compare=False)
-    _needs: int = field(init=False, repr=False, compare=False)
+    needs: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         source, target, layout = self.source, self.target, self.layout
@@ -166,33 +166,33 @@ class Segment:
             _plan=tuple(
                 (source.stride[d], source.size[d], target.stride[d]) for d in source.dims()
             ),
-            _direct=direct,
-            _span=source.span(),
-            _shift=shift,
-            _high=high,
-            _inside=shift + layout.offset
+            direct=direct,
+            span=source.span(),
+            shift=shift,
+            high=high,
+            inside=shift + layout.offset
             if shift is not None
             and layout.contiguous_run()
             and layout.offset <= low
             and high < layout.offset + layout.numel
             else None,
-            _whole=direct
+            whole=direct
             and source.offset == 0
             and target.offset == layout.offset
             and target.numel == layout.numel == source.numel
             and layout.contiguous_run(),
             _data_ptr=self.storage_ptr + layout.offset * size,
-            _needs=(high + 1) * size,
+            needs=(high + 1) * size,
         )
 
     def live(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is still the storage and layout this segment was recorded on."""
-        return _still(tensor, self._data_ptr, self.dtype, self.layout, self._needs)
+        return _still(tensor, self._data_ptr, self.dtype, self.layout, self.needs)
 
     def covered(self, indices: torch.Tensor) -> tuple[int, int]:
         """The slice of sorted `indices` that falls inside the source view's span."""
         if indices.device.type == "cpu" and _cpu_passes.HOST:  # nothing to batch: search now
-            return host_covered(indices, self._span)
+            return host_covered(indices, self.span)
         start, stop = self.search(indices).tolist()
         return int(start), int(stop)
 
@@ -202,7 +202,7 @@ class Segment:
         Bounds beyond the index dtype's range are settled here: no int32 index can reach a
         span that starts above 2**31 - 1, and every one is below a span end above it.
         """
-        low, high = self._span
+        low, high = self.span
         count = indices.shape[0]
         top = torch.iinfo(indices.dtype).max
         if low > top:
@@ -245,13 +245,13 @@ class Segment:
         # A fresh int64 tensor (never the caller's): 8 bytes per covered index. The shift is
         # subtracted in int64: torch computes an int32 tensor minus a Python int in int32,
         # which wraps once a position passes 2**31 (a slice of a huge fused weight).
-        shift = self.source.offset - self.target.offset if self._direct else self.source.offset
+        shift = self.source.offset - self.target.offset if self.direct else self.source.offset
         if inside.dtype == torch.long:
             shifted = torch.sub(inside, shift)
         else:
             shifted = inside.to(torch.long)
             shifted.sub_(shift)
-        if self._direct:
+        if self.direct:
             return shifted, picked
         # General strided view: decompose (index - offset) greedily by source stride.
         rest = shifted
@@ -314,19 +314,19 @@ class Fill:
     # The constant as compared: its type and repr, so -0.0 is not 0.0 and NaN equals NaN.
     _constant: tuple[str, str] = field(init=False, repr=False)
     _data_ptr: int = field(init=False, repr=False, compare=False)
-    _needs: int = field(init=False, repr=False, compare=False)
+    needs: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _derive(
             self,
             _constant=(type(self.value).__name__, repr(self.value)),
             _data_ptr=self.storage_ptr + self.layout.offset * self.dtype.itemsize,
-            _needs=(self.target.span()[1] + 1) * self.view_dtype.itemsize,
+            needs=(self.target.span()[1] + 1) * self.view_dtype.itemsize,
         )
 
     def live(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is still the storage and layout this fill was recorded on."""
-        return _still(tensor, self._data_ptr, self.dtype, self.layout, self._needs)
+        return _still(tensor, self._data_ptr, self.dtype, self.layout, self.needs)
 
     def apply(self, tensor: torch.Tensor, undo: UndoLog | None = None) -> None:
         """Make the fill again in `tensor`'s storage (`tensor`: the owner, checked live)."""
@@ -390,20 +390,20 @@ class Route:
     fills: tuple[Fill, ...] = ()
     reads: tuple[Read, ...] = field(default=(), compare=False)
     holding: frozenset[str] | None = field(default=None, compare=False)
-    _numel: int = field(init=False, repr=False, compare=False)
-    # One whole-tensor segment in the checkpoint dtype (see `Segment._whole`): replay writes
+    numel: int = field(init=False, repr=False, compare=False)
+    # One whole-tensor segment in the checkpoint dtype (see `Segment.whole`): replay writes
     # a patch's positions into the live tensor's ``view(-1)`` as they are.
-    _whole: bool = field(init=False, repr=False, compare=False)
+    whole: bool = field(init=False, repr=False, compare=False)
     # The model tensors a replay writes (segments' and fills' owners and holders), and those
     # its loader read, by name.
-    _writes: frozenset[str] = field(init=False, repr=False, compare=False)
-    _reads: frozenset[str] = field(init=False, repr=False, compare=False)
+    writes: frozenset[str] = field(init=False, repr=False, compare=False)
+    read_names: frozenset[str] = field(init=False, repr=False, compare=False)
     # What a replay writes through, in order: the segments, then the fills.
-    _written: tuple[Segment | Fill, ...] = field(init=False, repr=False, compare=False)
-    # The bytes the segments write within: from each one's storage start, `Segment._needs`.
-    _spans: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    written: tuple[Segment | Fill, ...] = field(init=False, repr=False, compare=False)
+    # The bytes the segments write within: from each one's storage start, `Segment.needs`.
+    spans: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     # The storages a replay writes (segments' and fills'), by their data pointers.
-    _storages: frozenset[int] = field(init=False, repr=False, compare=False)
+    storages: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
@@ -411,16 +411,16 @@ class Route:
         first = self.segments[0] if len(self.segments) == 1 else None
         _derive(
             self,
-            _numel=numel,
-            _spans=tuple((s.storage_ptr, s.storage_ptr + s._needs) for s in self.segments),
-            _written=written,
-            _storages=frozenset(w.storage_ptr for w in written),
-            _writes=frozenset(w.tensor_name for w in written)
+            numel=numel,
+            spans=tuple((s.storage_ptr, s.storage_ptr + s.needs) for s in self.segments),
+            written=written,
+            storages=frozenset(w.storage_ptr for w in written),
+            writes=frozenset(w.tensor_name for w in written)
             | {h.tensor_name for w in written for h in w.holders},
-            _reads=frozenset(r.tensor_name for r in self.reads),
-            _whole=first is not None
+            read_names=frozenset(r.tensor_name for r in self.reads),
+            whole=first is not None
             and not self.fills
-            and first._whole
+            and first.whole
             and first.source.numel == numel
             and first.dtype == self.dtype,
         )

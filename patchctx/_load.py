@@ -433,12 +433,12 @@ class _Replays:
         """Replay the patch at `at` along `route` at the next `run`, in order."""
         self.pending.append((route, at, targets))
         if self.tensors is not None:
-            self.tensors |= route._writes
+            self.tensors |= route.writes
 
     def writes(self) -> set[str]:
         """The tensors the pending replays write, by name (kept up to date from now on)."""
         if self.tensors is None:
-            self.tensors = {name for route, _, _ in self.pending for name in route._writes}
+            self.tensors = {name for route, _, _ in self.pending for name in route.writes}
         return self.tensors
 
     def run(self) -> None:
@@ -460,13 +460,13 @@ class _Replays:
         # The storages these replays write that the call's patches read (rarely any): before
         # each write into one, the later patches reading it get copies.
         hits: AbstractSet[int] = (
-            set().union(*[route._storages for route, _, _ in pending]) & readers.storages()
+            set().union(*[route.storages for route, _, _ in pending]) & readers.storages()
             if len(items) > 1
             else set()
         )
         for route, at, targets in pending:
             if hits:
-                reached = route._storages & hits
+                reached = route.storages & hits
                 if reached:
                     readers.copy(reached, at + 1)
             item = items[at]
@@ -488,7 +488,7 @@ class _Replays:
                     sorted_unique=item.sorted_unique,
                     undo=undo,
                     positions=positions,
-                    bounds=None if route._whole else next(found),
+                    bounds=None if route.whole else next(found),
                     listed=listed,
                 )
             names |= route.reported
@@ -504,7 +504,7 @@ def _searches(
     for route, at, _ in pending:
         item = items[at]
         indices = patch_of(item).indices
-        if indices is not None and not route._whole:
+        if indices is not None and not route.whole:
             positions, listed = positions_of(item)
             found = listed if listed is not None else positions
             searches.append((route, found if found is not None else indices, item.sorted_unique))
@@ -553,7 +553,7 @@ class _Loader:
             if (
                 usable is not None
                 and usable[0].reads
-                and (self.chunk or not self.replays.writes().isdisjoint(usable[0]._reads))
+                and (self.chunk or not self.replays.writes().isdisjoint(usable[0].read_names))
                 and not book.verify_all  # (`verify`'s patches change nothing)
             ):
                 # Its loader decided on model values, which the patches before it in this

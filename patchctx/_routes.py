@@ -264,7 +264,7 @@ def book_of(store: RouteStore) -> RouteBook:
 def _live_targets(route: Route, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
     """Each destination tensor of `route` (segments', then fills'), if all it relies on is live."""
     targets = []
-    for written in route._written:
+    for written in route.written:
         tensor = tensors.get(written.tensor_name)
         if (
             tensor is None
@@ -405,13 +405,13 @@ def replay(
     # values or indices lie in storage the route writes is read from a copy of its own.
     # Validation's positions are the indices themselves or a tensor of its own, which replay
     # then reads instead of the indices.
-    spans = route._spans
+    spans = route.spans
     if positions is None or positions is indices:
         apart = _apart(indices, spans)
         if apart is not indices:
             positions = None if positions is None else apart
             indices = apart
-    if route._whole and undo is None:
+    if route.whole and undo is None:
         # The common case, in one write (`replay_whole`): a whole contiguous tensor, the
         # positions as they are (converted to int64 here when short: the blocked loop below
         # bounds the memory of long ones; it reads these too when the write does not apply).
@@ -429,10 +429,10 @@ def replay(
     values = _apart(values, spans)
     source = positions if positions is not None else indices
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-    last = route._numel - 1
+    last = route.numel - 1
     for number, segment in enumerate(route.segments):
         covered = bounds[number] if bounds is not None else None
-        if covered is None and segment._span == (0, last):
+        if covered is None and segment.span == (0, last):
             covered = (0, source.shape[0])  # the whole tensor: every index, no search
         target = targets[number]
         device = target.device
@@ -442,7 +442,7 @@ def replay(
             if device not in on_device:
                 on_device[device] = (source.to(device), values.to(device))
             device_indices, device_values = on_device[device]
-        if sorted_unique and segment._direct:
+        if sorted_unique and segment.direct:
             _write_run(
                 route.dtype, segment, target, device_indices, device_values, covered, undo, listed
             )
@@ -476,7 +476,7 @@ def _write_run(
     """
     count = indices.shape[0]
     start, stop = covered if covered is not None else segment.covered(indices)
-    inside, direct = segment._inside, segment._shift
+    inside, direct = segment.inside, segment.shift
     assert direct is not None  # a direct segment
     if undo is None and inside is not None:
         # Within the contiguous tensor: its own elements, no view to make (the undo log
@@ -484,7 +484,7 @@ def _write_run(
         flat, shift = target, inside
     else:
         # The storage up to the segment's last position (`live` checked it is there).
-        flat, shift = torch.as_strided(target, (segment._high + 1,), (1,), 0), direct
+        flat, shift = torch.as_strided(target, (segment.high + 1,), (1,), 0), direct
     device = target.device
     on_cpu = device.type == "cpu" and _cpu_passes.HOST
     size = block_size()
@@ -526,7 +526,7 @@ def replay_whole(
 ) -> bool:
     """`replay`'s common case, in one write; False, having written nothing, where it does not apply.
 
-    A whole-tensor route (`Route._whole`), int64 `positions` on the destination's device that
+    A whole-tensor route (`Route.whole`), int64 `positions` on the destination's device that
     do not lie in the storage the route writes (validation's own, or indices `_apart` from
     it), no undo to keep, and values in the checkpoint dtype on the destination's device:
     what a batch of short patches to ordinary weights is. `target` is the route's destination
@@ -536,7 +536,7 @@ def replay_whole(
         (values.is_cpu and target.is_cpu) or values.device == target.device
     ):
         return False
-    write_at(target, positions, _apart(values, route._spans))
+    write_at(target, positions, _apart(values, route.spans))
     return True
 
 
@@ -546,7 +546,7 @@ def _apart(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Te
     Replay writes block by block and segment by segment, reading the patch as it goes: values
     (or indices) that are a view of a written storage would be read after a write changed them.
     The loader path stages them first; a copy does the same. A segment writes within the first
-    `Segment._needs` bytes of the storage at `Segment.storage_ptr` (checked live): `Route._spans`.
+    `Segment.needs` bytes of the storage at `Segment.storage_ptr` (checked live): `Route.spans`.
     """
     low = tensor.data_ptr()
     for start, end in spans:
@@ -586,7 +586,7 @@ def replay_dense(
     # (as_strided takes an offset into the storage, so `values` may not start it: a view into
     # a received payload, say.) Values over bytes the route writes are read from a copy, as the
     # loader path reads its staged tensor (`_apart`).
-    full = _apart(values, route._spans).to(dtype=route.dtype).contiguous()
+    full = _apart(values, route.spans).to(dtype=route.dtype).contiguous()
     for segment, target in zip(route.segments, targets[: len(route.segments)], strict=True):
         source = full if full.device == target.device else full.to(target.device)
         there = segment.target
@@ -618,16 +618,16 @@ def replay_bounds(
         if not sorted_unique:
             wanted.append(None)
             continue
-        last = route._numel - 1
+        last = route.numel - 1
         slots: list[tuple[torch.device, int] | tuple[int, int] | None] = []
         for segment in route.segments:
-            if segment._span == (0, last):
+            if segment.span == (0, last):
                 slots.append(None)
             elif isinstance(indices, list):
-                low, high = segment._span
+                low, high = segment.span
                 slots.append((bisect_left(indices, low), bisect_right(indices, high)))
             elif host and indices.device.type == "cpu" and _cpu_passes.HOST:  # search now
-                slots.append(host_covered(indices, segment._span))
+                slots.append(host_covered(indices, segment.span))
             else:
                 found = searches.setdefault(indices.device, [])
                 slots.append((indices.device, len(found)))

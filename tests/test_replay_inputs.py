@@ -212,7 +212,7 @@ def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
         buffer[2 * H :],  # the spare tail: right after the last byte written
     ]
     for tensor in apart:
-        assert _routes._apart(tensor, route._spans) is tensor
+        assert _routes._apart(tensor, route.spans) is tensor
     meeting = [
         buffer[2 * H - 1 :],  # the last written element, then the tail
         buffer[H : 2 * H],  # the second half itself
@@ -221,7 +221,7 @@ def test_only_values_whose_bytes_meet_the_written_storage_are_copied() -> None:
         buffer.as_strided((2,), (0,), H),  # expanded over one written element
     ]
     for tensor in meeting:
-        copied = _routes._apart(tensor, route._spans)
+        copied = _routes._apart(tensor, route.spans)
         assert copied is not tensor and torch.equal(copied, tensor)
         assert copied.data_ptr() != tensor.data_ptr()
 

@@ -1094,7 +1094,7 @@ def test_positions_beyond_int32_are_exact_from_int32_indices(
 def test_a_segment_writes_through_its_tensor_exactly_when_it_lies_within_it(
     first: int, last: int
 ) -> None:
-    """`Segment._inside`: replay writes a direct segment through the live tensor itself (no
+    """`Segment.inside`: replay writes a direct segment through the live tensor itself (no
     flat view of the storage) only when the tensor is contiguous and the segment's run lies
     within its elements; checkpoint index i is then the tensor's element ``i - _inside``,
     the storage position ``i - _shift``."""
@@ -1105,21 +1105,20 @@ def test_a_segment_writes_through_its_tensor_exactly_when_it_lies_within_it(
     source = Geometry((count,), (1,), 3)  # checkpoint indices 3 .. 3 + count - 1
     segment = Segment(source, Geometry((count,), (1,), first), "w", 0, torch.float32, layout)
     within = first >= 5 and last <= 14
-    assert (segment._inside is not None) is within
-    assert segment._shift is not None
+    assert (segment.inside is not None) is within
+    assert segment.shift is not None
     if within:
-        assert segment._inside is not None
+        assert segment.inside is not None
         flat = weight.view(-1)
         for index in range(3, 3 + count):
             assert (
-                flat[index - segment._inside].data_ptr()
-                == storage[index - segment._shift].data_ptr()
+                flat[index - segment.inside].data_ptr() == storage[index - segment.shift].data_ptr()
             )
     strided = Geometry.of(storage[5:25:2])  # not contiguous: the storage's flat view always
     spread = Segment(source, Geometry((count,), (1,), first), "w", 0, torch.float32, strided)
-    assert spread._inside is None
+    assert spread.inside is None
     stepped = Segment(source, Geometry((count,), (2,), first), "w", 0, torch.float32, layout)
-    assert stepped._inside is None  # not a contiguous run: not direct
+    assert stepped.inside is None  # not a contiguous run: not direct
 
 
 # ------------------------------------------------------------------ verification
@@ -1263,7 +1262,7 @@ def test_whole_tensor_routes_write_in_one_step_only_where_positions_are_element_
         load_checkpoint_weight_patches(reference, update)
         assert_same_state(state(model), state(reference))
     route = routes._route("w")
-    assert route is not None and route._whole is whole
+    assert route is not None and route.whole is whole
     assert routes.stats.replayed == 4
     if layout == "offset":  # the storage around the parameter is untouched
         storage = model.weight.untyped_storage()

@@ -314,7 +314,11 @@ def _owned_attributes(tree: ast.Module) -> set[str]:
                     if isinstance(target, ast.Name) and target.id == "__slots__":
                         value = node.value
                         if isinstance(value, (ast.Tuple, ast.List)):
-                            owned.update(e.value for e in value.elts if isinstance(e, ast.Constant))
+                            owned.update(
+                                e.value
+                                for e in value.elts
+                                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                            )
                     elif isinstance(target, ast.Name) and _is_private(target.id):
                         owned.add(target.id)
                     elif (
@@ -335,7 +339,7 @@ def _owned_attributes(tree: ast.Module) -> set[str]:
             and _is_private(node.args[1].value)
         ):
             owned.add(node.args[1].value)
-    return {name for name in owned if isinstance(name, str)}
+    return owned
 
 
 def closure(modules: dict[str, Module], start: str, *, full: bool) -> set[str]:

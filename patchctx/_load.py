@@ -33,6 +33,7 @@ from patchctx._patch import (
     CheckpointWeightPatch,
     PatchLike,
     check_patches,
+    copied_of,
     patch_of,
     positions_of,
     readable,
@@ -410,7 +411,7 @@ class _Readers:
         for k in range(first, len(items)):
             if k not in copied and not storages.isdisjoint(starts_of(items[k])):
                 copied.add(k)
-                items[k] = items[k]._copied()
+                items[k] = copied_of(items[k])
 
 
 class _Replays:

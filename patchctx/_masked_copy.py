@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast, overload
 
 import torch
@@ -22,13 +23,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+@dataclass(frozen=True, slots=True)
 class _StrategyInterceptor:
     """Performs every ``copy_`` of a region as the strategy's masked merge."""
 
-    __slots__ = ("strategy",)
-
-    def __init__(self, strategy: CopyStrategy) -> None:
-        self.strategy = strategy
+    strategy: CopyStrategy
 
     def copy_(
         self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from patchctx._errors import InvalidPatchError, PatchProblem
-from patchctx._patch import CheckedPatch, CheckpointWeightPatch
+from patchctx._patch import CheckedPatch, CheckpointWeightPatch, merged, patch_of
 from patchctx._strategies import indexable, scatter_flat
 
 __all__ = ["Coalesce", "InputOrder", "OrderingPolicy"]
@@ -108,9 +108,8 @@ class Coalesce:
 def _merge(checked: list[CheckedPatch]) -> CheckedPatch:
     if len(checked) == 1:
         return checked[0]
-    group = [item._patch for item in checked]
-    first = group[0]
-    numel = checked[0].numel
+    group = [patch_of(item) for item in checked]
+    first, numel = group[0], checked[0].numel
     for other in group[1:]:
         if tuple(other.shape) != tuple(first.shape) or other.dtype != first.dtype:
             raise InvalidPatchError(
@@ -132,7 +131,7 @@ def _merge(checked: list[CheckedPatch]) -> CheckedPatch:
         for patch in group[last_dense + 1 :]:
             if patch.indices is not None:
                 scatter_flat(flat, patch.indices, patch.values.to(device=device, dtype=base.dtype))
-        return CheckedPatch._make(None, base._replace(values=flat, indices=None), numel)
+        return merged(base._replace(values=flat, indices=None), numel)
     indices = torch.cat(
         [p.indices.to(device=device, dtype=torch.long) for p in group if p.indices is not None]
     )
@@ -144,5 +143,5 @@ def _merge(checked: list[CheckedPatch]) -> CheckedPatch:
         last_of_run[:-1] = indices[1:] != indices[:-1]
         indices, values = indices[last_of_run], values[last_of_run]
     # Merged from validated patches: in range, sorted and unique by construction.
-    merged = first._replace(values=values.view(first.dtype), indices=indices)
-    return CheckedPatch._make(None, merged, numel, sorted_unique=True)
+    joined = first._replace(values=values.view(first.dtype), indices=indices)
+    return merged(joined, numel, sorted_unique=True)

@@ -342,6 +342,15 @@ def patch_of(item: CheckedPatch) -> CheckpointWeightPatch:
     return item._patch
 
 
+def merged(patch: CheckpointWeightPatch, numel: int, sorted_unique: bool = False) -> CheckedPatch:
+    """A checked patch of patchctx's own making (a merge of checked ones: nothing to check)."""
+    return CheckedPatch._make(None, patch, numel, sorted_unique=sorted_unique)
+
+
+def copied_of(item: CheckedPatch) -> CheckedPatch:
+    return item._copied()  # (see `CheckedPatch._copied`)
+
+
 def positions_of(item: CheckedPatch) -> tuple[torch.Tensor | None, list[int] | None]:
     """What replay reads instead of `item`'s indices: validation's int64 positions, its list."""
     return item._positions, item._listed

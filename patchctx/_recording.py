@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from patchctx._geometry import Geometry, Holder, Read, Route, Segment
+from patchctx._staged import data_of, provenance_of
 
 if TYPE_CHECKING:
     from patchctx._geometry import Fill
@@ -87,7 +88,7 @@ class Recorder:
 
         `holders`: the other model tensors over the bytes written (`ModelIndex.holders`).
         """
-        prov = source._prov
+        prov = provenance_of(source)
         root = prov.root
         names = prov.names
         if root is None or len(names) != 1:
@@ -96,7 +97,7 @@ class Recorder:
         if root.tampered:
             self.unprovable(names, "the loader modified the staged tensor")
             return
-        data = source._data
+        data = data_of(source)
         source_geometry = Geometry.of(data)
         target_geometry = Geometry.of(destination)
         low, high = source_geometry.span()

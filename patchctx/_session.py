@@ -36,7 +36,7 @@ from patchctx._guard import Guard
 from patchctx._model import read_names
 from patchctx._recording import Recorder
 from patchctx._snapshot import Snapshot
-from patchctx._staged import stage, stage_dense
+from patchctx._staged import provenance_of, stage, stage_dense
 from patchctx._undo import UndoLog
 from patchctx._writes import ModelIndex, WriteLedger, storage_key
 
@@ -175,7 +175,7 @@ class _Call:
         """Names whose staged data the loader kept after returning (a cache, an attribute)."""
         names: set[str] = set()
         for staged in list(self.ledger.born):
-            names |= staged.checkpoint_names()
+            names |= provenance_of(staged).names
         return sorted(names)
 
 

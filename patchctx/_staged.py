@@ -52,8 +52,11 @@ __all__ = [
     "Root",
     "StagedTensor",
     "UnchangedValueRead",
+    "data_of",
     "label",
+    "mask_of",
     "on_meta",
+    "provenance_of",
     "stage",
     "stage_dense",
 ]
@@ -194,19 +197,21 @@ KEEP, CHANGED, CONST = 0, 1, 2
 OUTSIDE = 3
 
 
-def _data(value: Any) -> Any:
+def data_of(value: Any) -> Any:
     return value._data if isinstance(value, StagedTensor) else value
 
 
-def _mask(value: Any) -> Any:
+def mask_of(value: Any) -> Any:
     return value._update if isinstance(value, StagedTensor) else value
+
+
+def provenance_of(value: StagedTensor) -> Provenance:
+    return value._prov
 
 
 def _known(value: torch.Tensor) -> torch.Tensor:
     """The mask of `value`: its own, or OUTSIDE everywhere for plain data."""
-    if isinstance(value, StagedTensor):
-        return value._update
-    return _codes(value, OUTSIDE)
+    return value._update if isinstance(value, StagedTensor) else _codes(value, OUTSIDE)
 
 
 def _codes(like: torch.Tensor, code: int) -> torch.Tensor:
@@ -257,10 +262,6 @@ class StagedTensor(torch.Tensor):
 
     def __init__(self, data: torch.Tensor, update: torch.Tensor, prov: Provenance) -> None:
         pass
-
-    def checkpoint_names(self) -> frozenset[str]:
-        """The checkpoint names whose patches this data carries (for messages)."""
-        return self._prov.names
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         meta = self._update.is_meta  # a dry run's: values and mask on meta
@@ -498,8 +499,8 @@ def _view(
     staged: list[StagedTensor],
 ) -> Any:
     source = staged[0]
-    data_args, data_kwargs = _unwrap(args, kwargs, _data)
-    mask_args, mask_kwargs = _unwrap(args, kwargs, _mask)
+    data_args, data_kwargs = _unwrap(args, kwargs, data_of)
+    mask_args, mask_kwargs = _unwrap(args, kwargs, mask_of)
     data = func(*data_args, **data_kwargs)
     masks = func(*mask_args, **mask_kwargs)
     prov = source._prov
@@ -541,7 +542,7 @@ def _like(
     *,
     known: bool,
 ) -> Any:
-    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    data_args, data_kwargs = _unwrap(args, kwargs, data_of)
     result = func(*data_args, **data_kwargs)
     return _wrap(
         result,
@@ -558,7 +559,7 @@ def _layout(
     staged: list[StagedTensor],
 ) -> Any:
     prov = _provenance(staged).derived()
-    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    data_args, data_kwargs = _unwrap(args, kwargs, data_of)
     result = func(*data_args, **data_kwargs)
     if rule.cast:
         device = data_kwargs.get("device")
@@ -575,8 +576,8 @@ def _layout(
         mask_args[0] = _known(args[0])
     # The other arguments (indices...) hold no kept position here (`_refuse_kept_operands`):
     # their values are the data's, for the mask as for the data.
-    mask_kwargs = tree_map(_data, kwargs)
-    masks = func(mask_args[0], *tree_map(_data, mask_args[1:]), **mask_kwargs)
+    mask_kwargs = tree_map(data_of, kwargs)
+    masks = func(mask_args[0], *tree_map(data_of, mask_args[1:]), **mask_kwargs)
     if isinstance(result, (list, tuple)):
         return type(result)(StagedTensor(d, m, prov) for d, m in zip(result, masks, strict=True))
     return StagedTensor(result, masks, prov)
@@ -669,7 +670,7 @@ def _pointwise(
 ) -> Any:
     prov = _provenance(staged).derived()
     outside = _outside(args, kwargs, prov.ledger)
-    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    data_args, data_kwargs = _unwrap(args, kwargs, data_of)
     result = func(*data_args, **data_kwargs)
 
     def update(value: torch.Tensor) -> torch.Tensor:
@@ -710,7 +711,7 @@ def _opaque(
     if state == KEEP:
         outside = _outside(args, kwargs, prov.ledger)
         _refuse_mixed_with_outside(func, prov.names, staged[0]._update, outside)
-    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    data_args, data_kwargs = _unwrap(args, kwargs, data_of)
     result = func(*data_args, **data_kwargs)
     if prov.ledger is not None:
         prov.ledger.unprovable(prov.names, f"the loader computed {func} from it")
@@ -749,13 +750,13 @@ def _write_into_staged(
     prov.binary = False  # the write may bring CONST positions in
     if prov.ledger is not None:
         prov.ledger.unprovable(prov.names, f"the loader modified it with {func}")
-    data_args, data_kwargs = _unwrap(args, kwargs, _data)
+    data_args, data_kwargs = _unwrap(args, kwargs, data_of)
     if moved is not None and moves:
         mask_args = [target._update] + [
-            _moved_mask(a) if i in moved else tree_map(_data, a) for i, a in enumerate(args) if i
+            _moved_mask(a) if i in moved else tree_map(data_of, a) for i, a in enumerate(args) if i
         ]
         func(*data_args, **data_kwargs)
-        func(*mask_args, **tree_map(_data, kwargs))
+        func(*mask_args, **tree_map(data_of, kwargs))
         return target
     if rule.fill:  # (zero_: fill_ moves its value)
         func(*data_args, **data_kwargs)
@@ -805,11 +806,11 @@ def _write_into_plain(
         _refuse_kept_operands(func, args, kwargs, frozenset({0, *moved}))
         _admit(prov, target, names, str(func))
         scratch = on_meta(target, []) if dry else target.clone()
-        data_args, data_kwargs = _unwrap(args, kwargs, _data)
+        data_args, data_kwargs = _unwrap(args, kwargs, data_of)
         func(scratch, *data_args[1:], **data_kwargs)
         update = torch.zeros(target.shape, dtype=torch.uint8, device=scratch.device)  # KEEP
         mask_args = [
-            _moved_mask(a, scratch.device) if i in moved else tree_map(_data, a)
+            _moved_mask(a, scratch.device) if i in moved else tree_map(data_of, a)
             for i, a in enumerate(args)
         ]
         func(update, *mask_args[1:], **data_kwargs)
@@ -818,7 +819,7 @@ def _write_into_plain(
     if not in_place and rule.kind == "pointwise" and not _reads_own_output(target, args, kwargs):
         # The out= form of a pointwise operation: compute, then merge.
         _admit(prov, target, names, str(func))
-        data_args, data_kwargs = _unwrap(args, kwargs, _data)
+        data_args, data_kwargs = _unwrap(args, kwargs, data_of)
         fresh = torch.empty(0, dtype=target.dtype, device="meta" if dry else target.device)
         for position, name in rule.writes:
             if position < len(data_args):
@@ -842,7 +843,7 @@ def _write_into_plain(
         _admit(prov, target, names, str(func))
         if prov.ledger is not None:
             prov.ledger.log_masked(target, None, None, names, dense=prov.dense)
-        data_args, data_kwargs = _unwrap(args, kwargs, _data)
+        data_args, data_kwargs = _unwrap(args, kwargs, data_of)
         return target if dry else func(*data_args, **data_kwargs)
     _refuse(
         f"the loader writes staged data of {label(names)} into a tensor with {func}, which "

@@ -21,7 +21,7 @@ from patchctx._bits import indexable, scatter_flat
 from patchctx._cpu_passes import has_nan_bits, has_value, nan_bits_known
 from patchctx._errors import InvalidPatchError, InvalidPatchTypeError, LoaderContractError
 from patchctx._kinds import QUANTIZED
-from patchctx._staged import StagedTensor, stage
+from patchctx._staged import StagedTensor, mask_of, stage
 
 __all__ = [
     "Auto",
@@ -331,7 +331,7 @@ class NaNMask:
     def update_mask(self, source: torch.Tensor) -> torch.Tensor:
         """Where `source` carries an update (not NaN; staged data: its own mask)."""
         if isinstance(source, StagedTensor):
-            return source._update
+            return cast("torch.Tensor", mask_of(source))
         return ~torch.isnan(source)
 
 
@@ -455,7 +455,7 @@ class IntSentinel:
     def update_mask(self, source: torch.Tensor) -> torch.Tensor:
         """Where `source` carries an update (not the sentinel; staged data: its own mask)."""
         if isinstance(source, StagedTensor):
-            return source._update
+            return cast("torch.Tensor", mask_of(source))
         return source != self.sentinel(source.dtype)
 
 
@@ -520,7 +520,7 @@ class BoolMask:
     def update_mask(self, source: torch.Tensor) -> torch.Tensor:
         """Where `source` (a tensor staged by `stage`, or a view of one) carries an update."""
         if isinstance(source, StagedTensor):
-            return source._update
+            return cast("torch.Tensor", mask_of(source))
         raise LoaderContractError(
             f"{self!r}: the source of this copy_ ({_describe(source)}) was not staged by "
             "patchctx, so it carries no mask; stage it with BoolMask().stage(...)"

@@ -52,7 +52,7 @@ from patchctx._model import SupportsLoadWeights, as_module, check_model, model_t
 from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
 from patchctx._snapshot import Snapshot
-from patchctx._staged import Provenance, Root, StagedTensor, label, on_meta
+from patchctx._staged import Provenance, Root, StagedTensor, label, on_meta, provenance_of
 from patchctx._undo import UndoLog
 from patchctx._writes import ModelIndex, WriteLedger, span_of, storage_key
 
@@ -235,7 +235,7 @@ def _kept(ledger: _DryLedger) -> set[str]:
     """The names of the dry tensors still alive (the loader kept them)."""
     kept: set[str] = set()
     for tensor in list(ledger.born):
-        kept |= tensor.checkpoint_names()
+        kept |= provenance_of(tensor).names
     return kept
 
 

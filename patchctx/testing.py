@@ -24,7 +24,7 @@ import torch
 
 from patchctx._errors import LoaderContractError, PatchError
 from patchctx._masked_copy import masked_copy
-from patchctx._staged import StagedTensor
+from patchctx._staged import StagedTensor, data_of
 from patchctx._strategies import CopyStrategy, ReservedBits
 
 __all__ = [
@@ -172,7 +172,7 @@ def _case_stage_layout(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
         _require(staged.device == patch.values.device, "staged tensor must be on values.device")
         _require(staged.is_contiguous(), "staged tensor must be contiguous (row-major)")
         if patch.values.numel():
-            data = staged._data if isinstance(staged, StagedTensor) else staged
+            data = data_of(staged)
             _require(
                 data.untyped_storage().data_ptr() != patch.values.untyped_storage().data_ptr(),
                 "staged tensor must not alias the caller's values",
@@ -317,7 +317,7 @@ def _case_special_values(dtype: torch.dtype) -> Callable[[CopyStrategy], None]:
         _assert_same_bits(destination, expected, "merge over special values")
         one = _patch(strategy, dtype, (2,), seed=5, density=0.5)  # one index of two changes
         staged = strategy.stage(one.shape, dtype, one.indices, one.values)
-        data = staged._data if isinstance(staged, StagedTensor) else staged
+        data = data_of(staged)
         kept = 1 - int(one.indices[0])
         candidates = [specials[k : k + 1] for k in range(count)]
         candidates.append(data.reshape(-1)[kept : kept + 1].clone())

@@ -693,7 +693,7 @@ def test_the_accelerators_search_settles_spans_beyond_the_index_dtype(
     indices = torch.tensor([0, 5, 2**20, top - 1, top], dtype=index_dtype)
     for span in [(0, 4), (5, 2**20), (6, top - 1), (top, top), (top + 1, 2 * top), (3, 2 * top)]:
         segment = object.__new__(_geometry.Segment)  # (all `covered` reads of a segment)
-        object.__setattr__(segment, "_span", span)
+        object.__setattr__(segment, "span", span)
         assert segment.covered(indices) == _geometry.host_covered(indices, span), span
         with small_blocks(host=False):
             assert segment.covered(indices) == _geometry.host_covered(indices, span), span

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import torch
 
 from patchctx._errors import LoaderContractError
-from patchctx._staged import StagedTensor
+from patchctx._staged import StagedTensor, provenance_of
 from patchctx.vllm._layout import REPACK_MARK
 from patchctx.vllm._walk import ModelWalk, attribute
 
@@ -237,7 +237,7 @@ def _patch_names(loaded_weight: object) -> str | None:
     """The checkpoint name(s) whose staged data `loaded_weight` carries, in a patch load."""
     if not isinstance(loaded_weight, StagedTensor):
         return None
-    return ", ".join(sorted(loaded_weight.checkpoint_names()))
+    return ", ".join(sorted(provenance_of(loaded_weight).names))
 
 
 def _refusal(name: str, reason: str) -> Any:

@@ -2,9 +2,10 @@
 
 The kernel behind `diff_state_dicts`. Both tensors are read in blocks of row-major elements,
 each block cast to the receiver's dtype into a reused buffer (or read in place when it already
-has that dtype and layout). The two blocks' bits are XORed as integers of the element width
-(nonzero exactly where an element changed, so ``-0.0`` differs from ``+0.0`` and NaN compares
-by its payload) and the XOR cast to a boolean change mask. Nothing larger than a block is
+has that dtype and layout). The two blocks' bits are compared as integers of the element width
+(so ``-0.0`` differs from ``+0.0`` and NaN compares by its payload) into a boolean change
+mask: on the CPU by numpy's ``not_equal`` in one streaming read, elsewhere by their XOR
+(nonzero exactly where an element changed) cast to bool. Nothing larger than a block is
 allocated besides the result.
 
 `ChangeScan.find` works in one of two ways:

@@ -2,9 +2,10 @@
 
 The kernel behind `diff_state_dicts`. Both tensors are read in blocks of row-major elements,
 each block cast to the receiver's dtype into a reused buffer (or read in place when it already
-has that dtype and layout). The two blocks' bits are XORed as integers of the element width
-(nonzero exactly where an element changed, so ``-0.0`` differs from ``+0.0`` and NaN compares
-by its payload) and the XOR cast to a boolean change mask. Nothing larger than a block is
+has that dtype and layout). The two blocks' bits are compared as integers of the element width
+(so ``-0.0`` differs from ``+0.0`` and NaN compares by its payload) into a boolean change
+mask: on the CPU by numpy's ``not_equal`` in one streaming read, elsewhere by their XOR
+(nonzero exactly where an element changed) cast to bool. Nothing larger than a block is
 allocated besides the result.
 
 `ChangeScan.find` works in one of two ways:
@@ -459,6 +460,24 @@ class BlockBits:
             builtin_copy(mask, xor)  # the cast to bool is `!= 0`, much cheaper than torch.ne
         return mask
 
+    def host_mask(
+        self, old_piece: torch.Tensor, new_piece: torch.Tensor
+    ) -> tuple[torch.Tensor, NDArray[numpy.bool_]]:
+        """(bits of the new piece, its change mask as a numpy array) for a host read.
+
+        On the CPU the two pieces' bits are compared by numpy's ``not_equal`` straight into
+        the mask: one streaming read of both, where the XOR and its cast to bool write and
+        read a block in between (about a third of the scan's time at low density).
+        """
+        if self.device.type != "cpu" or self.dtype.itemsize == 16:
+            new_bits, xor = self.xor(old_piece, new_piece)
+            return new_bits, self.mask(xor).numpy()
+        old_bits, _ = self.bits(old_piece, "old")
+        new_bits, _ = self.bits(new_piece, "new")
+        mask = self._buffer("mask", torch.bool)[: new_bits.shape[0]].numpy()
+        numpy.not_equal(old_bits.detach().numpy(), new_bits.detach().numpy(), out=mask)
+        return new_bits, mask
+
 
 class ChangeScan:
     """The elements of `new` whose bits differ from `old`'s, both seen in `dtype`.
@@ -555,8 +574,7 @@ class ChangeScan:
         changed = scanned = 0
         likely = True  # whether the tensor looks likely to go sparse
         for piece in _pieces(self.old, self.new, self.block):
-            new_bits, xor = self.blocks.xor(piece[1], piece[2])
-            mask = self.blocks.mask(xor).numpy()
+            new_bits, mask = self.blocks.host_mask(piece[1], piece[2])
             scanned += mask.shape[0]
             if likely:  # positions unless this block's density, were it the rest's, rules out
                 fits = functools.partial(
@@ -584,8 +602,8 @@ class ChangeScan:
         if changed == 0:
             return Changes(0)
         for number, (start, old_piece, new_piece) in counted_only.items():
-            new_bits, xor = self.blocks.xor(old_piece, new_piece)
-            local = set_positions(self.blocks.mask(xor).numpy())
+            new_bits, mask = self.blocks.host_mask(old_piece, new_piece)
+            local = set_positions(mask)
             parts[number] = _taken(start, new_bits, local, index_dtype)
         done = [part for part in parts if part is not None]
         found_values = _joined([bits for _, bits in done])

@@ -317,6 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{numel / 1e6:.1f} M parameters (float32), {len(weights)} tensors, "
         + ("checkpoint layout kept" if args.keep_layout else "vLLM's prepacked CPU kernels")
         + ("" if args.chunk_bytes is None else f"; patchctx in chunks of {args.chunk_bytes} B")
+        + "".join(f"; servers with {name}={value}" for name, value in args.server_env)
     )
     print(f"model: {model_line}", flush=True)
     calibrated = calibrate(args.calibrate)
@@ -375,6 +376,7 @@ def serve_rows(
         extra_args=extra,
         tensor_parallel_size=tp,
         keep_layout=args.keep_layout,
+        env=dict(args.server_env),
     ) as server:
         print(f"TP={tp}: vllm serve up in {time.perf_counter() - started:.0f} s", flush=True)
         client = HTTPWeightSyncClient(server.url, timeout=600)
@@ -553,6 +555,14 @@ QUICK = {
 }
 
 
+def _variable(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` as a pair (an argparse type)."""
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="patchctx end to end through vllm serve")
     parser.add_argument(
@@ -587,6 +597,15 @@ def main(argv: list[str] | None = None) -> int:
         "the diff of the rest overlapping each chunk's wire and check (default: one chunk)",
     )
     parser.add_argument("--keep-layout", action="store_true", help="no CPU prepacking")
+    parser.add_argument(
+        "--server-env",
+        type=_variable,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable of the servers' environment only (repeatable), e.g. glibc's "
+        "MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ (see docs/vllm.md, the first update)",
+    )
     parser.add_argument(
         "--no-calibrate",
         dest="calibrate",

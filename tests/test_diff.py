@@ -266,8 +266,8 @@ def changed_where(pattern: str, rows: int, columns: int, limit: int) -> torch.Te
         return torch.randperm(numel, generator=generator)[: numel // 2]
     if pattern == "one-column":  # a sample strided by a divisor of the row hits only it
         return grid[:, 0].reshape(-1)
-    if pattern == "every-kth":  # every k-th element, k what a 4096-strided sample would take
-        return torch.arange(0, numel, numel // 4096)
+    if pattern == "every-kth":  # every k-th element, k what a strided sample would take
+        return torch.arange(0, numel, numel // _tuning.SAMPLES)
     if pattern == "first-rows":  # crowded at the front: the first block looks dense
         return grid[:8].reshape(-1)
     fraction = {"just-below-limit": 0.97, "just-above-limit": 1.03}[pattern]

@@ -22,9 +22,12 @@ def test_the_engine_bench_prints_every_method_a_verdict_and_json(
 
     out = tmp_path / "engine.json"
     arguments = [*TINY, "--tp", "1", "--densities", "0.01", "--repeats", "1"]
-    assert main([*arguments, "--links", "0", "1.25e8", "--no-calibrate", "--json", str(out)]) == 0
+    server_env = ["--server-env", "MALLOC_ARENA_MAX=2"]  # the server's environment only
+    links = ["--links", "0", "1.25e8"]
+    assert main([*arguments, *links, *server_env, "--no-calibrate", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
+    assert report["model"].endswith("; servers with MALLOC_ARENA_MAX=2")
     assert [(r["tp"], r["link"], r["method"]) for r in report["rows"]] == [
         (1, link, method) for link in (0.0, 1.25e8) for method in METHODS
     ]

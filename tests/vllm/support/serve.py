@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,11 +92,13 @@ def vllm_serve(
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
     keep_layout: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
     """Start ``vllm serve`` on `model_dir` at 127.0.0.1 and stop it (its whole process group).
 
     `keep_layout`: with ``PATCHCTX_VLLM_KEEP_CHECKPOINT_LAYOUT=1`` (no CPU prepacking); without
     it, vLLM's prepacked kernels, repacked after each patch (the default of patchctx engines).
+    `env`: more variables for the server's environment only (after this one's own).
     """
     port = free_port()
     env = {
@@ -111,6 +113,7 @@ def vllm_serve(
         # machine, and binding at all is unkind on shared cores.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "PYTHONUNBUFFERED": "1",
+        **(env or {}),
     }
     command = [
         sys.executable,

@@ -18,6 +18,7 @@ from patchctx import _tuning
 from patchctx._changes import ChangeScan, bits_of, reserved_test
 from patchctx._encoding import PositionsSummary, WireEncoding, count_escapes, index_dtype
 from patchctx._patch import CheckpointWeightPatch
+from patchctx._swap import builtin_copy
 
 if TYPE_CHECKING:
     from patchctx._cost import UpdateCost
@@ -116,8 +117,13 @@ def diff_tensor(
     strategy: CopyStrategy,
     dense_above: float | None,
     cost: UpdateCost | None = None,
+    *,
+    into: torch.Tensor | None = None,
 ) -> CheckpointWeightPatch | None:
-    """One tensor's patch from `old` to `new` in `dtype` (`None`: unchanged), by `choose_sparse`."""
+    """One tensor's patch from `old` to `new` in `dtype` (`None`: unchanged), by `choose_sparse`.
+
+    A dense patch's values are written into `into` when it fits (`_dense`).
+    """
     numel = new.numel()
     if numel == 0:
         return None
@@ -136,7 +142,7 @@ def diff_tensor(
         and not unsupported
         and not could_be_sparse(_least(old, new, dtype))
     ):
-        return _dense(name, new, dtype)
+        return _dense(name, new, dtype, into)
     test = None if unsupported else reserved_test(strategy, dtype)
     found = scan.find(test, index_dtype(numel), could_be_sparse)
     if found.changed == 0:
@@ -155,15 +161,27 @@ def diff_tensor(
         )
     ):
         return CheckpointWeightPatch(name, tuple(new.shape), dtype, values, positions)
-    return _dense(name, new, dtype)
+    return _dense(name, new, dtype, into)
 
 
-def _dense(name: str, new: torch.Tensor, dtype: torch.dtype) -> CheckpointWeightPatch:
-    """`new` as a dense patch in `dtype`, its values a copy."""
+def _dense(
+    name: str, new: torch.Tensor, dtype: torch.dtype, into: torch.Tensor | None = None
+) -> CheckpointWeightPatch:
+    """`new` as a dense patch in `dtype`, its values a copy: into `into` when it fits."""
     # A dense patch owns its values: the trainer may keep updating `new` in place, and the
     # vLLM trainer engine keeps them as its record of what it sent. (A lazy conjugate or
     # negative view is resolved: its bit would not survive the wire.)
-    flat = new.resolve_conj().resolve_neg().to(dtype=dtype).reshape(-1)
+    source = new.resolve_conj().resolve_neg()
+    if (
+        into is not None
+        and into.dtype == dtype
+        and into.device == new.device
+        and into.numel() == new.numel()
+        and into.is_contiguous()
+    ):
+        builtin_copy(into.view(new.shape), source)
+        return CheckpointWeightPatch(name, tuple(new.shape), dtype, into.view(-1))
+    flat = source.to(dtype=dtype).reshape(-1)
     if flat.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
         flat = flat.clone()
     return CheckpointWeightPatch(name, tuple(new.shape), dtype, flat)

@@ -26,9 +26,8 @@ BATCHED_UP_TO, CPU_BATCHED_UP_TO, CPU_JOINED_FROM, BATCHED_BELOW = 1 << 16, 1 <<
 INTEGER_NAN_FROM, AMAX_UP_TO = 1 << 15, 8192
 # The diff's block by device type: ~20 dispatches each, under 0.15 ns an element on CPU at 1M.
 DIFF_BLOCK = {"cpu": 1 << 20, "other": 1 << 24}
-# From `SAMPLED_FROM` elements a CPU tensor is first sampled at `SAMPLES` random positions (30
-# µs: random reads, 100 at 4096; a 262K scan 150): dense unscanned if it rules sparse out (4σ
-# at 1024 is 6% of density near one half). No column or row fools a draw.
+# From `SAMPLED_FROM` elements a CPU tensor is sampled at `SAMPLES` random positions (30 µs; 100
+# at 4096): dense unscanned if it rules sparse out by 4 standard errors. No column fools a draw.
 SAMPLED_FROM, SAMPLES = 1 << 18, 1024
 LOW_BYTE_BLOCK = 1 << 20  # elements per block of `LowByteDetector`
 BITMASK_BLOCK_BYTES = 2**17  # bytes of a bitmask decoded at a time (2**20 positions)

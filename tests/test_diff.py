@@ -889,3 +889,62 @@ def test_a_strategy_of_your_own_that_says_its_reserved_bits_is_tested_as_the_bui
     for mine, built_in in zip(ours, theirs, strict=True):
         assert torch.equal(mine.values.view(torch.int32), built_in.values.view(torch.int32))
     assert (marked.asked == 0) is says_bits, marked.asked
+
+
+@pytest.mark.parametrize("receiver", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("view", ["plain", "transposed", "negative", "conjugate"])
+def test_dense_values_go_into_a_buffer_that_fits_bit_for_bit_what_a_fresh_copy_holds(
+    receiver: torch.dtype, view: str
+) -> None:
+    """A buffer of the patch's size and receiver dtype, sharing memory with nothing else,
+    holds the dense patch's values; they are the fresh copy's bits, views resolved."""
+    dtype = torch.complex64 if view == "conjugate" else torch.float32
+    base = torch.randn(24, 16, dtype=dtype)
+    new = {
+        "plain": base,
+        "transposed": base.t(),
+        "negative": torch._neg_view(base),
+        "conjugate": base.conj(),
+    }[view]
+    old = {"w": torch.zeros(new.shape, dtype=dtype)}
+    want = receiver if dtype.is_floating_point else dtype
+    [fresh] = diff_state_dicts(old, {"w": new}, dtype=receiver, cost=None)
+    buffer = torch.full((new.numel(),), 7, dtype=want)
+    [patch] = diff_state_dicts(old, {"w": new}, dtype=receiver, cost=None, buffers={"w": buffer})
+    assert patch.indices is None and fresh.indices is None
+    assert patch.values.data_ptr() == buffer.data_ptr()
+    assert same_bits(patch.values, fresh.values)
+
+
+def test_a_buffer_that_does_not_fit_or_overlaps_is_never_written() -> None:
+    """Wrong size, dtype or layout; memory of `old`, of `new` or of another buffer (a view,
+    or another tensor over the same numpy array): the copy is fresh and the buffer untouched.
+    A sparse patch writes into no buffer."""
+    import numpy
+
+    old = {name: torch.zeros(64) for name in "abcdefgh"}
+    new = {name: torch.arange(64.0) + 1 for name in "abcdefgh"}
+    new["s"], old["s"] = torch.zeros(2**16), torch.zeros(2**16)
+    new["s"][5] = 1.0  # one change in 65536: sparse
+    shared = numpy.full(128, 9.0, dtype=numpy.float32)
+    buffers = {
+        "a": torch.full((63,), 9.0),  # one element short
+        "b": torch.full((64,), 9.0, dtype=torch.float64),  # another dtype
+        "c": torch.full((128,), 9.0)[::2],  # not contiguous
+        "d": old["d"],  # old's own memory
+        "e": new["e"][:],  # a view of new's
+        "f": torch.from_numpy(shared[:64]),  # f and g: two storages over one array
+        "g": torch.from_numpy(shared[32:96]),
+        "h": torch.full((64,), 9.0, requires_grad=True),
+        "s": torch.full((2**16,), 9.0),
+    }
+    before = {name: buffer.detach().clone() for name, buffer in buffers.items()}
+    patches = {p.name: p for p in diff_state_dicts(old, new, buffers=buffers)}
+    assert patches["s"].indices is not None
+    for name, buffer in buffers.items():
+        assert patches[name].values.data_ptr() != buffer.data_ptr(), name
+        assert torch.equal(buffer.detach(), before[name]), name
+        if name != "s":
+            assert torch.equal(patches[name].values, new[name]), name
+    with pytest.raises(InvalidPatchTypeError, match="buffers must be a mapping"):
+        diff_state_dicts(old, new, buffers=[torch.zeros(64)])  # type: ignore[arg-type]

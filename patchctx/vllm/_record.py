@@ -15,7 +15,7 @@ import torch
 from patchctx import CheckpointWeightPatch
 from patchctx._swap import builtin_copy
 
-__all__ = ["advance", "remembered", "storage_of"]
+__all__ = ["advance", "kept_spares", "remembered", "storage_of"]
 
 
 def storage_of(tensor: torch.Tensor) -> int:
@@ -27,6 +27,8 @@ def advance(
     sent: dict[str, torch.Tensor],
     state: Mapping[str, torch.Tensor],
     patches: list[CheckpointWeightPatch],
+    *,
+    spare: dict[str, torch.Tensor] | None = None,
 ) -> bool:
     """Write `patches`, the diff from `sent` to `state`, into `sent`: O(changed), not a copy.
 
@@ -37,7 +39,8 @@ def advance(
     Returns whether it could; `False` (names, shapes or dtypes that differ, twins of another
     geometry) writes nothing, and the caller copies the state whole. Dense values that are
     `state`'s own memory (a caller's patches) are copied into the record, never adopted:
-    the trainer writes its state again at its next step.
+    the trainer writes its state again at its next step. A CPU record that dense values
+    replace goes into `spare`, for the next diff to copy into (``buffers``).
     """
     if sent.keys() != state.keys():
         return False
@@ -80,11 +83,27 @@ def advance(
             # The diff's dense values are its own copy, and spent once sent: they become
             # the record (a twin's record is a copy, so no two names share one).
             sent[name] = patch.values.view(record.shape)
+            if spare is not None and record.device.type == "cpu":
+                spare[name] = record  # whatever it held (a spare now the record) is gone
         elif patch.indices is None:
             builtin_copy(record.view(-1), patch.values.reshape(-1))
         else:
             record.view(-1).index_put_((patch.indices.to(torch.int64),), patch.values)
     return True
+
+
+def kept_spares(
+    spare: Mapping[str, torch.Tensor], record: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The `spare` buffers still of use: those of a name `record` holds in their shape."""
+    return {
+        name: buffer
+        for name, buffer in spare.items()
+        if name in record
+        and record[name].shape == buffer.shape
+        and record[name].dtype == buffer.dtype
+        and storage_of(record[name]) != storage_of(buffer)
+    }
 
 
 def remembered(

@@ -33,7 +33,7 @@ from patchctx import (
 from patchctx.vllm._backend import VLLM_START_VERSION, raise_worker_error
 from patchctx.vllm._codec import ALGORITHMS
 from patchctx.vllm._errors import UpdateConflictError
-from patchctx.vllm._record import advance, remembered
+from patchctx.vllm._record import advance, kept_spares, remembered
 from patchctx.vllm._sending import (
     BytesSender,
     UpdateWriter,
@@ -357,7 +357,11 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
       against what was last sent (`diff_state_dicts`, in `dtype`) and send the difference.
     - ``send_state_dict(state)``: the same from a state dict.
 
-    Non-sender ranks (``rank != 0``) do nothing.
+    Non-sender ranks (``rank != 0``) do nothing. For each CPU tensor it sent dense, the engine
+    keeps the memory its record held before as the next dense copy's destination
+    (`diff_state_dicts`'s ``buffers``): one more copy of those tensors in memory, and no page
+    faults of fresh memory at each update (at 130 M float32 parameters, 50% changed, the diff
+    took 121 to 124 ms copying into fresh memory and 94 ms into kept memory).
 
     Examples:
         >>> import torch
@@ -393,6 +397,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         self.inline = InlineTransport(limit=self.init_info.inline_below)  # None: the default
         self.version: str | None = None
         self.sent: dict[str, torch.Tensor] = {}
+        self.spare: dict[str, torch.Tensor] = {}  # the next dense copies' memory (CPU)
         self.trainer_id = self.init_info.trainer_id or uuid.uuid4().hex[:16]
         # The update a caller-owned session (`send_weight_chunk`) is sending, and its next chunk.
         self._session: tuple[str, int] | None = None
@@ -431,6 +436,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         """
         held, self.sent = self.sent, {}  # cut short, the record is empty: the diff refuses
         self.sent = remembered(held, state, self.init_info.dtype)
+        self.spare = kept_spares(self.spare, self.sent)
 
     def send_weights(
         self,
@@ -473,6 +479,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
             state,
             dtype=info.dtype,
             cost=priced(info.cost, self.sender),
+            buffers=self.spare,
         )
         if not self.is_sender:  # checked as the sender checks it; the diff is the sender's
             self.remember(state)
@@ -484,7 +491,7 @@ class PatchctxTrainerEngine(TrainerWeightTransferEngine[PatchctxTrainerInitInfo]
         if stats is None:  # only a rank that is not the sender gets none
             return None
         try:
-            advanced = advance(self.sent, state, taken)
+            advanced = advance(self.sent, state, taken, spare=self.spare)
         except BaseException:
             self.sent = {}  # half advanced: the next diff refuses until the state is whole
             self.remember(state)

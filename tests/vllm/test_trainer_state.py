@@ -281,3 +281,59 @@ def test_remember_writes_its_record_in_place_and_an_interrupt_leaves_none() -> N
     engine.remember(first)
     engine.send_state_dict(second)
     assert_same_record(engine, second)
+
+
+def test_dense_copies_go_into_memory_the_record_held_before_and_a_failed_update_keeps_it() -> None:
+    """A CPU tensor sent dense at every step: each diff copies it into the memory the record
+    held before the last update (no fresh memory), the record stays what the workers took,
+    and an update that fails leaves the record as it was, whatever the copy wrote."""
+
+    class Failing(Recording):
+        fail = False
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            if self.fail:
+                raise RuntimeError("the workers refused")
+            super().finish_weight_update(weight_version)
+
+    client = Failing()
+    engine = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(rank=0, transport="inline", inline_below=None), client=client
+    )
+    engine.remember({"w": torch.zeros(4096)})
+    held = engine.sent["w"].data_ptr()
+    states = [{"w": torch.full((4096,), float(step))} for step in range(1, 5)]
+    engine.send_state_dict(states[0])  # every element changed: dense
+    first = engine.sent["w"].data_ptr()
+    assert first != held and torch.equal(engine.sent["w"], states[0]["w"])
+    engine.send_state_dict(states[1])
+    assert engine.sent["w"].data_ptr() == held  # the copy went into the memory held before
+    assert torch.equal(engine.sent["w"], states[1]["w"])
+    client.fail = True
+    with pytest.raises(RuntimeError, match="refused"):
+        engine.send_state_dict(states[2])  # copied into `first`'s memory, then refused
+    assert engine.sent["w"].data_ptr() == held and torch.equal(engine.sent["w"], states[1]["w"])
+    client.fail = False
+    sent_before = len(client.updates)
+    engine.send_state_dict(states[3])
+    assert torch.equal(engine.sent["w"], states[3]["w"])
+    assert engine.sent["w"].data_ptr() == first
+    assert len(client.updates) == sent_before + 1
+
+
+def test_the_state_itself_is_never_a_dense_copys_destination() -> None:
+    """Memory the engine would reuse but the caller now passes as its state (or a view of it)
+    is left alone: the copy goes to fresh memory, and the state is not written."""
+    client = Recording()
+    engine = PatchctxTrainerEngine.trainer_init(
+        PatchctxTrainerInitInfo(rank=0, transport="inline", inline_below=None), client=client
+    )
+    engine.remember({"w": torch.zeros(256)})
+    engine.send_state_dict({"w": torch.ones(256)})
+    spare = engine.spare["w"]
+    state = {"w": spare.view(16, 16)[:, :].reshape(256)}  # the spare itself, as a view
+    state["w"].fill_(3.0)
+    engine.send_state_dict(state)
+    assert torch.equal(state["w"], torch.full((256,), 3.0))
+    assert torch.equal(engine.sent["w"], torch.full((256,), 3.0))
+    assert engine.sent["w"].data_ptr() != spare.data_ptr()

@@ -10,7 +10,7 @@ puts on the wire, each sparse patch in its smallest encoding (`patchctx._encodin
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TypeAlias, cast
 
 import torch
@@ -177,13 +177,18 @@ def _chosen_names(
 
 def _storage(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
     """Where `tensor`'s elements live (device, storage address); `None` when it holds none."""
+    span = _span(tensor)
+    return None if span is None or tensor.numel() == 0 else (tensor.device, span[0])
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The memory range `tensor`'s storage covers, or `None` when it holds none."""
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):  # meta and other storage-less tensors
         return None
-    if not storage.nbytes() or tensor.numel() == 0:
-        return None
-    return tensor.device, storage.data_ptr()
+    start, nbytes = storage.data_ptr(), storage.nbytes()
+    return (start, start + nbytes) if start and nbytes else None
 
 
 def _shared_storage_problems(
@@ -259,7 +264,7 @@ class _Plan:
     strategy: CopyStrategy
     dense_above: float | None
     cost: UpdateCost | None
-    buffers: dict[str, torch.Tensor]  # the usable ones (`_usable_buffers`)
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)  # `_usable_buffers`
 
 
 def _plan(
@@ -324,7 +329,7 @@ def _plan(
         problems.extend(_shared_storage_problems(old, new, [name for name, _ in tensors]))
     if problems:
         raise InvalidPatchError.from_problems(problems)
-    return _Plan(tensors, chosen_strategy, dense_above_fraction, chosen_cost, {})
+    return _Plan(tensors, chosen_strategy, dense_above_fraction, chosen_cost)
 
 
 def _usable_buffers(
@@ -341,6 +346,8 @@ def _usable_buffers(
         raise InvalidPatchTypeError(
             f"buffers must be a mapping of names to tensors, got {type(buffers).__name__}"
         )
+    if not buffers:
+        return {}
     spans: list[tuple[int, int, str | None]] = []  # (start, end, buffer name or None)
     for tensor in (*old.values(), *new.values()):
         span = _span(tensor)
@@ -361,16 +368,6 @@ def _usable_buffers(
     return {
         name: buffers[name] for _, _, name in spans if name is not None and name not in clashing
     }
-
-
-def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The memory range `tensor`'s storage covers, or `None` when it holds none."""
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    start = storage.data_ptr()
-    return (start, start + storage.nbytes()) if start and storage.nbytes() else None
 
 
 # ----------------------------------------------------------------------------------- diffing
@@ -538,6 +535,13 @@ def diff_state_dicts(
         [True]
         >>> [p.indices is None for p in diff_state_dicts(old, new, cost=None)]
         [False]
+
+        A dense patch's values go into memory of your own when `buffers` offers it:
+
+        >>> kept = {"big": torch.empty(2**20)}
+        >>> [patch] = diff_state_dicts(old, new, buffers=kept)
+        >>> patch.values.data_ptr() == kept["big"].data_ptr()
+        True
     """
     return list(
         iter_diff_state_dicts(
@@ -608,7 +612,7 @@ def iter_diff_state_dicts(
     plan = _plan(unsharded_old, unsharded_new, dtype, names, dense_above, strategy, cost)
     local_old = cast(Mapping[str, torch.Tensor], unsharded_old)  # mappings: _plan checked
     local_new = cast(Mapping[str, torch.Tensor], unsharded_new)
-    plan.buffers.update(_usable_buffers(buffers, local_old, local_new))
+    plan = replace(plan, buffers=_usable_buffers(buffers, local_old, local_new))
     return _patches(plan, local_old, local_new, boxes)
 
 

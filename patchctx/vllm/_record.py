@@ -95,14 +95,16 @@ def advance(
 def kept_spares(
     spare: Mapping[str, torch.Tensor], record: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The `spare` buffers still of use: those of a name `record` holds in their shape."""
+    """The `spare` buffers still of use: those of a name `record` holds in their shape.
+
+    (One that came to share the record's memory is left out by the diff itself.)
+    """
     return {
         name: buffer
         for name, buffer in spare.items()
         if name in record
         and record[name].shape == buffer.shape
         and record[name].dtype == buffer.dtype
-        and storage_of(record[name]) != storage_of(buffer)
     }
 
 

@@ -418,6 +418,8 @@ def serve_rows(
             seed += 1
             weights = step(new, 0.01, seed)
             warmed["vllm reload"].append(reload_update(server.url, weights, shm, None)["total_ms"])
+        warm.shutdown()  # its pool and record freed: the rows' engines run as without it
+        del warm
         for link in args.links:
             limited = link > 0
             cost = replace(calibrated, link_bytes_per_second=link) if limited else calibrated

@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"cost model ({source}; float32, through this tree's shm data plane):", flush=True)
     print(calibrated.describe(), flush=True)
     rows: list[dict[str, Any]] = []
-    first: dict[str, float] = {}
+    first: dict[str, Any] = {}
     # The reload's file (the model's size, on tmpfs) and the checkpoint: removed however the
     # run ends.
     shm = Path(tempfile.mkdtemp(prefix="patchctx-reload-", dir="/dev/shm"))
@@ -360,7 +360,7 @@ def serve_rows(
     weights: dict[str, torch.Tensor],
     calibrated: Any,
     rows: list[dict[str, Any]],
-    first: dict[str, float],
+    first: dict[str, Any],
 ) -> None:
     """Every row of one engine (tensor-parallel size `tp`), appended to `rows`."""
     from dataclasses import replace
@@ -400,8 +400,26 @@ def serve_rows(
         first.setdefault("density", 0.01)
         weights = new
         # The reload's first save creates its file on tmpfs, page faults that no later save
-        # pays: one reload untimed, as patchctx's first update is timed apart.
+        # pays: one reload untimed, as patchctx's first update is timed apart. Then
+        # `--warmup` more updates of each (untimed in the rows, reported): vLLM's repack
+        # serves its packed copies from fresh memory until glibc's heap has grown to hold
+        # them (docs/vllm.md, the first update), which would charge the first rows.
         reload_update(server.url, weights, shm, None)
+        warm = trainer(calibrated, None)
+        warmed: dict[str, list[float]] = {"patchctx": [], "vllm reload": []}
+        first.setdefault("warmup", {})[str(tp)] = warmed
+        for _ in range(args.warmup):
+            seed += 1
+            new = step(weights, 0.01, seed)
+            warm.remember(weights)
+            stats = warm.send_state_dict(new)
+            assert stats is not None
+            warmed["patchctx"].append(stats.total_ms)
+            seed += 1
+            weights = step(new, 0.01, seed)
+            warmed["vllm reload"].append(reload_update(server.url, weights, shm, None)["total_ms"])
+        warm.shutdown()  # its pool and record freed: the rows' engines run as without it
+        del warm
         for link in args.links:
             limited = link > 0
             cost = replace(calibrated, link_bytes_per_second=link) if limited else calibrated
@@ -590,6 +608,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, help="updates per row (default 3)")
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed updates of patchctx and of the reload (1%%) per engine before its rows, "
+        "reported apart (default 2)",
+    )
+    parser.add_argument(
         "--chunk-bytes",
         type=int,
         default=None,
@@ -659,6 +684,14 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
+    for tp, warmed in first.get("warmup", {}).items():
+        shown = "; ".join(
+            f"{name} " + ", ".join(f"{ms:.0f}" for ms in times)
+            for name, times in warmed.items()
+            if times
+        )
+        if shown:
+            print(f"warm-up updates at TP={tp} (1%, untimed in the rows), ms: {shown}")
     print(
         "\nlinks other than shm are simulated: a token bucket in this process charges each "
         "payload's bytes (the reload's safetensors file, patchctx's update_weights payloads) "

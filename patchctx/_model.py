@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from patchctx._errors import InvalidPatchTypeError, PatchProblem
 
-__all__ = ["SupportsLoadWeights", "as_module", "check_model", "model_tensors", "read_names"]
+__all__ = [
+    "SupportsLoadWeights",
+    "as_module",
+    "check_model",
+    "model_tensors",
+    "read_names",
+    "slot_dicts",
+]
+
+
+def slot_dicts(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """`module`'s own parameter, buffer and submodule slots: torch's private dicts themselves.
+
+    The one place patchctx reads ``torch.nn.Module``'s private state: walks read the dicts
+    (``named_parameters()`` and its kin are generators, several times slower) and a snapshot
+    puts them back.
+    """
+    return module._parameters, module._buffers, module._modules
 
 
 @runtime_checkable

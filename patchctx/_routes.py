@@ -28,7 +28,8 @@ from patchctx._bits import indexable, write_at
 from patchctx._blocks import block_size, scratch, undo_block
 from patchctx._cpu_passes import shifted_positions
 from patchctx._geometry import Route, Segment, host_covered
-from patchctx._swap import builtin_copy
+from patchctx._model import slot_dicts
+from patchctx._swap import builtin_copy, release_all
 from patchctx._undo import UndoLog, storage_flat
 
 __all__ = [
@@ -42,12 +43,6 @@ __all__ = [
     "replay_dense",
     "replay_whole",
 ]
-
-
-def _release(lock: Any) -> None:
-    """Release every level of the reentrant `lock` this thread holds (none: nothing)."""
-    while lock._is_owned():
-        lock.release()
 
 
 _T = TypeVar("_T")
@@ -91,10 +86,10 @@ class RouteBook:
         try:
             lock.acquire()
             result = body()
-            _release(lock)
+            release_all(lock)
             return result
         finally:
-            _release(lock)  # a second release, for an exception that cut the first
+            release_all(lock)  # a second release, for an exception that cut the first
 
     def forget(self, name: str | None = None) -> None:
         """Forget the route of `name`, or every route (`None`)."""
@@ -142,7 +137,7 @@ class RouteBook:
         slot = slots.get(name) if found_in is model else None
         if slot is not None:
             for parent, attr, child in slot[2]:  # (a loop: a generator costs more than it)
-                if parent._modules.get(attr) is not child:
+                if slot_dicts(parent)[2].get(attr) is not child:
                     slot = None
                     break
         if slot is None:
@@ -151,9 +146,9 @@ class RouteBook:
             slot = slots.get(name)
             if slot is None:
                 return None
-        module, attr, _ = slot
-        tensor = module._parameters.get(attr)
-        return tensor if tensor is not None else module._buffers.get(attr)
+        params, buffers, _ = slot_dicts(slot[0])
+        tensor = params.get(slot[1])
+        return tensor if tensor is not None else buffers.get(slot[1])
 
     def store(self, route: Route) -> None:
         """Remember `route` (recorded by a loader call or learnt by a dry run)."""
@@ -244,16 +239,8 @@ class RouteStore:
         """Forget the route of `name` (no error if there is none)."""
         self._book.forget(name)
 
-    # -- for the load layer (a dry run records through these) ------------------------------
-
-    def _route(self, name: str) -> Route | None:
+    def _route(self, name: str) -> Route | None:  # what tests and benchmarks compare
         return self._book.route(name)
-
-    def _bind(self, model: object) -> None:
-        self._book.bind(model)
-
-    def _store(self, route: Route) -> None:
-        self._book.store(route)
 
 
 def book_of(store: RouteStore) -> RouteBook:
@@ -297,9 +284,10 @@ def _slots_of(model: torch.nn.Module) -> dict[str, _Slot]:
     pending: list[tuple[torch.nn.Module, str, _Chain]] = [(model, "", ())]
     while pending:
         module, prefix, chain = pending.pop()
-        for attr in [*module._parameters, *module._buffers]:
+        params, buffers, children = slot_dicts(module)
+        for attr in [*params, *buffers]:
             slots[f"{prefix}.{attr}" if prefix else attr] = (module, attr, chain)
-        for attr, child in module._modules.items():
+        for attr, child in children.items():
             if child is not None:
                 path = f"{prefix}.{attr}" if prefix else attr
                 pending.append((child, path, (*chain, (module, attr, child))))
@@ -324,7 +312,7 @@ class LiveTensors(Mapping[str, torch.Tensor]):
             self._names = frozenset(
                 name
                 for name, (module, attr, _) in _slots_of(self._model).items()
-                if module._parameters.get(attr) is not None or module._buffers.get(attr) is not None
+                if any(slot.get(attr) is not None for slot in slot_dicts(module)[:2])
             )
         return self._names
 

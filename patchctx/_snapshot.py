@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from patchctx._errors import LoaderContractError
+from patchctx._model import slot_dicts
 
 __all__ = ["Snapshot"]
 
@@ -75,10 +76,6 @@ class _Slots:
         return f"{self.prefix}.{attr}" if self.prefix else attr
 
 
-def _dicts(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    return module._parameters, module._buffers, module._modules
-
-
 def _non_persistent(module: torch.nn.Module) -> set[str]:
     found = module.__dict__.get("_non_persistent_buffers_set")
     return found if isinstance(found, set) else set()
@@ -110,21 +107,22 @@ class Snapshot:
         for prefix, module in modules:
             if id(module) in self._members:
                 continue
-            order = tuple(tuple(slots) for slots in _dicts(module))
+            params, buffers, children = slot_dicts(module)
+            order = (tuple(params), tuple(buffers), tuple(children))
             members = frozenset().union(*order)
             slots = _Slots(
                 module,
                 prefix,
-                (order[0], order[1], order[2]),
+                order,
                 members,
                 frozenset(_non_persistent(module)),
                 tuple(attr for attr in members if attr not in module.__dict__),
             )
             self._members[id(module)] = slots
-            for attr, child in module._modules.items():
+            for attr, child in children.items():
                 self._children.append((module, attr, slots.qualified(attr), child))
-            for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
-                is_parameter = attr in module._parameters
+            for attr, tensor in [*params.items(), *buffers.items()]:
+                is_parameter = attr in params
                 if tensor is None:
                     self._empty.append(_Empty(module, attr, slots.qualified(attr), is_parameter))
                     continue
@@ -146,19 +144,18 @@ class Snapshot:
         changed: set[str] = set()
         lost: set[str] = set()
         for slots in self._members.values():
-            module = slots.module
-            now = [*module._parameters, *module._buffers, *module._modules]
-            for attr in now:
+            dicts = slot_dicts(slots.module)
+            for attr in [*dicts[0], *dicts[1], *dicts[2]]:
                 if attr not in slots.members:
-                    module._parameters.pop(attr, None)
-                    module._buffers.pop(attr, None)
-                    module._modules.pop(attr, None)
+                    for slot in dicts:
+                        slot.pop(attr, None)
                     changed.add(slots.qualified(attr))
         for module, attr, name, child in self._children:
-            if attr not in module._modules or module._modules[attr] is not child:
-                module._parameters.pop(attr, None)  # in case a tensor took its name
-                module._buffers.pop(attr, None)
-                module._modules[attr] = child
+            params, buffers, children = slot_dicts(module)
+            if attr not in children or children[attr] is not child:
+                params.pop(attr, None)  # in case a tensor took its name
+                buffers.pop(attr, None)
+                children[attr] = child
                 changed.add(name)
         for entry in self._entries:
             if _put(entry.module, entry.attr, entry.tensor, is_parameter=entry.is_parameter):
@@ -204,16 +201,13 @@ def _put(
     Returns:
         Whether anything had to be put back.
     """
-    home, other = (
-        (module._parameters, module._buffers)
-        if is_parameter
-        else (module._buffers, module._parameters)
-    )
-    if attr in home and home[attr] is value and attr not in other and attr not in module._modules:
+    params, buffers, children = slot_dicts(module)
+    home, other = (params, buffers) if is_parameter else (buffers, params)
+    if attr in home and home[attr] is value and attr not in other and attr not in children:
         return False
     other.pop(attr, None)
-    module._modules.pop(attr, None)  # in case a submodule took its name
-    home[attr] = value  # type: ignore[assignment]
+    children.pop(attr, None)  # in case a submodule took its name
+    home[attr] = value
     return True
 
 
@@ -235,7 +229,7 @@ def _restore_slots(slots: _Slots) -> set[str]:
         if attr in module.__dict__:  # `del m.w; m.w = tensor`: a plain attribute hides the slot
             del module.__dict__[attr]
             changed.add(slots.qualified(attr))
-    for now, order in zip(_dicts(module), slots.order, strict=True):
+    for now, order in zip(slot_dicts(module), slots.order, strict=True):
         if tuple(now) != order and now.keys() == set(order):
             held = dict(now)
             now.clear()

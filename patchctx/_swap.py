@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import torch
 
@@ -47,6 +47,7 @@ __all__ = [
     "is_installed",
     "leave",
     "plain_copy",
+    "release_all",
     "resume",
     "suspend",
 ]
@@ -198,10 +199,10 @@ def is_installed() -> bool:
     return torch.Tensor.__dict__.get("copy_") is _dispatching_copy_
 
 
-def _release_all() -> None:
-    """Release every level of `_lock` this thread holds (none: nothing happens)."""
-    while _lock._is_owned():  # type: ignore[attr-defined]
-        _lock.release()
+def release_all(lock: Any) -> None:
+    """Release every level of the ``RLock`` `lock` this thread holds (none held: nothing)."""
+    while lock._is_owned():  # the one way to ask an RLock whether this thread holds it
+        lock.release()
 
 
 def _locked(body: Callable[[], _T], *, wait: bool = False, timeout: float | None = None) -> _T:
@@ -220,13 +221,13 @@ def _locked(body: Callable[[], _T], *, wait: bool = False, timeout: float | None
                     f"{timeout!r} s; nothing was changed"
                 )
         result = body()
-        _release_all()
+        release_all(_lock)
         return result
     except BaseException:
-        _release_all()
+        release_all(_lock)
         raise
     finally:
-        _release_all()  # a second release, for an exception that cut the first
+        release_all(_lock)  # a second release, for an exception that cut the first
 
 
 def holder() -> int | None:

@@ -10,9 +10,7 @@ BLOCK = 1 << 20  # positions per block of validation and replay (8 MiB of int64 
 # still cached for the write: 1.4x faster than 1M positions at 1 % density, 1.1x at 10 %.
 UNDO_SPAN = 1 << 21
 FEW = 1024  # up to this many positions ``put_`` is the cheapest CPU write (1.2 against 2.6 µs)
-# From this many elements a torch CPU operation spreads over intra-op threads and waits for a
-# busy core: longer tensors take numpy's passes.
-HOST_FROM = 1 << 15
+HOST_FROM = 1 << 15  # from here torch's CPU ops wait for busy intra-op threads: numpy passes
 # Up to this many indices a patch is checked as Python lists, and replay keeps the list (23-34
 # µs a call against 36-37 by numpy for 40-130 indices; the loops lose from about 160).
 LISTED_UP_TO = 128

@@ -31,7 +31,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch.utils._pytree import tree_map
@@ -51,13 +51,11 @@ from patchctx._guard import Guard, constant_of
 from patchctx._model import SupportsLoadWeights, as_module, check_model, model_tensors, read_names
 from patchctx._recording import LOADED_WITH_OTHERS, Recorder
 from patchctx._report import status_counts, status_table
+from patchctx._routes import RouteStore, book_of
 from patchctx._snapshot import Snapshot
 from patchctx._staged import Provenance, Root, StagedTensor, label, on_meta, provenance_of
 from patchctx._undo import UndoLog
 from patchctx._writes import ModelIndex, WriteLedger, span_of, storage_key
-
-if TYPE_CHECKING:
-    from patchctx._routes import RouteStore
 
 __all__ = ["WarmReport", "WarmRow", "warm"]
 
@@ -490,13 +488,14 @@ def warm(
     checked = _checked_specs(specs)
     index = ModelIndex(model_tensors(model), protected)
     module = as_module(model)
-    cache._bind(model)
+    book = book_of(cache)
+    book.bind(model)
     found = learn(module, index, checked) if checked else {}
     rows = []
     for name, _, _ in checked:
         verdict = found[name]
         if isinstance(verdict, Route):
-            cache._store(verdict)
+            book.store(verdict)
             rows.append(WarmRow(name, "learned"))
             continue
         status, reason = verdict

@@ -49,6 +49,11 @@ def test_the_engine_bench_prints_every_method_a_verdict_and_json(
         assert least <= row["wire_ms"][0] <= 1.5 * least + 50, method
         assert by[0.0, method]["wire_ms"][0] == 0
     assert "verdict (on each row" in text and "first update of a fresh engine" in text
+    # two untimed warm-up updates of each kind (the default) before the rows, reported apart
+    warmed = report["first_update"]["warmup"]["1"]
+    assert [len(warmed[name]) for name in ("patchctx", "vllm reload")] == [2, 2]
+    assert all(ms > 0 for times in warmed.values() for ms in times)
+    assert "warm-up updates at TP=1" in text
     assert "than vllm reload" in text and ("machine quiet" in text or "MACHINE LOADED" in text)
     assert "the cost model sent" in text and "token bucket" in text
 

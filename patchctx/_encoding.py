@@ -28,11 +28,11 @@ The dense form (`WireEncoding.DENSE`) is what a dense patch travels as. Which of
 dense a changed tensor becomes is `diff_state_dicts`' choice; this module picks the encoding of
 a sparse patch once it exists, ties going to the first of ``indices``, ``gaps``, ``bitmask``.
 
-Every function here is vectorised torch on the patch's own device (decoding on CPU is numpy,
-a third or less of torch's time there), O(nnz) in time and memory for ``indices`` and ``gaps``
-and O(numel / 8 + nnz) for ``bitmask``: nothing of checkpoint size is allocated, on either
-side. Decoding a bitmask walks it in blocks of 2**17 bytes (2**20 positions). Decoded positions
-are sorted and unique, in `index_dtype(numel)`.
+Every function here is vectorised torch on the patch's own device (on CPU the summary, the gap
+stream and decoding are numpy, a third or less of torch's time there), O(nnz) in time and
+memory for ``indices`` and ``gaps`` and O(numel / 8 + nnz) for ``bitmask``: nothing of
+checkpoint size is allocated, on either side. Decoding a bitmask walks it in blocks of 2**17
+bytes (2**20 positions). Decoded positions are sorted and unique, in `index_dtype(numel)`.
 """
 
 from __future__ import annotations
@@ -200,10 +200,13 @@ def positions_summary(indices: torch.Tensor, numel: int) -> PositionsSummary:
         >>> positions_summary(torch.tensor([3, 1], dtype=torch.int32), 4)
         PositionsSummary(numel=4, count=2, in_range=True, ordered=False, escapes=0, given_size=4)
     """
+    if indices.numel() == 0:
+        return PositionsSummary(numel, 0, True, True, 0, indices.element_size())
+    host = _on_host(indices)
+    if host is not None:
+        return _summary_on_host(indices, host, numel)
     flat = _as_int64(indices)
     count = flat.numel()
-    if count == 0:
-        return PositionsSummary(numel, 0, True, True, 0, indices.element_size())
     low, high = flat.aminmax()
     in_range = (low >= 0) & (high < numel)
     increasing = (flat.diff() > 0).all() if count > 1 else torch.ones((), dtype=torch.bool)
@@ -211,13 +214,47 @@ def positions_summary(indices: torch.Tensor, numel: int) -> PositionsSummary:
         [in_range.to(torch.int64), increasing.to(flat.device, torch.int64), count_escapes(flat)]
     )
     in_range_read, increasing_read, escapes = (int(v) for v in flags.tolist())
+    ordered = bool(in_range_read and increasing_read)
+    escapes = escapes if ordered else 0
     return PositionsSummary(
-        numel,
-        count,
-        bool(in_range_read),
-        bool(in_range_read and increasing_read),
-        escapes,
-        indices.element_size(),
+        numel, count, bool(in_range_read), ordered, escapes, indices.element_size()
+    )
+
+
+def _on_host(indices: torch.Tensor) -> np.ndarray | None:
+    """`indices` flattened as a numpy array (a view where they are contiguous), or `None`.
+
+    `None` is where numpy's way does not apply: not on CPU, not int32 / int64, a subclass.
+    """
+    if (
+        not _NUMPY_ON_CPU
+        or type(indices) is not torch.Tensor
+        or indices.device.type != "cpu"
+        or indices.dtype not in (torch.int32, torch.int64)
+    ):
+        return None
+    return indices.detach().reshape(-1).numpy()
+
+
+def _summary_on_host(indices: torch.Tensor, flat: np.ndarray, numel: int) -> PositionsSummary:
+    """`positions_summary` of `flat` (not empty, int32 or int64), by numpy.
+
+    It costs about one and a half copies of the positions' bytes, where torch's way (widened
+    to int64) made a dozen.
+    The range is read first: only positions all in ``[0, numel)`` are looked at for order, so
+    their steps cannot wrap around in the positions' own dtype.
+    """
+    low, high = (int(v) for v in torch.stack(list(indices.aminmax())).tolist())
+    in_range = low >= 0 and high < numel
+    first = int(flat[0])
+    ordered, escapes = in_range, int(first >= ESCAPE)
+    if in_range and flat.size > 1:
+        steps = np.diff(flat)  # each gap: at least 1 where the positions increase
+        ordered = int(steps.min()) > 0
+        if ordered and int(steps.max()) > ESCAPE:  # gap - 1 >= 0xFFFF
+            escapes += int(np.count_nonzero(steps > ESCAPE))
+    return PositionsSummary(
+        numel, flat.size, in_range, ordered, escapes if ordered else 0, indices.element_size()
     )
 
 
@@ -342,6 +379,9 @@ def encode_positions(
         >>> encode_positions(positions, summary, WireEncoding.BITMASK)[:1].tolist()
         [9]
     """
+    host = _on_host(indices) if encoding is WireEncoding.GAPS and summary.count else None
+    if host is not None:
+        return torch.from_numpy(_gaps_on_host(host, summary))
     flat = _as_int64(indices)
     numel = summary.numel
     if encoding is WireEncoding.INDICES:
@@ -364,6 +404,30 @@ def encode_positions(
             mask[byte] = per_byte.to(torch.uint8)
         return mask
     raise ValueError(f"{encoding!r} does not encode positions")
+
+
+def _gaps_on_host(flat: np.ndarray, summary: PositionsSummary) -> np.ndarray:
+    """The ``gaps`` stream of ordered `flat` (not empty), by numpy, in one buffer.
+
+    Each word is the step to the next position less one, modulo 2**16. Only where `summary`
+    counts escapes are the steps read again, for the table.
+    """
+    count, escapes = summary.count, summary.escapes
+    width = _escape_width(summary.numel)
+    out = np.empty(2 * count + width * escapes, dtype=np.uint8)
+    words = out[: 2 * count].view("<u2")
+    words[0] = min(int(flat[0]), ESCAPE)
+    np.subtract(flat[1:], flat[:-1], out=words[1:], casting="unsafe")  # steps, mod 2**16
+    words[1:] -= 1
+    if escapes:
+        gaps = np.empty(count, dtype=np.int64)
+        gaps[0] = flat[0]
+        np.subtract(flat[1:], flat[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+        escaped = np.flatnonzero(gaps >= ESCAPE)
+        words[escaped] = ESCAPE
+        out[2 * count :] = gaps[escaped].astype("<u4" if width == 4 else "<u8").view(np.uint8)
+    return out
 
 
 # ------------------------------------------------------------------------------ decoding

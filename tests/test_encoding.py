@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import tracemalloc
 from collections.abc import Iterator
@@ -409,3 +410,52 @@ def test_the_largest_uint32_escape_is_a_gap_of_2_to_the_32_not_0() -> None:
     # The largest escape that fits: from position 0 to the last element.
     stream = torch.cat([words(0, 0xFFFF), table(2**32 - 2)])
     assert decode_positions(stream, numel, 2, WireEncoding.GAPS).tolist() == [0, 2**32 - 1]
+
+
+def reference_summary(values: list[int], numel: int) -> tuple[bool, bool, int]:
+    """`in_range`, `ordered` and `escapes` of `values`, in Python's integers."""
+    in_range = all(0 <= v < numel for v in values)
+    ordered = in_range and all(a < b for a, b in itertools.pairwise(values))
+    gaps = [b - a - 1 for a, b in zip([-1, *values], values, strict=False)]
+    return in_range, ordered, sum(g >= 0xFFFF for g in gaps) if ordered else 0
+
+
+@given(
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30),
+    st.sampled_from([torch.int32, torch.int64]),
+    st.integers(0, 2**34),
+    st.sampled_from(["as drawn", "sorted", "near int32's ends"]),
+)
+def test_the_summary_of_any_positions_is_the_reference_and_ordered_ones_round_trip(
+    drawn: list[int], dtype: torch.dtype, numel: int, shape: str
+) -> None:
+    """Any int32 / int64 values, in or out of range, increasing or not, including steps that
+    wrap around in the positions' own dtype: the summary is what Python's integers say, and
+    wherever it says ordered the gap stream decodes to the positions."""
+    bits = 32 if dtype == torch.int32 else 64
+    values = [(v + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1) for v in drawn]
+    if shape == "sorted":
+        values = sorted(set(values))
+        numel = max([numel, *[v + 1 for v in values]])
+    elif shape == "near int32's ends":  # a step from 2**31 - 1 to -2**31 wraps to +1
+        values = [2**31 - 2, 2**31 - 1, -(2**31), -(2**31) + 1, *values[:3]]
+        values = [(v + 2**31) % 2**32 - 2**31 for v in values] if bits == 32 else values
+    positions = torch.tensor(values, dtype=dtype)
+    summary = positions_summary(positions, numel)
+    assert (summary.in_range, summary.ordered, summary.escapes) == reference_summary(values, numel)
+    assert summary.count == len(values) and summary.given_size == dtype.itemsize
+    if summary.ordered:
+        data = encode_positions(positions, summary, WireEncoding.GAPS)
+        assert data.numel() == summary.nbytes(WireEncoding.GAPS)
+        decoded = decode_positions(data, numel, len(values), WireEncoding.GAPS)
+        assert decoded.tolist() == values
+
+
+def test_the_gap_stream_of_a_strided_int32_view_is_its_contiguous_ones() -> None:
+    numel = 2**22
+    base = torch.tensor([0, 9, 3, 70_000, 70_001, 70_002, 2**21, 2**21, numel - 1, 0])
+    strided = base.to(torch.int32)[::2]  # 0, 3, 70_001, 2**21, numel - 1
+    summary = positions_summary(strided, numel)
+    expected = encode_positions(strided.contiguous(), summary, WireEncoding.GAPS)
+    assert torch.equal(encode_positions(strided, summary, WireEncoding.GAPS), expected)
+    assert decode_positions(expected, numel, 5, WireEncoding.GAPS).tolist() == strided.tolist()

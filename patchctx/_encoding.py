@@ -241,6 +241,7 @@ def _summary_on_host(indices: torch.Tensor, flat: np.ndarray, numel: int) -> Pos
 
     It costs about one and a half copies of the positions' bytes, where torch's way (widened
     to int64) made a dozen.
+
     The range is read first: only positions all in ``[0, numel)`` are looked at for order, so
     their steps cannot wrap around in the positions' own dtype.
     """

@@ -109,7 +109,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Each figure's ceiling (the ratchet: lower it as a figure falls; line counts are rounded up to
 # the next 50) and the target of issue 30.
 CEILINGS: dict[str, int] = {
-    "eager lines of `import patchctx`": 9_800,
+    "eager lines of `import patchctx`": 9_300,
     "full lines of load_checkpoint_weight_patches": 9_350,
     "full lines of masked_copy + strategies + swap + errors": 3_200,
     "classes over 150 lines": 0,

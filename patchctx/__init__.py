@@ -28,7 +28,6 @@ from patchctx._ordering import Coalesce, InputOrder, OrderingPolicy
 from patchctx._patch import CheckedPatch, CheckpointWeightPatch, PatchLike, validate_patches
 from patchctx._routes import RouteStats
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, IntSentinel, NaNMask, ReservedBits
-from patchctx._warm import WarmReport, WarmRow
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the docs
     from patchctx._audit import AuditReport, AuditRow, audit
@@ -51,10 +50,11 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and the 
         read_manifest,
         save_patches,
     )
+    from patchctx._warm import WarmReport, WarmRow
 
-# The trainer side, storage and the one-off diagnostics (`audit`, `prepare`), imported on first
-# use: a worker that only applies patches never loads them (``import patchctx`` stays the core;
-# tools/structure.py counts it).
+# The trainer side, storage, the one-off diagnostics (`audit`, `prepare`) and the dry run's
+# report (`RouteCache.warm`), imported on first use: a worker that only applies patches never
+# loads them (``import patchctx`` stays the core; tools/structure.py counts it).
 _LAZY: dict[str, str] = {
     name: f"patchctx.{module}"
     for module, names in {
@@ -65,6 +65,7 @@ _LAZY: dict[str, str] = {
         "_lowbyte": "LowByteDetector",
         "_prepare": "prepare",
         "_shards": "TensorShard",
+        "_warm": "WarmReport WarmRow",
         "_storage": "PositionEncoding PreparedUpdate PublishedVersion StorageFollower "
         "StoragePublisher StoredPatch StoredUpdateError UpdateManifest load_patches "
         "read_manifest save_patches",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -44,7 +44,9 @@ from patchctx._session import Load, LoadResult, ModelIndex, run_loader
 from patchctx._strategies import Auto, BoolMask, CopyStrategy, as_strategy
 from patchctx._tied import tied_names
 from patchctx._undo import UndoLog
-from patchctx._warm import WarmReport, learn, learn_alone, warm
+
+if TYPE_CHECKING:  # the dry run is imported where first used: `import patchctx` skips it
+    from patchctx._warm import WarmReport
 
 __all__ = ["RouteCache", "load_checkpoint_weight_patches"]
 
@@ -253,6 +255,8 @@ class _Plan:
         # Learnt without `protect`, so that a route into a protected tensor is refused before
         # any write (`refuse_routes`), and not remembered as no route.
         index = ModelIndex(self.index.tensors, {}) if self.protect else self.index
+        from patchctx._warm import learn
+
         for name, found in learn(self.module, index, list(specs.values())).items():
             if isinstance(found, Route):
                 book.store(found)
@@ -652,6 +656,8 @@ def _learn(plan: _Plan, loads: list[Load], result: LoadResult, verifying: dict[s
             # Kept from a route only by the call's constant fills: whose they are shows
             # in a dry run of the name alone (no write, nothing staged).
             spec = (load.name, load.shape, load.dtype)
+            from patchctx._warm import learn_alone
+
             new = learn_alone(plan.module, plan.index, spec, result.segments[load.name])
         if new is not None and not new.segments and not new.fills:
             new = None  # "writes nothing" is no route: the next patch asks the loader again
@@ -1024,4 +1030,6 @@ for a loader that copies views
             >>> routes.stats.replayed, routes.stats.loader_calls, model.w[1].tolist()
             (1, 0, [0.0, 7.0, 0.0, 0.0])
         """
+        from patchctx._warm import warm
+
         return warm(self, model, specs, protect=protect)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Iterable
 
@@ -37,7 +38,8 @@ def prepare(device: torch.device | str = "cpu") -> float:
     (torch's default for such modes; another second or two). `prepare` runs one sparse
     patch through a throwaway one-weight model, so that cost falls where the caller chooses
     (process start, before the first training step) instead of on the first update.
-    `RouteCache.warm` and `audit` pay it too, and a vLLM worker with the ``patchctx`` backend
+    It also imports the loader's dry run, which a first update may need. `RouteCache.warm`
+    and `audit` pay it too, and a vLLM worker with the ``patchctx`` backend
     pays it at engine start (warm-up). Safe from any thread; a second call is cheap.
 
     Args:
@@ -62,4 +64,7 @@ def prepare(device: torch.device | str = "cpu") -> float:
         torch.tensor([1], device=where),
     )
     load_checkpoint_weight_patches(_One(where), [patch])
+    # The dry run, which a first update may need (a constant fill's owner, `learn_dense`), is
+    # imported on its first use: here, when the caller chose.
+    importlib.import_module("patchctx._warm")
     return time.perf_counter() - started

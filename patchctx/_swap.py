@@ -116,8 +116,6 @@ _reentry = threading.local()
 
 
 def _current(stack: tuple[Region, ...]) -> Region | None:
-    if not stack:
-        return None
     me = threading.get_ident()
     for region in reversed(stack):
         if region.open and region.thread == me:
@@ -201,8 +199,11 @@ def is_installed() -> bool:
 
 def release_all(lock: Any) -> None:
     """Release every level of the ``RLock`` `lock` this thread holds (none held: nothing)."""
-    while lock._is_owned():  # the one way to ask an RLock whether this thread holds it
-        lock.release()
+    while True:  # an RLock refuses a release by a thread that does not hold it
+        try:
+            lock.release()
+        except RuntimeError:
+            return
 
 
 def _locked(body: Callable[[], _T], *, wait: bool = False, timeout: float | None = None) -> _T:

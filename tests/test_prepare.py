@@ -91,3 +91,61 @@ def test_loads_are_the_same_once_dynamo_is_imported() -> None:
 def test_prepare_in_a_prepared_process_is_cheap() -> None:
     patchctx.prepare()
     assert patchctx.prepare() < 1.0
+
+
+_FILLING = """
+class Filling(torch.nn.Module):
+    # Takes every tensor before writing, and pads `w` with a constant fill: whose fill it is
+    # shows only in a dry run of each name alone, which the first call of both runs.
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in list(weights):
+            if name == "embed":
+                self.w.data[:4].copy_(tensor)
+                self.w.data[4:].fill_(0.0)
+            else:
+                self.o.data.copy_(tensor)
+        return {"w", "o"}
+
+def filled_load():
+    model, routes = Filling(), RouteCache()
+    patches = [
+        CheckpointWeightPatch("embed", (4, 4), torch.float32, torch.tensor([5.0]),
+                              torch.tensor([3])),
+        CheckpointWeightPatch("other", (3, 2), torch.float32, torch.tensor([2.0]),
+                              torch.tensor([1])),
+    ]
+    load_checkpoint_weight_patches(model, patches, routes=routes)
+    return sorted(routes), model.w.flatten().tolist(), model.o.flatten().tolist()
+"""
+
+
+def test_import_loads_no_dry_run_trainer_or_storage_and_prepare_pays_the_dry_run_too() -> None:
+    """``import patchctx`` is the core; the dry run a first update may need comes with prepare.
+
+    A first update whose loader makes a constant fill needs the loader's dry run to learn whose
+    fill it is: after `prepare`, even that update imports nothing.
+    """
+    answer = _run(
+        _FILLING
+        + textwrap.dedent(
+            """
+        optional = ("patchctx._warm", "patchctx._diff", "patchctx._storage", "patchctx._audit")
+        at_import = sorted(m for m in optional if m in sys.modules)
+        patchctx.prepare()
+        before = set(sys.modules)
+        routes, w, o = filled_load()
+        print(json.dumps({"at_import": at_import, "new": sorted(set(sys.modules) - before),
+                          "routes": routes, "w": w, "o": o}))
+        """
+        )
+    )
+    assert answer["at_import"] == []
+    assert answer["new"] == []
+    assert answer["routes"] == ["embed", "other"]  # both learnt: the dry run ran
+    assert answer["w"] == [0.0, 0.0, 0.0, 5.0] + [0.0] * 20
+    assert answer["o"] == [0.0, 2.0, 0.0, 0.0, 0.0, 0.0]

@@ -109,14 +109,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Each figure's ceiling (the ratchet: lower it as a figure falls; line counts are rounded up to
 # the next 50) and the target of issue 30.
 CEILINGS: dict[str, int] = {
-    "eager lines of `import patchctx`": 9_800,
+    "eager lines of `import patchctx`": 9_300,
     "full lines of load_checkpoint_weight_patches": 9_350,
     "full lines of masked_copy + strategies + swap + errors": 3_200,
     "classes over 150 lines": 0,
     "functions over 80 lines": 0,
     "private names imported across files": 0,
-    "private attributes read off other objects": 108,
-    "private attributes of another file's classes read": 7,
+    "private attributes read off other objects": 107,
+    "private attributes of another file's classes read": 6,
     "modules in import circles": 0,
     "upward imports": 0,
     "words of the user docs": 20_000,

@@ -14,10 +14,13 @@ memory, each stage on its own and then the whole path in one go:
 
 The unit is one ``memcpy`` of the payload's bytes (a torch ``copy_`` of that many bytes), or
 for a sparse patch of its raw int32 positions and fp32 values. The goal: the whole path at
-most 2.5 of them (dense) and 4 (sparse). Two payloads: a dense fp32 tensor of ``--numel``
-elements (the default is 197 MB, the size of the issue's dense update) and a sparse patch of
-1% of it. The sparse one is also shown with its positions in the smallest encoding (gaps),
-what the inline and NCCL paths send. Min and median over ``--repeats``, stages interleaved.
+most 2.5 of them (dense) and 4 (sparse). The payloads: a dense fp32 tensor of ``--numel``
+elements (the default is 197 MB, the size of the issue's dense update), sparse patches of 1%
+and 10% of it, the 1% one also with its positions in the smallest encoding (gaps), what the
+inline and NCCL paths send. A one-element patch first measures the fixed cost of an update
+(header, mapping, calls), and each payload's whole path is also shown less it, with its
+median count of minor page faults (what the allocator costs). Min and median over
+``--repeats``, each stage's calls one after the other.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -33,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+FIXED = "fixed cost"
 
 
 def _times(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -43,6 +49,17 @@ def _times(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
         fn()
         got.append((time.perf_counter() - started) * 1e3)
     return min(got), statistics.median(got)
+
+
+def _faults(fn: Callable[[], object], repeats: int) -> float:
+    """The median count of minor page faults one call of `fn` takes (after one warm call)."""
+    fn()
+    got = []
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        fn()
+        got.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return statistics.median(got)
 
 
 def path_stages(patch: Any, unit_bytes: int, repeats: int, positions: str) -> list[dict[str, Any]]:
@@ -104,12 +121,13 @@ def path_stages(patch: Any, unit_bytes: int, repeats: int, positions: str) -> li
         rows.append(("worker: ... + check the positions", check))
         rows.append(("the data plane alone (no positions check)", lambda: whole(False)))
     rows.append(("whole path, trainer's tensors to the worker's patches", whole))
-    out = []
+    out: list[dict[str, Any]] = []
     unit: tuple[float, float] | None = None
     for label, fn in rows:
         low, mid = _times(fn, repeats)
         unit = unit or (low, mid)
         out.append({"stage": label, "ms": (low, mid), "memcpys": (low / unit[0], mid / unit[1])})
+    out[-1]["page faults"] = _faults(whole, repeats)
     sender.close()
     for extra in Path(directory).iterdir():
         extra.unlink()
@@ -131,23 +149,42 @@ def main(argv: list[str] | None = None) -> int:
 
     numel = args.numel
     dense = CheckpointWeightPatch("w", (numel,), torch.float32, torch.randn(numel))
-    nnz = numel // 100
-    positions = torch.randperm(numel)[:nnz].sort().values.to(torch.int32)
-    sparse = CheckpointWeightPatch("w", (numel,), torch.float32, torch.randn(nnz), positions)
-    report = {}
-    goals = {"dense": 2.5, "sparse 1%": 4.0, "sparse 1%, gap-coded": 4.0}
-    for name, patch, raw, encoding in (
-        ("dense", dense, numel * 4, "flat"),
-        ("sparse 1%", sparse, nnz * 8, "flat"),
-        ("sparse 1%, gap-coded", sparse, nnz * 8, "smallest"),
-    ):
+
+    def sparse(nnz: int) -> Any:
+        positions = torch.randperm(numel)[:nnz].sort().values.to(torch.int32)
+        return CheckpointWeightPatch("w", (numel,), torch.float32, torch.randn(nnz), positions)
+
+    one, tenth = sparse(numel // 100), sparse(numel // 10)
+    report: dict[str, list[dict[str, Any]]] = {}
+    payloads = (
+        # What an update costs whatever its size: the header, the mapping, the calls.
+        (FIXED, sparse(1), 8, "flat", None),
+        ("dense", dense, numel * 4, "flat", 2.5),
+        ("sparse 1%", one, one.values.numel() * 8, "flat", 4.0),
+        ("sparse 1%, gap-coded", one, one.values.numel() * 8, "smallest", 4.0),
+        ("sparse 10%", tenth, tenth.values.numel() * 8, "flat", 4.0),
+    )
+    for name, patch, raw, encoding, goal in payloads:
         rows = path_stages(patch, raw, args.repeats, encoding)
         report[name] = rows
-        total = rows[-1]["memcpys"]
+        whole = rows[-1]
+        if goal is None:
+            print(
+                f"\n{name}: {whole['ms'][0]:.2f} / {whole['ms'][1]:.2f} ms for the whole path "
+                f"of a one-element sparse patch, {whole['page faults']:.0f} page faults"
+            )
+            continue
+        fixed = report[FIXED][-1]["ms"]
+        unit = rows[0]["ms"]
+        whole["memcpys less the fixed cost"] = tuple(
+            max(0.0, (whole["ms"][i] - fixed[i]) / unit[i]) for i in (0, 1)
+        )
+        total, marginal = whole["memcpys"], whole["memcpys less the fixed cost"]
         print(
             f"\n{name}: {raw / 1e6:.1f} MB of raw bytes; the whole path costs "
-            f"{total[0]:.2f} / {total[1]:.2f} memcpys of them (min / median; goal <= "
-            f"{goals[name]})\n"
+            f"{total[0]:.2f} / {total[1]:.2f} memcpys of them (min / median; goal <= {goal}), "
+            f"{marginal[0]:.2f} / {marginal[1]:.2f} less the fixed cost of an update, "
+            f"{whole['page faults']:.0f} page faults\n"
             "| stage | ms (min / median) | memcpys (min / median) |\n| --- | ---: | ---: |"
         )
         for r in rows:

@@ -93,8 +93,20 @@ def test_the_dataplane_bench_measures_every_stage(
     out = tmp_path / "dataplane.json"
     assert main(["--numel", "65536", "--repeats", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report) == {"dense", "sparse 1%", "sparse 1%, gap-coded"}
-    for rows in report.values():
+    assert set(report) == {
+        "fixed cost",
+        "dense",
+        "sparse 1%",
+        "sparse 1%, gap-coded",
+        "sparse 10%",
+    }
+    for name, rows in report.items():
         assert rows[0]["memcpys"] == [1.0, 1.0]
-        assert rows[-1]["stage"].startswith("whole path")
-    assert "the whole path costs" in capsys.readouterr().out
+        whole = rows[-1]
+        assert whole["stage"].startswith("whole path")
+        assert whole["page faults"] >= 0
+        if name != "fixed cost":  # the payload's own cost, what the fixed one leaves
+            assert 0 <= whole["memcpys less the fixed cost"][0] <= whole["memcpys"][0]
+    text = capsys.readouterr().out
+    assert "the whole path costs" in text
+    assert "less the fixed cost of an update" in text

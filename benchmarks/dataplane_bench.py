@@ -41,25 +41,17 @@ import torch
 FIXED = "fixed cost"
 
 
-def _times(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+def _times(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """Min and median ms of one call of `fn` (after one warm call), and its median page faults."""
     fn()
-    got = []
+    got, faults = [], []
     for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started = time.perf_counter()
         fn()
         got.append((time.perf_counter() - started) * 1e3)
-    return min(got), statistics.median(got)
-
-
-def _faults(fn: Callable[[], object], repeats: int) -> float:
-    """The median count of minor page faults one call of `fn` takes (after one warm call)."""
-    fn()
-    got = []
-    for _ in range(repeats):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        fn()
-        got.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return statistics.median(got)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return min(got), statistics.median(got), statistics.median(faults)
 
 
 def path_stages(patch: Any, unit_bytes: int, repeats: int, positions: str) -> list[dict[str, Any]]:
@@ -124,10 +116,16 @@ def path_stages(patch: Any, unit_bytes: int, repeats: int, positions: str) -> li
     out: list[dict[str, Any]] = []
     unit: tuple[float, float] | None = None
     for label, fn in rows:
-        low, mid = _times(fn, repeats)
+        low, mid, faults = _times(fn, repeats)
         unit = unit or (low, mid)
-        out.append({"stage": label, "ms": (low, mid), "memcpys": (low / unit[0], mid / unit[1])})
-    out[-1]["page faults"] = _faults(whole, repeats)
+        out.append(
+            {
+                "stage": label,
+                "ms": (low, mid),
+                "memcpys": (low / unit[0], mid / unit[1]),
+                "page faults": faults,
+            }
+        )
     sender.close()
     for extra in Path(directory).iterdir():
         extra.unlink()
@@ -177,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed = report[FIXED][-1]["ms"]
         unit = rows[0]["ms"]
         whole["memcpys less the fixed cost"] = tuple(
-            max(0.0, (whole["ms"][i] - fixed[i]) / unit[i]) for i in (0, 1)
+            (whole["ms"][i] - fixed[i]) / unit[i] for i in (0, 1)
         )
         total, marginal = whole["memcpys"], whole["memcpys less the fixed cost"]
         print(
